@@ -1,0 +1,41 @@
+# Two commands for a newcomer: `make demo` and `make test`. Both build .venv themselves.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+export HF_HUB_OFFLINE ?= 1
+export TRANSFORMERS_OFFLINE ?= 1
+export HF_DATASETS_OFFLINE ?= 1
+export WANDB_MODE ?= offline
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: venv test lint demo bench gpu-check clean
+
+$(STAMP): setup.cfg pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt torch==2.13.0
+	$(PY) -m pip install -q -c constraints.txt -e ".[dev]"
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+lint: venv
+	$(VENV)/bin/ruff check hf_memwatch tests examples benchmarks
+
+test: lint
+	$(VENV)/bin/pytest -q -p no:cacheprovider tests
+
+demo: venv
+	$(PY) examples/train_glue.py --auto --output-dir demo-output
+
+bench: venv
+	$(PY) benchmarks/overhead.py --out benchmarks/results/overhead.md
+	$(PY) benchmarks/accuracy.py --out benchmarks/results/accuracy.md
+	$(PY) benchmarks/autotune.py --out benchmarks/results/autotune.md
+
+gpu-check: venv
+	$(PY) benchmarks/gpu_check.py --out benchmarks/results/gpu
+
+clean:
+	rm -rf $(VENV) demo-output

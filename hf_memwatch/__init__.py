@@ -1,0 +1,20 @@
+"""hf-memwatch: where Hugging Face Trainer memory goes, step by step."""
+
+from .callback import MemWatch
+from .categories import LIVE_CLASSES, PHASES, MemClass
+from .errors import MemWatchConfigError, MemWatchError, PlanError, is_oom_error
+from .units import format_bytes, parse_bytes
+
+__all__ = [
+    "LIVE_CLASSES",
+    "PHASES",
+    "MemClass",
+    "MemWatch",
+    "MemWatchConfigError",
+    "MemWatchError",
+    "PlanError",
+    "format_bytes",
+    "is_oom_error",
+    "parse_bytes",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,126 @@
+"""Attribution of live bytes to the memory classes — pure functions over storage maps.
+
+Precedence when one storage belongs to several classes (it counts once, in the first):
+weights > gradients > optimizer_states > activations. Saved tensors that are parameters or
+buffers stay weights; ``.grad`` views of a DDP bucket are gradients through the bucket storage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+from .categories import MemClass
+from .storage import collect_storages
+
+
+def unwrap_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer under accelerate's ``AcceleratedOptimizer`` and similar wrappers."""
+    for _ in range(8):  # wrappers of wrappers, never a cycle
+        inner = getattr(optimizer, "optimizer", None)
+        if inner is None or inner is optimizer:
+            break
+        optimizer = inner
+    return optimizer
+
+
+def _state_tensors(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, Mapping):
+        for item in value.values():
+            yield from _state_tensors(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _state_tensors(item)
+
+
+def weight_storages(model: torch.nn.Module, device: torch.device | None) -> dict[int, int]:
+    """Unique storages of parameters and buffers (tied weights count once).
+
+    Example:
+        >>> m = torch.nn.Linear(4, 2)
+        >>> sum(weight_storages(m, None).values())
+        40
+    """
+    tensors: list[torch.Tensor] = [p for p in model.parameters()]
+    tensors.extend(model.buffers())
+    return collect_storages(tensors, device)
+
+
+def gradient_storages(
+    model: torch.nn.Module, device: torch.device | None, extra: Iterable[torch.Tensor] = ()
+) -> dict[int, int]:
+    """Unique storages of ``.grad`` of every parameter, plus ``extra`` (DDP gradient buckets).
+
+    Example:
+        >>> m = torch.nn.Linear(4, 2); m(torch.ones(1, 4)).sum().backward()
+        >>> sum(gradient_storages(m, None).values())
+        40
+    """
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    grads.extend(extra)
+    return collect_storages(grads, device)
+
+
+def optimizer_state_storages(optimizer: Any, device: torch.device | None) -> dict[int, int]:
+    """Unique storages of every tensor in ``optimizer.state`` (bitsandbytes 8-bit states included).
+
+    Example:
+        >>> p = torch.nn.Parameter(torch.ones(8)); opt = torch.optim.AdamW([p])
+        >>> p.grad = torch.ones(8); opt.step()
+        >>> sum(optimizer_state_storages(opt, None).values())  # exp_avg, exp_avg_sq, step
+        68
+    """
+    if optimizer is None:
+        return {}
+    optimizer = unwrap_optimizer(optimizer)
+    state = getattr(optimizer, "state", None)
+    if not isinstance(state, Mapping):
+        return {}
+    return collect_storages(_state_tensors(list(state.values())), device)
+
+
+def split_live(
+    allocated: int | None,
+    weights: Mapping[int, int],
+    gradients: Mapping[int, int],
+    optimizer_states: Mapping[int, int],
+    saved: Mapping[int, int],
+) -> dict[str, int | None]:
+    """Split ``allocated`` into the five live classes, each storage counted once.
+
+    ``other`` is the remainder (inputs, logits, autocast caches, ...); ``None`` when the
+    allocator cannot be read.
+
+    Example:
+        >>> split_live(100, {1: 40}, {2: 10}, {}, {1: 40, 3: 20})
+        {'weights': 40, 'gradients': 10, 'optimizer_states': 0, 'activations': 20, 'other': 30}
+    """
+    seen: set[int] = set()
+    figures: dict[str, int | None] = {}
+    for name, storages in (
+        (MemClass.WEIGHTS.value, weights),
+        (MemClass.GRADIENTS.value, gradients),
+        (MemClass.OPTIMIZER_STATES.value, optimizer_states),
+        (MemClass.ACTIVATIONS.value, saved),
+    ):
+        figures[name] = sum(nbytes for key, nbytes in storages.items() if key not in seen)
+        seen.update(storages)
+    known = sum(v for v in figures.values() if v is not None)
+    figures[MemClass.OTHER.value] = None if allocated is None else allocated - known
+    return figures
+
+
+def dominant_class(live: Mapping[str, int | None], spike: int | None) -> str:
+    """The class holding the most bytes, the spike counting as ``temporaries``.
+
+    Example:
+        >>> dominant_class({"weights": 5, "activations": 7}, spike=9)
+        'temporaries'
+    """
+    candidates = {k: v or 0 for k, v in live.items()}
+    candidates[MemClass.TEMPORARIES.value] = spike or 0
+    return max(candidates, key=lambda k: candidates[k])

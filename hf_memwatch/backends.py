@@ -1,0 +1,246 @@
+"""Allocator backends: one reading of a device's allocator, the same shape for every device.
+
+* :class:`CudaBackend` — ``torch.cuda`` memory statistics (also ROCm).
+* :class:`AcceleratorBackend` — ``torch.accelerator``'s device-agnostic API (XPU, MPS, ...) where the
+  installed torch has it and the device keeps statistics.
+* :class:`CpuTrackedBackend` — PyTorch keeps no CPU allocator statistics, so live storages are
+  tracked with :class:`~hf_memwatch.tracker.StorageTracker` during fully tracked steps.
+* :class:`NullBackend` — a device with no readable allocator: allocator fields are ``None``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from .tracker import StorageTracker
+
+
+@dataclass
+class AllocatorReading:
+    """What an allocator says at one moment. ``None`` where the device does not keep the figure."""
+
+    allocated: int | None
+    reserved: int | None
+    peak: int | None  # highest allocated since the last reset
+    inactive_split: int | None = None  # fragmentation: free bytes inside split blocks
+    num_alloc_retries: int | None = None
+    num_ooms: int | None = None
+    device_free: int | None = None
+    device_total: int | None = None
+
+
+class AllocatorBackend:
+    """Base class. ``exact`` means ``read()`` gives true allocator figures without per-op tracking."""
+
+    kind = "none"
+    exact = False
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def read(self) -> AllocatorReading:
+        return AllocatorReading(None, None, None)
+
+    def reset_peak(self) -> None:
+        """Restart the peak window at the current allocation."""
+
+    def capacity(self) -> int | None:
+        """Bytes this process could use in all (total device memory)."""
+        return None
+
+    def available(self) -> int | None:
+        """Bytes free for this process now (what others do not hold)."""
+        return None
+
+    # Tracking hooks are no-ops where the allocator counts for itself.
+    def start_tracking(self) -> None:
+        pass
+
+    def stop_tracking(self) -> None:
+        pass
+
+    @property
+    def tracking(self) -> bool:
+        return False
+
+    def register(self, tensors: Iterable[torch.Tensor | None]) -> None:
+        pass
+
+    def live_storages(self) -> Mapping[int, int] | None:
+        return None
+
+
+class NullBackend(AllocatorBackend):
+    """A device whose allocator cannot be read."""
+
+
+class CudaBackend(AllocatorBackend):
+    """CUDA and ROCm through ``torch.cuda``."""
+
+    kind = "cuda"
+    exact = True
+
+    def read(self) -> AllocatorReading:
+        stats = torch.cuda.memory_stats(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        return AllocatorReading(
+            allocated=stats.get("allocated_bytes.all.current", 0),
+            reserved=stats.get("reserved_bytes.all.current", 0),
+            peak=stats.get("allocated_bytes.all.peak", 0),
+            inactive_split=stats.get("inactive_split_bytes.all.current", 0),
+            num_alloc_retries=stats.get("num_alloc_retries", 0),
+            num_ooms=stats.get("num_ooms", 0),
+            device_free=free,
+            device_total=total,
+        )
+
+    def reset_peak(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def capacity(self) -> int | None:
+        return torch.cuda.mem_get_info(self.device)[1]
+
+    def available(self) -> int | None:
+        # Free memory plus what this process's caching allocator already holds.
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return free + torch.cuda.memory_reserved(self.device)
+
+
+class AcceleratorBackend(AllocatorBackend):
+    """Any ``torch.accelerator`` device whose allocator keeps statistics (XPU, MPS, ...)."""
+
+    kind = "accelerator"
+    exact = True
+
+    def read(self) -> AllocatorReading:
+        acc = torch.accelerator
+        stats = acc.memory_stats(self.device)
+        free = total = None
+        if hasattr(acc, "get_memory_info"):
+            try:
+                free, total = acc.get_memory_info(self.device)
+            except (RuntimeError, NotImplementedError):
+                pass
+        return AllocatorReading(
+            allocated=stats.get("allocated_bytes.all.current", acc.memory_allocated(self.device)),
+            reserved=stats.get("reserved_bytes.all.current", acc.memory_reserved(self.device)),
+            peak=stats.get("allocated_bytes.all.peak", acc.max_memory_allocated(self.device)),
+            inactive_split=stats.get("inactive_split_bytes.all.current"),
+            num_alloc_retries=stats.get("num_alloc_retries"),
+            num_ooms=stats.get("num_ooms"),
+            device_free=free,
+            device_total=total,
+        )
+
+    def reset_peak(self) -> None:
+        torch.accelerator.reset_peak_memory_stats(self.device)
+
+    def capacity(self) -> int | None:
+        try:
+            return torch.accelerator.get_memory_info(self.device)[1]
+        except (AttributeError, RuntimeError, NotImplementedError):
+            return None
+
+    def available(self) -> int | None:
+        try:
+            free, _ = torch.accelerator.get_memory_info(self.device)
+        except (AttributeError, RuntimeError, NotImplementedError):
+            return None
+        return free + torch.accelerator.memory_reserved(self.device)
+
+
+class CpuTrackedBackend(AllocatorBackend):
+    """The CPU: live storages counted by a :class:`StorageTracker` while tracking is on.
+
+    Outside tracked windows ``read()`` reports the tracker's last figures, which is why the
+    monitor marks such snapshots ``detail: "light"``.
+    """
+
+    kind = "cpu"
+    exact = False
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
+        self.tracker = StorageTracker(device.type)
+        self._tracking = False
+
+    def read(self) -> AllocatorReading:
+        return AllocatorReading(
+            allocated=self.tracker.allocated,
+            reserved=None,
+            peak=max(self.tracker.peak, self.tracker.allocated),
+            device_free=self.available(),
+            device_total=self.capacity(),
+        )
+
+    def reset_peak(self) -> None:
+        self.tracker.reset_peak()
+
+    def start_tracking(self) -> None:
+        if not self._tracking:
+            self.tracker.start()
+            self._tracking = True
+
+    def stop_tracking(self) -> None:
+        if self._tracking:
+            self._tracking = False
+            self.tracker.stop()
+
+    @property
+    def tracking(self) -> bool:
+        return self._tracking
+
+    def register(self, tensors: Iterable[torch.Tensor | None]) -> None:
+        self.tracker.register(tensors)
+
+    def live_storages(self) -> Mapping[int, int] | None:
+        return self.tracker.live()
+
+    def capacity(self) -> int | None:
+        return _meminfo("MemTotal")
+
+    def available(self) -> int | None:
+        return _meminfo("MemAvailable")
+
+
+def _meminfo(field: str) -> int | None:
+    """A /proc/meminfo field in bytes (Linux); page counts elsewhere where sysconf knows them."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        pages = os.sysconf("SC_PHYS_PAGES" if field == "MemTotal" else "SC_AVPHYS_PAGES")
+        return pages * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def backend_for(device: torch.device) -> AllocatorBackend:
+    """Pick the backend for ``device``.
+
+    Example:
+        >>> backend_for(torch.device("cpu")).kind
+        'cpu'
+    """
+    if device.type == "cpu":
+        return CpuTrackedBackend(device)
+    if device.type == "cuda" and torch.cuda.is_available():
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        return CudaBackend(device)
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None and hasattr(accelerator, "memory_stats"):
+        try:
+            accelerator.memory_stats(device)
+            return AcceleratorBackend(device)
+        except (RuntimeError, NotImplementedError, TypeError, ValueError):
+            pass
+    return NullBackend(device)

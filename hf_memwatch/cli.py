@@ -1,0 +1,49 @@
+"""``hf-memwatch`` command line: ``estimate`` (pre-flight prediction) and ``report`` (pictures).
+
+Each subcommand lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``;
+this module only dispatches. Bad input: one line on stderr, exit status 2, no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from .errors import MemWatchError
+
+SUBCOMMANDS = {
+    "estimate": ("hf_memwatch.cli_estimate", "predict a training step's peak memory without running it"),
+    "report": ("hf_memwatch.cli_report", "draw a run's memory timeline (PNG or HTML)"),
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, status 2 (argparse's own convention)
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="hf-memwatch", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        module = importlib.import_module(module_name)
+        command = sub.add_parser(name, help=help_text, description=help_text)
+        module.add_arguments(command)
+        command.set_defaults(_module=module)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args._module.run(args) or 0)
+    except (MemWatchError, FileNotFoundError, ValueError) as exc:
+        print(f"hf-memwatch {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

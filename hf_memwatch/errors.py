@@ -1,0 +1,47 @@
+"""Errors of hf-memwatch, classified in one place.
+
+``MemWatchConfigError`` is raised eagerly for bad arguments; ``is_oom_error`` recognises
+out-of-memory failures of every allocator the Trainer may run on (same messages accelerate checks).
+"""
+
+from __future__ import annotations
+
+
+class MemWatchError(Exception):
+    """Base class of errors raised by hf-memwatch."""
+
+
+class MemWatchConfigError(MemWatchError, ValueError):
+    """A configuration value cannot work; the message says which and why."""
+
+
+class PlanError(MemWatchError, RuntimeError):
+    """No remedy can make the configured run fit the memory budget."""
+
+
+_OOM_MESSAGES = (
+    "CUDA out of memory.",  # CUDA
+    "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED.",  # CUDNN
+    "DefaultCPUAllocator: can't allocate memory",  # CPU
+    "DefaultCPUAllocator: not enough memory",  # CPU, Windows
+    "XPU out of memory.",  # XPU
+    "MPS backend out of memory",  # MPS
+    "out of memory",  # NPU, MLU, HPU and friends
+)
+
+
+def is_oom_error(exc: BaseException) -> bool:
+    """True when ``exc`` is an out-of-memory failure of an allocator.
+
+    Example:
+        >>> is_oom_error(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried ..."))
+        True
+    """
+    import torch
+
+    if isinstance(exc, torch.OutOfMemoryError | MemoryError):
+        return True
+    if isinstance(exc, RuntimeError) and exc.args:
+        text = str(exc.args[0])
+        return any(message in text for message in _OOM_MESSAGES)
+    return False

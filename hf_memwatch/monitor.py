@@ -1,0 +1,220 @@
+"""Snapshots of one training process's memory at the phases of each optimizer step.
+
+:class:`StepMonitor` is what the callback drives: ``begin_step`` → ``snapshot(phase)`` … →
+``end_step``. It owns the allocator backend, the saved-tensor registry and the timeline writer, and
+turns each reading into a timeline record with :func:`~hf_memwatch.attribution.split_live`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from .attribution import (
+    dominant_class,
+    gradient_storages,
+    optimizer_state_storages,
+    split_live,
+    unwrap_optimizer,
+    weight_storages,
+)
+from .backends import AllocatorBackend
+from .categories import LIVE_CLASSES
+from .saved_tensors import SavedTensorRegistry
+from .timeline import TimelineWriter
+
+
+class StepMonitor:
+    """Per-phase snapshots with attribution, written to a timeline.
+
+    ``full`` steps track everything (on the CPU every operator is observed, on every device the
+    saved-for-backward tensors are counted); other steps are ``light``: the allocator's own figures
+    where it keeps them, and the class split of the last full step at the same phase.
+    """
+
+    def __init__(
+        self,
+        backend: AllocatorBackend,
+        writer: TimelineWriter | None,
+        rank: int = 0,
+        extra_gradients: Callable[[], Iterable[torch.Tensor]] | None = None,
+    ) -> None:
+        self.backend = backend
+        self.writer = writer
+        self.rank = rank
+        self.device = backend.device
+        self.saved = SavedTensorRegistry()
+        self.extra_gradients = extra_gradients
+        self.model: torch.nn.Module | None = None
+        self.optimizer: Any = None
+        self.step = 0
+        self.micro_step = 0
+        self.full = False
+        self.in_step = False
+        self.step_snapshots: list[dict[str, Any]] = []
+        self.last_step: dict[str, Any] | None = None
+        self._previous_allocated: int | None = None
+        self._last_full: dict[tuple[str, int], dict[str, Any]] = {}
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def attach(self, model: torch.nn.Module | None, optimizer: Any) -> None:
+        self.model = model
+        self.optimizer = unwrap_optimizer(optimizer) if optimizer is not None else None
+
+    def begin_step(self, step: int, full: bool) -> dict[str, Any]:
+        self.step, self.micro_step, self.full, self.in_step = step, 0, full, True
+        self.step_snapshots = []
+        if full:
+            self._register_known()
+            self.backend.start_tracking()
+            self.saved.start()
+        return self.snapshot("step_begin")
+
+    def end_step(self) -> dict[str, Any]:
+        last = self.snapshot("step_end")
+        self.stop_tracking()
+        self.in_step = False
+        peak_snapshot = max(self.step_snapshots, key=lambda s: s["peak"] if s["peak"] is not None else -1)
+        record = {
+            "event": "step",
+            "step": self.step,
+            "rank": self.rank,
+            "peak": peak_snapshot["peak"],
+            "peak_phase": peak_snapshot["phase"],
+            "peak_micro_step": peak_snapshot["micro_step"],
+            "dominant": dominant_class(peak_snapshot["live"], peak_snapshot["spike"]),
+            "detail": "full" if self.full else "light",
+            "live_at_peak": peak_snapshot["live"],
+            "spike_at_peak": peak_snapshot["spike"],
+            "reserved": last["reserved"],
+        }
+        self.last_step = record
+        self._write(record)
+        if self.writer is not None:
+            self.writer.flush()
+        return record
+
+    def stop_tracking(self) -> None:
+        self.saved.stop()
+        self.backend.stop_tracking()
+
+    def close(self) -> None:
+        self.stop_tracking()
+        if self.writer is not None:
+            self.writer.close()
+
+    # -- snapshots --------------------------------------------------------------------------
+    def register_inputs(self, tensors: Iterable[torch.Tensor]) -> None:
+        """A batch built before tracking started (the Trainer prefetches) is counted from here on."""
+        if self.backend.tracking:
+            self.backend.register(tensors)
+
+    def snapshot(self, phase: str) -> dict[str, Any]:
+        micro_step = self.micro_step
+        if self.full:
+            record = self._full_snapshot(phase, micro_step)
+            self._last_full[(phase, micro_step)] = record
+        else:
+            record = self._light_snapshot(phase, micro_step)
+        self.backend.reset_peak()
+        self._previous_allocated = record["allocated"]
+        self.step_snapshots.append(record)
+        self._write(record)
+        return record
+
+    def _register_known(self) -> None:
+        if self.model is None:
+            return
+        tensors: list[torch.Tensor | None] = list(self.model.parameters())
+        tensors.extend(self.model.buffers())
+        tensors.extend(p.grad for p in self.model.parameters())
+        self.backend.register(tensors)
+        if self.optimizer is not None:
+            from .attribution import _state_tensors
+
+            self.backend.register(_state_tensors(list(getattr(self.optimizer, "state", {}).values())))
+
+    def _class_storages(self) -> tuple[dict[int, int], dict[int, int], dict[int, int], dict[int, int]]:
+        device = self.device
+        model = self.model
+        weights = weight_storages(model, device) if model is not None else {}
+        extra = list(self.extra_gradients()) if self.extra_gradients is not None else []
+        grads = gradient_storages(model, device, extra) if model is not None else {}
+        states = optimizer_state_storages(self.optimizer, device)
+        saved = self.saved.storages(device)
+        return weights, grads, states, saved
+
+    def _full_snapshot(self, phase: str, micro_step: int) -> dict[str, Any]:
+        weights, grads, states, saved = self._class_storages()
+        reading = self.backend.read()
+        allocated, peak = reading.allocated, reading.peak
+        live_storages = self.backend.live_storages()
+        if live_storages is not None:
+            # Tracked device: allocated is the union of every storage we know to be alive.
+            union = dict(live_storages)
+            for storages in (weights, grads, states, saved):
+                union.update(storages)
+            allocated = sum(union.values())
+            peak = max(peak or 0, allocated)
+        live = split_live(allocated, weights, grads, states, saved)
+        return self._record(phase, micro_step, reading, allocated, peak, live, "full")
+
+    def _light_snapshot(self, phase: str, micro_step: int) -> dict[str, Any]:
+        reading = self.backend.read()
+        template = self._last_full.get((phase, micro_step))
+        known = dict(template["live"]) if template else dict.fromkeys(LIVE_CLASSES, 0)
+        if self.backend.exact and reading.allocated is not None:
+            allocated, peak = reading.allocated, reading.peak
+            known["other"] = allocated - sum(known[k] or 0 for k in LIVE_CLASSES if k != "other")
+        elif template is not None:
+            allocated, peak = template["allocated"], template["peak"]
+        else:
+            allocated = peak = None if reading.allocated is None else sum(v or 0 for v in known.values())
+        return self._record(phase, micro_step, reading, allocated, peak, known, "light")
+
+    def _record(
+        self,
+        phase: str,
+        micro_step: int,
+        reading: Any,
+        allocated: int | None,
+        peak: int | None,
+        live: dict[str, int | None],
+        detail: str,
+    ) -> dict[str, Any]:
+        spike = None
+        if allocated is not None and peak is not None:
+            floor = allocated if self._previous_allocated is None else max(self._previous_allocated, allocated)
+            spike = max(0, peak - floor)
+            peak = max(peak, allocated)
+        overhead = None
+        if reading.reserved is not None and allocated is not None:
+            overhead = reading.reserved - allocated
+        return {
+            "event": "snapshot",
+            "step": self.step,
+            "micro_step": micro_step,
+            "phase": phase,
+            "rank": self.rank,
+            "device": str(self.device),
+            "time": time.time(),
+            "allocated": allocated,
+            "reserved": reading.reserved,
+            "peak": peak,
+            "live": live,
+            "spike": spike,
+            "allocator_overhead": overhead,
+            "fragmentation": reading.inactive_split,
+            "num_alloc_retries": reading.num_alloc_retries,
+            "num_ooms": reading.num_ooms,
+            "device_free": reading.device_free,
+            "device_total": reading.device_total,
+            "detail": detail,
+        }
+
+    def _write(self, record: dict[str, Any]) -> None:
+        if self.writer is not None:
+            self.writer.write(record)

@@ -1,0 +1,97 @@
+"""Activations: the tensors autograd saves for backward, counted by storage while the graph holds them."""
+
+from __future__ import annotations
+
+import torch
+
+from .storage import same_device
+
+
+class _Saved:
+    """What autograd keeps instead of the tensor; its death means the graph let the tensor go."""
+
+    __slots__ = ("tensor", "key", "registry")
+
+    def __init__(self, tensor: torch.Tensor, key: int, registry: SavedTensorRegistry) -> None:
+        self.tensor = tensor
+        self.key = key
+        self.registry = registry
+
+    def __del__(self) -> None:
+        self.registry._release(self.key)
+
+
+class SavedTensorRegistry:
+    """Storages currently saved for backward, via ``torch.autograd.graph.saved_tensors_hooks``.
+
+    Pack hooks wrap the tensor in a small holder (the same tensor, untouched, so numerics and
+    memory are as without us); the holder's death means autograd released it.
+
+    Example:
+        >>> reg = SavedTensorRegistry()
+        >>> x = torch.ones(256, requires_grad=True)
+        >>> reg.start()
+        >>> y = (x * x).sum()
+        >>> reg.stop()
+        >>> reg.total() == x.untyped_storage().nbytes()  # mul saves x twice: one storage
+        True
+        >>> y.backward(); reg.total()
+        0
+    """
+
+    def __init__(self) -> None:
+        self._counts: dict[int, int] = {}
+        self._bytes: dict[int, tuple[int, torch.device]] = {}
+        self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
+
+    def _pack(self, tensor: torch.Tensor) -> object:
+        storage = tensor.untyped_storage()
+        key = storage._cdata
+        count = self._counts.get(key)
+        if count is None:
+            self._counts[key] = 1
+            self._bytes[key] = (storage.nbytes(), tensor.device)
+        else:
+            self._counts[key] = count + 1
+        return _Saved(tensor, key, self)
+
+    @staticmethod
+    def _unpack(holder: object) -> torch.Tensor:
+        return holder.tensor  # type: ignore[attr-defined]
+
+    def _release(self, key: int) -> None:
+        count = self._counts.get(key)
+        if count is None:
+            return
+        if count <= 1:
+            del self._counts[key]
+            self._bytes.pop(key, None)
+        else:
+            self._counts[key] = count - 1
+
+    def start(self) -> None:
+        """Install the hooks on this thread (pair with :meth:`stop`)."""
+        if self._hooks is None:
+            self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            self._hooks.__enter__()
+
+    def stop(self) -> None:
+        """Remove the hooks; tensors already saved stay counted until autograd frees them."""
+        if self._hooks is not None:
+            hooks, self._hooks = self._hooks, None
+            hooks.__exit__(None, None, None)
+
+    @property
+    def active(self) -> bool:
+        return self._hooks is not None
+
+    def storages(self, device: torch.device | None = None) -> dict[int, int]:
+        """Saved storage key -> bytes, on ``device`` when given."""
+        return {
+            key: nbytes
+            for key, (nbytes, where) in list(self._bytes.items())
+            if device is None or same_device(where, device)
+        }
+
+    def total(self, device: torch.device | None = None) -> int:
+        return sum(self.storages(device).values())

@@ -1,0 +1,118 @@
+"""Live-storage tracking for devices whose allocator keeps no statistics (the CPU), and for fake tensors.
+
+PyTorch's CPU allocator has no ``memory_allocated()``. :class:`StorageTracker` is a
+``TorchDispatchMode`` that sees every tensor an operator returns, registers each new storage with a
+weak reference, and drops it when the storage dies: a live byte count and its peak, as the allocator
+would report them. It only observes (``func`` runs unchanged) so numerics are untouched, and it nests
+with other dispatch modes and with ``torch.profiler``. Under ``FakeTensorMode`` the same tracker
+measures a step without allocating it, which is how the estimator works.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable, Mapping
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .storage import plain_tensors
+
+
+class _StorageRef(weakref.ref):
+    __slots__ = ("key", "nbytes")
+
+
+class StorageTracker(TorchDispatchMode):
+    """Count live storages on one device type; ``allocated`` and ``peak`` in bytes.
+
+    Example:
+        >>> tracker = StorageTracker("cpu")
+        >>> with tracker:
+        ...     x = torch.empty(1024, dtype=torch.uint8)
+        ...     y = x + 1
+        ...     del y
+        >>> tracker.allocated, tracker.peak
+        (1024, 2048)
+    """
+
+    def __init__(self, device_type: str = "cpu") -> None:
+        super().__init__()
+        self.device_type = device_type
+        self.allocated = 0
+        self.peak = 0
+        self._live: dict[int, _StorageRef] = {}
+        self._on_free = self._free  # bound once: one object for every weakref callback
+
+    # -- accounting -------------------------------------------------------------------------
+    def _free(self, ref: _StorageRef) -> None:
+        if self._live.get(ref.key) is ref:
+            del self._live[ref.key]
+            self.allocated -= ref.nbytes
+
+    def _track_plain(self, tensor: torch.Tensor) -> None:
+        if tensor.device.type != self.device_type:
+            return
+        storage = tensor.untyped_storage()
+        key = storage._cdata
+        nbytes = storage.nbytes()
+        known = self._live.get(key)
+        if known is not None:
+            if known.nbytes == nbytes:
+                return
+            self.allocated += nbytes - known.nbytes  # resized in place (out= ops, resize_)
+            known.nbytes = nbytes
+        elif nbytes:
+            ref = _StorageRef(storage, self._on_free)
+            ref.key = key
+            ref.nbytes = nbytes
+            self._live[key] = ref
+            self.allocated += nbytes
+        if self.allocated > self.peak:
+            self.peak = self.allocated
+
+    def register(self, tensors: Iterable[torch.Tensor | None]) -> None:
+        """Count storages created outside the tracker (weights, a batch loaded between steps)."""
+        for tensor in tensors:
+            if isinstance(tensor, torch.Tensor):
+                for plain in plain_tensors(tensor):
+                    self._track_plain(plain)
+
+    def reset_peak(self) -> None:
+        """Start a new peak window at the current live bytes."""
+        self.peak = self.allocated
+
+    def live(self) -> Mapping[int, int]:
+        """Snapshot of live storage key -> bytes."""
+        return {key: ref.nbytes for key, ref in list(self._live.items())}
+
+    # -- dispatch ---------------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor):
+            self._track_output(out)
+        elif isinstance(out, (tuple, list)):
+            for item in out:
+                if isinstance(item, torch.Tensor):
+                    self._track_output(item)
+                elif isinstance(item, (tuple, list)):  # _foreach ops and friends
+                    for inner in item:
+                        if isinstance(inner, torch.Tensor):
+                            self._track_output(inner)
+        return out
+
+    def _track_output(self, tensor: torch.Tensor) -> None:
+        if type(tensor) is torch.Tensor or not hasattr(tensor, "__tensor_flatten__"):
+            self._track_plain(tensor)
+        else:
+            for plain in plain_tensors(tensor):
+                self._track_plain(plain)
+
+    # The mode is entered and left from different Trainer events, not in one ``with`` block.
+    def start(self) -> None:
+        """Enter the dispatch mode (pair with :meth:`stop`)."""
+        self.__enter__()
+
+    def stop(self) -> None:
+        """Leave the dispatch mode entered by :meth:`start`."""
+        self.__exit__(None, None, None)
