@@ -1,0 +1,133 @@
+"""Wall time per optimizer step with MemWatch vs without, on a real Trainer run (CPU).
+
+Runs are interleaved (none, default, full, none, default, full, ...) in one process so machine noise
+hits every variant alike; the figures are ratios of medians. Writes a Markdown table.
+
+    python benchmarks/overhead.py --out benchmarks/results/overhead.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "disabled")
+
+import torch  # noqa: E402
+from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+from transformers.utils import logging as hf_logging  # noqa: E402
+
+from hf_memwatch import MemWatch  # noqa: E402
+
+
+class StepClock(TrainerCallback):
+    """Time between consecutive step ends: everything a step costs, callbacks included."""
+
+    def __init__(self) -> None:
+        self.marks: list[float] = []
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if not self.marks:
+            self.marks.append(time.perf_counter())
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.marks.append(time.perf_counter())
+
+    def step_times(self) -> list[float]:
+        return [b - a for a, b in zip(self.marks, self.marks[1:])]
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self, n: int, seq_len: int, vocab: int) -> None:
+        gen = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(0, vocab, (n, seq_len), generator=gen)
+        self.labels = torch.randint(0, 2, (n,), generator=gen)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int):
+        return {"input_ids": self.ids[i], "labels": self.labels[i]}
+
+
+def run(variant: str, steps: int, batch: int, seq_len: int, workdir: str) -> list[float]:
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=8000, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
+                        intermediate_size=1024, max_position_embeddings=512, num_labels=2)
+    model = BertForSequenceClassification(config)
+    args = TrainingArguments(output_dir=workdir, per_device_train_batch_size=batch, max_steps=steps,
+                             logging_steps=50, report_to=[], save_strategy="no", use_cpu=True,
+                             disable_tqdm=True, seed=0)
+    clock = StepClock()
+    callbacks: list[TrainerCallback] = [clock]
+    if variant == "default":
+        callbacks.append(MemWatch())
+    elif variant == "full":
+        callbacks.append(MemWatch(detail="full"))
+    trainer = Trainer(model=model, args=args, train_dataset=Tokens(steps * batch, seq_len, 8000),
+                      callbacks=callbacks)
+    trainer.train()
+    return clock.step_times()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--out", type=Path)
+    opts = parser.parse_args()
+    hf_logging.set_verbosity_error()
+    variants = ("none", "default", "full")
+    times: dict[str, list[list[float]]] = {v: [] for v in variants}
+    with tempfile.TemporaryDirectory() as tmp:
+        for round_index in range(opts.rounds):
+            order = variants[round_index % 3:] + variants[: round_index % 3]
+            for variant in order:
+                times[variant].append(run(variant, opts.steps, opts.batch, opts.seq_len, f"{tmp}/{variant}"))
+    full_steps = MemWatch().full_steps
+
+    def median_of(variant: str, steady: bool) -> float:
+        values = [t for run_times in times[variant] for t in (run_times[full_steps:] if steady else run_times)]
+        return statistics.median(values)
+
+    def mean_run(variant: str) -> float:
+        return statistics.median(sum(r) / len(r) for r in times[variant])
+
+    rows = [
+        ("default, steady state (steps after the first 3 fully tracked)",
+         median_of("default", True) / median_of("none", True)),
+        (f"default, whole {opts.steps}-step run (3 full steps included)", mean_run("default") / mean_run("none")),
+        ("full tracking every step", median_of("full", True) / median_of("none", True)),
+    ]
+    lines = [
+        "# MemWatch overhead (CPU)",
+        "",
+        f"BERT 4x256 sequence classification, batch {opts.batch} x {opts.seq_len} tokens, fp32 AdamW, "
+        f"{opts.rounds} interleaved rounds x {opts.steps} steps per variant; "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.machine()}.",
+        f"Median step without MemWatch: {median_of('none', True) * 1000:.1f} ms.",
+        "",
+        "| variant | step time ratio vs no MemWatch |",
+        "|---|---|",
+        *[f"| {name} | {ratio:.3f} |" for name, ratio in rows],
+        "",
+    ]
+    text = "\n".join(lines)
+    print(text)
+    if opts.out:
+        opts.out.parent.mkdir(parents=True, exist_ok=True)
+        opts.out.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

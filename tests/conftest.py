@@ -1,0 +1,87 @@
+"""Shared builders for tests: small real models, datasets and Trainer runs (no mocks)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+class ListDataset(torch.utils.data.Dataset):
+    def __init__(self, items: list[dict[str, torch.Tensor]]) -> None:
+        self.items = items
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return self.items[index]
+
+
+def token_dataset(n: int, seq_len: int, vocab: int, *, labels: str = "lm", num_labels: int = 2, seed: int = 0):
+    """Random token sequences; ``labels='lm'`` copies inputs, ``'cls'`` draws a class per example."""
+    gen = torch.Generator().manual_seed(seed)
+    items = []
+    for _ in range(n):
+        ids = torch.randint(0, vocab, (seq_len,), generator=gen)
+        label = ids.clone() if labels == "lm" else torch.randint(0, num_labels, (), generator=gen)
+        items.append({"input_ids": ids, "labels": label})
+    return ListDataset(items)
+
+
+def gpt2_model(n_layer: int = 2, n_embd: int = 128, vocab: int = 1000, seed: int = 0):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    config = GPT2Config(
+        n_layer=n_layer, n_embd=n_embd, n_head=4, vocab_size=vocab, n_positions=512,
+        bos_token_id=0, eos_token_id=0, pad_token_id=0,
+    )
+    return GPT2LMHeadModel(config)
+
+
+def bert_model(num_layers: int = 2, hidden: int = 128, vocab: int = 1000, seed: int = 0):
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(seed)
+    config = BertConfig(
+        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=num_layers, num_attention_heads=4,
+        intermediate_size=4 * hidden, max_position_embeddings=512, num_labels=2, pad_token_id=0,
+    )
+    return BertForSequenceClassification(config)
+
+
+def training_args(output_dir: Path | str, **overrides: Any):
+    from transformers import TrainingArguments
+
+    values: dict[str, Any] = dict(
+        output_dir=str(output_dir), per_device_train_batch_size=4, max_steps=3, logging_steps=1,
+        report_to=[], save_strategy="no", use_cpu=True, seed=0, dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+    values.update(overrides)
+    return TrainingArguments(**values)
+
+
+def read_records(output_dir: Path | str, name: str = "timeline.jsonl") -> list[dict[str, Any]]:
+    path = Path(output_dir) / "memwatch" / name
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def loss_history(trainer) -> list[float]:
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+@pytest.fixture
+def out_dir(tmp_path: Path) -> Path:
+    return tmp_path / "run"

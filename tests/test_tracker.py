@@ -1,0 +1,77 @@
+"""StorageTracker and SavedTensorRegistry against PyTorch's own accounting, outside the Trainer."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from hf_memwatch.saved_tensors import SavedTensorRegistry
+from hf_memwatch.tracker import StorageTracker
+from hf_memwatch.truth import cpu_memory_profile, window_peak
+
+
+def _work() -> torch.Tensor:
+    a = torch.randn(256, 512)
+    b = a @ a.t()  # 256x256
+    c = torch.softmax(b, dim=-1)
+    del b
+    return c.sum(0)
+
+
+def test_tracker_peak_matches_profiler_and_views_count_once():
+    tracker = StorageTracker("cpu")
+    with cpu_memory_profile() as prof:
+        with tracker:
+            out = _work()
+            view = out[:10]
+    assert tracker.peak == window_peak(prof, baseline=0)
+    assert tracker.allocated == out.untyped_storage().nbytes()  # the view adds nothing
+    del out
+    assert tracker.allocated == view.untyped_storage().nbytes()
+    del view
+    assert tracker.allocated == 0
+
+
+class _CountingMode(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_tracker_nests_with_other_dispatch_modes():
+    user_mode = _CountingMode()
+    tracker = StorageTracker("cpu")
+    with user_mode, tracker:
+        keep = torch.ones(1000) * 2
+    inner = StorageTracker("cpu")
+    with inner, _CountingMode() as other:
+        keep2 = torch.ones(10) + 1
+    assert user_mode.calls > 0 and other.calls > 0
+    assert tracker.allocated == keep.untyped_storage().nbytes() == 4000
+    assert inner.allocated == keep2.untyped_storage().nbytes() == 40
+
+
+def test_resized_storage_is_recounted():
+    tracker = StorageTracker("cpu")
+    with tracker:
+        t = torch.empty(10)
+        t.resize_(1000)
+    assert tracker.allocated == 4000
+
+
+def test_saved_registry_counts_by_storage_and_releases_after_backward():
+    registry = SavedTensorRegistry()
+    w = torch.randn(64, 64, requires_grad=True)
+    x = torch.randn(8, 64)
+    registry.start()
+    h = torch.relu(x @ w)  # mm saves x (w only if x needed a grad), relu saves its result
+    loss = (h * h).sum()  # mul saves h twice: one storage
+    registry.stop()
+    expected = x.untyped_storage().nbytes() + h.untyped_storage().nbytes()
+    assert registry.total() == expected
+    loss.backward()
+    assert registry.total() == 0
