@@ -27,7 +27,8 @@ test: lint
 	$(VENV)/bin/pytest -q -p no:cacheprovider tests
 
 demo: venv
-	$(PY) examples/train_glue.py --auto --output-dir demo-output
+	rm -rf demo-output
+	$(PY) examples/train_glue.py --auto --budget 420MiB --output-dir demo-output
 
 bench: venv
 	$(PY) benchmarks/overhead.py --out benchmarks/results/overhead.md

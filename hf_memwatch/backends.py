@@ -102,12 +102,25 @@ class CudaBackend(AllocatorBackend):
         torch.cuda.reset_peak_memory_stats(self.device)
 
     def capacity(self) -> int | None:
-        return torch.cuda.mem_get_info(self.device)[1]
+        total = torch.cuda.mem_get_info(self.device)[1]
+        return int(total * _memory_fraction(self.device))
 
     def available(self) -> int | None:
-        # Free memory plus what this process's caching allocator already holds.
-        free, _ = torch.cuda.mem_get_info(self.device)
-        return free + torch.cuda.memory_reserved(self.device)
+        # Free memory plus what this process's caching allocator already holds, capped by
+        # torch.cuda.set_per_process_memory_fraction (the allocator refuses to reserve beyond it).
+        free, total = torch.cuda.mem_get_info(self.device)
+        reserved = torch.cuda.memory_reserved(self.device)
+        return min(free + reserved, int(total * _memory_fraction(self.device)))
+
+
+def _memory_fraction(device: torch.device) -> float:
+    getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    if getter is None:  # torch < 2.6
+        return 1.0
+    try:
+        return float(getter(device))
+    except (RuntimeError, AttributeError):
+        return 1.0
 
 
 class AcceleratorBackend(AllocatorBackend):
@@ -167,6 +180,7 @@ class CpuTrackedBackend(AllocatorBackend):
         super().__init__(device)
         self.tracker = StorageTracker(device.type)
         self._tracking = False
+        self._capacity = _meminfo("MemTotal")
 
     def read(self) -> AllocatorReading:
         return AllocatorReading(
@@ -201,7 +215,7 @@ class CpuTrackedBackend(AllocatorBackend):
         return self.tracker.live()
 
     def capacity(self) -> int | None:
-        return _meminfo("MemTotal")
+        return self._capacity
 
     def available(self) -> int | None:
         return _meminfo("MemAvailable")

@@ -24,9 +24,23 @@ import torch
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
+from .auto import AutoMode
 from .backends import backend_for
+from .budget import validate_budget
+from .distributed import make_monitor
 from .errors import MemWatchConfigError
 from .monitor import StepMonitor
+from .oom import install_oom_guard, start_allocator_history, stop_allocator_history, write_oom_report
+from .report import run_meta
+from .sinks import (
+    install_scalar_logging,
+    known_budget,
+    known_prediction,
+    plan_in_force,
+    step_scalars,
+    strip_memory_keys,
+)
+from .summary import finish_reports
 from .timeline import TIMELINE_DIRNAME, TimelineWriter
 
 logger = logging.getLogger("hf_memwatch")
@@ -66,6 +80,17 @@ def find_trainer() -> Any:
     return None
 
 
+def _logging_interval(args: Any, state: Any) -> int:
+    """The Trainer's logging interval in optimizer steps (0 when it does not log by steps)."""
+    strategy = getattr(args, "logging_strategy", "steps")
+    if getattr(strategy, "value", strategy) != "steps":
+        return 0
+    steps = float(args.logging_steps)
+    if 0 < steps < 1:  # a fraction of max_steps
+        return max(1, int(steps * max(int(state.max_steps or 0), 1)))
+    return int(steps)
+
+
 class MemWatch(TrainerCallback, ExportableState):
     """Watch where training memory goes, per phase of every optimizer step.
 
@@ -76,6 +101,17 @@ class MemWatch(TrainerCallback, ExportableState):
             saved-tensor count, the allocator figures are exact either way.
         full_steps: optimizer steps tracked in full at the start of each ``train()`` call (>= 1).
         output_dir: where ``timeline.jsonl`` goes; default ``<args.output_dir>/memwatch``.
+        scalars: log ``memory/*`` scalars to the integrations of ``args.report_to`` at logging steps.
+        report: draw ``memory.png`` from the timeline at train end (rank 0).
+        summary: print a table of the peak step's memory classes at train end (rank 0).
+        oom_report: write ``oom_report.md`` when training dies of out-of-memory.
+        record_history: on CUDA, record the allocator's history (costs time) and dump a snapshot
+            for pytorch.org/memory_viz at an OOM.
+        auto: plan before training so the step fits ``budget`` (smaller micro-batch with more
+            accumulation, activation checkpointing, 8-bit AdamW; effective batch kept), and turn
+            checkpointing on between steps when peaks near the budget. See docs/auto.md.
+        budget: bytes, a size such as ``"20GiB"``, or a fraction of device memory; default 90% of
+            what this process may use.
 
     Usage:
         >>> trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[MemWatch()])  # doctest: +SKIP
@@ -87,6 +123,13 @@ class MemWatch(TrainerCallback, ExportableState):
         detail: Detail = "auto",
         full_steps: int = 3,
         output_dir: str | None = None,
+        scalars: bool = True,
+        report: bool = True,
+        summary: bool = True,
+        oom_report: bool = True,
+        record_history: bool = False,
+        auto: bool = False,
+        budget: int | float | str | None = None,
     ) -> None:
         if detail not in ("auto", "full", "light"):
             raise MemWatchConfigError(f"MemWatch(detail=...) must be 'auto', 'full' or 'light'; got {detail!r}")
@@ -97,6 +140,13 @@ class MemWatch(TrainerCallback, ExportableState):
             )
         if output_dir is not None and not isinstance(output_dir, (str, Path)):
             raise MemWatchConfigError(f"MemWatch(output_dir=...) must be a path; got {output_dir!r}")
+        flags = {"scalars": scalars, "report": report, "summary": summary, "oom_report": oom_report,
+                 "record_history": record_history}
+        for name, value in flags.items():
+            if not isinstance(value, bool):
+                raise MemWatchConfigError(f"MemWatch({name}=...) must be True or False; got {value!r}")
+        self.scalars, self.report, self.summary = scalars, report, summary
+        self.oom_report, self.record_history = oom_report, record_history
         self.detail = detail
         self.full_steps = full_steps
         self.output_dir = None if output_dir is None else str(output_dir)
@@ -106,11 +156,50 @@ class MemWatch(TrainerCallback, ExportableState):
         self._failed = False
         self._first_step: int | None = None
         self._logging_steps = 0
+        self.last_seq_len: int | None = None
+        if not isinstance(auto, bool):
+            raise MemWatchConfigError(f"MemWatch(auto=...) must be True or False; got {auto!r}")
+        validate_budget(budget)
+        self.auto, self.budget = auto, budget
+        self._auto = AutoMode(budget, self._record_plan) if auto else None
 
     # -- plumbing ---------------------------------------------------------------------------
     @property
     def trainer(self) -> Any:
         return None if self._trainer_ref is None else self._trainer_ref()
+
+    # -- auto mode (logic in hf_memwatch.auto) ----------------------------------------------------
+    @property
+    def auto_plan(self) -> dict[str, Any] | None:
+        """The auto mode's ``plan`` record in force (saved with the callback state, kept on resume)."""
+        return None if self._auto is None else self._auto.plan
+
+    @auto_plan.setter
+    def auto_plan(self, value: dict[str, Any] | None) -> None:  # the Trainer restoring callback state
+        if self._auto is not None:
+            self._auto.plan = value
+
+    @property
+    def plan(self) -> dict[str, Any] | None:
+        return self.auto_plan
+
+    @property
+    def budget_bytes(self) -> int | None:
+        budget = None if self._auto is None else self._auto.budget
+        return None if budget is None else budget.total
+
+    def _record_plan(self, record: dict[str, Any]) -> None:
+        """Write a ``plan`` record to this rank's timeline (the monitor's writer once training runs)."""
+        if self.monitor is not None and self.monitor.writer is not None and self.monitor.writer._fh is not None:
+            self.monitor.writer.write(record)
+            self.monitor.writer.flush()
+            return
+        trainer = self.trainer
+        if trainer is None:
+            return
+        writer = TimelineWriter(self.memwatch_dir(trainer.args), rank=int(getattr(trainer.args, "process_index", 0)))
+        writer.write(record)
+        writer.close()
 
     def _fail(self, exc: BaseException, where: str) -> None:
         self._failed = True
@@ -142,6 +231,39 @@ class MemWatch(TrainerCallback, ExportableState):
             trainer = find_trainer()
             if trainer is not None:
                 self._trainer_ref = weakref.ref(trainer)
+        trainer = self.trainer
+        if trainer is not None:
+            if self.scalars:
+                install_scalar_logging(trainer, self.memory_scalars)
+            if self.oom_report:
+                install_oom_guard(trainer, self._on_oom)
+
+    def memory_scalars(self, step: int) -> dict[str, int] | None:
+        """``memory/*`` figures of optimizer step ``step`` when it was the last one measured."""
+        monitor = self.monitor
+        if self._failed or monitor is None or not monitor.last_step or monitor.last_step["step"] != step:
+            return None
+        return step_scalars(
+            monitor.last_step,
+            monitor.step_snapshots,
+            budget=known_budget(self),
+            predicted_peak=known_prediction(self),
+        )
+
+    def _on_oom(self, exc: BaseException) -> None:
+        trainer = self.trainer
+        if trainer is not None and self.monitor is not None:
+            write_oom_report(
+                self.memwatch_dir(trainer.args), exc, self.monitor, trainer,
+                seq_len=self.last_seq_len, plan=self.plan_in_force(),
+            )
+        self._teardown()
+        if self.record_history:
+            stop_allocator_history()
+
+    def plan_in_force(self) -> dict[str, Any] | None:
+        """The auto mode's plan record when one is in force."""
+        return plan_in_force(self)
 
     def is_full_step(self, step: int) -> bool:
         """Whether optimizer step ``step`` (1-based, global) is tracked in full."""
@@ -157,31 +279,45 @@ class MemWatch(TrainerCallback, ExportableState):
     # -- ExportableState --------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
         return {
-            "args": {"detail": self.detail, "full_steps": self.full_steps, "output_dir": self.output_dir},
-            "attributes": {},
+            "args": {
+                "detail": self.detail, "full_steps": self.full_steps, "output_dir": self.output_dir,
+                "auto": self.auto, "budget": self.budget,
+                "scalars": self.scalars, "report": self.report, "summary": self.summary,
+                "oom_report": self.oom_report, "record_history": self.record_history,
+            },
+            "attributes": {"auto_plan": self.auto_plan} if self.auto_plan else {},
         }
 
     # -- Trainer events ---------------------------------------------------------------------
     @_guarded
     def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._remember_trainer()
+        if self._auto is not None and self.trainer is not None:
+            self._auto.install(self.trainer)  # plans inside train(), before the loop is built
 
     @_guarded
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         self._remember_trainer()
+        if self._auto is not None:
+            self._auto.check_installed()
         self._teardown()
         self._failed = False
         self._first_step = None
-        self._logging_steps = (
-            int(args.logging_steps) if str(getattr(args, "logging_strategy", "steps")).endswith("steps") else 0
-        )
-        if self._logging_steps and self._logging_steps < 1:  # a fraction of max_steps
-            self._logging_steps = max(1, int(args.logging_steps * max(state.max_steps, 1)))
+        self._logging_steps = _logging_interval(args, state)
         rank = int(getattr(args, "process_index", 0))
         backend = backend_for(torch.device(args.device))
-        writer = TimelineWriter(self.memwatch_dir(args), rank=rank)
-        self.monitor = StepMonitor(backend, writer, rank=rank)
+        # A run from step 0 starts its timeline anew (the auto mode's plan, decided inside train()
+        # before this event, is written again); a resumed run appends to the one it continues.
+        fresh = state.global_step == 0
+        writer = TimelineWriter(self.memwatch_dir(args), rank=rank, fresh=fresh)
+        if fresh and self.auto_plan:
+            writer.write(self.auto_plan)
+        # Under DDP/DeepSpeed the monitor also counts the engine's buckets and partitions.
+        self.monitor = make_monitor(backend, writer, rank, self.trainer)
         self.monitor.attach(model, kwargs.get("optimizer"))
+        writer.write(run_meta(model, args))  # model and batch, for the picture's title and the summary
+        if self.record_history:
+            start_allocator_history(self.monitor)
         if model is not None:
             self._hooks.append(model.register_forward_pre_hook(self._before_forward, with_kwargs=True))
             self._hooks.append(model.register_forward_hook(self._after_forward))
@@ -200,6 +336,9 @@ class MemWatch(TrainerCallback, ExportableState):
 
     @_guarded
     def _before_forward(self, module: Any, args: Any, kwargs: Any) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if isinstance(ids, torch.Tensor) and ids.dim() >= 2:
+            self.last_seq_len = int(ids.shape[-1])  # for the OOM post-mortem's estimates
         monitor = self.monitor
         if monitor is not None and monitor.in_step and monitor.backend.tracking:
             tensors = [a for a in args if isinstance(a, torch.Tensor)]
@@ -234,7 +373,18 @@ class MemWatch(TrainerCallback, ExportableState):
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.monitor is not None and self.monitor.in_step:
             self.monitor.end_step()
+            if self._auto is not None:
+                self._auto.after_step(self.trainer, self.monitor.last_step)
+
+    @_guarded
+    def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
+        # The integrations have the memory keys by now; the progress printer (added last) runs next.
+        strip_memory_keys(logs)
 
     @_guarded
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._teardown()
+        if self.record_history:
+            stop_allocator_history()
+        if state.is_world_process_zero and self.monitor is not None:
+            finish_reports(self, args, state)

@@ -28,7 +28,9 @@ def plain_tensors(tensor: torch.Tensor) -> Iterator[torch.Tensor]:
     if is_traceable_wrapper_subclass(tensor):
         names, _ = tensor.__tensor_flatten__()
         for name in names:
-            yield from plain_tensors(getattr(tensor, name))
+            inner = getattr(tensor, name)
+            if isinstance(inner, torch.Tensor):  # DTensor also flattens its (opaque) device_mesh
+                yield from plain_tensors(inner)
     elif not tensor.is_sparse and not getattr(tensor, "is_nested", False):
         yield tensor
 

@@ -28,11 +28,12 @@ def timeline_filename(rank: int) -> str:
 class TimelineWriter:
     """Append-only JSONL writer; ``flush()`` once per step keeps readers current."""
 
-    def __init__(self, directory: str | os.PathLike[str], rank: int = 0) -> None:
+    def __init__(self, directory: str | os.PathLike[str], rank: int = 0, *, fresh: bool = False) -> None:
+        """``fresh`` starts the file anew (a new run); otherwise records are appended (a resumed run)."""
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.path = self.directory / timeline_filename(rank)
-        self._fh: TextIO | None = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        self._fh: TextIO | None = open(self.path, "w" if fresh else "a", encoding="utf-8")  # noqa: SIM115
 
     def write(self, record: dict[str, Any]) -> None:
         if self._fh is not None:

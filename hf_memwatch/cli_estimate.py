@@ -1,0 +1,160 @@
+"""``hf-memwatch estimate MODEL``: predict a Trainer step's peak memory without running it.
+
+MODEL is a local model directory or ``config.json`` (a hub id where the network allows). The
+default output is a table — each class in bytes and share of the peak, the phase of the peak — and,
+with ``--budget``, whether it fits, the largest micro-batch that fits, and the predicted peak of
+each remedy (checkpointing, 8-bit AdamW, both; accumulation through the plan that keeps the
+effective batch). ``--json`` prints one object instead.
+
+Usage:
+    hf-memwatch estimate ./my-model --batch-size 16 --seq-len 512 --precision bf16 --budget 24GiB
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+from typing import Any
+
+from .estimate import CLASS_NAMES, DEVICES, PRECISIONS, SHARDS, TASKS, estimate, largest_fitting
+from .estimate_optim import SUPPORTED_OPTIMS
+from .planner import PlanRequest, bnb_available, eight_bit_optim, plan_all
+from .units import format_bytes, parse_bytes
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``hf-memwatch estimate``."""
+    parser.add_argument("model", metavar="MODEL", help="local model directory or config.json (or a hub id)")
+    parser.add_argument("--task", choices=TASKS, default=None, help="default: from the config's architectures")
+    parser.add_argument("--batch-size", type=int, default=8, help="per-device micro-batch (default 8)")
+    parser.add_argument("--seq-len", type=int, default=512, help="tokens per sample (default 512)")
+    parser.add_argument("--target-len", type=int, default=None, help="seq2seq label length (default: --seq-len)")
+    parser.add_argument("--precision", choices=PRECISIONS, default="fp32",
+                        help="fp32, or bf16/fp16 mixed precision as the Trainer runs it")
+    parser.add_argument("--optim", default="adamw_torch",
+                        help=f"TrainingArguments.optim name: {', '.join(SUPPORTED_OPTIMS)}")
+    parser.add_argument("--checkpointing", action="store_true", help="activation (gradient) checkpointing")
+    parser.add_argument("--accum", type=int, default=1, help="gradient accumulation steps (default 1)")
+    parser.add_argument("--device", choices=DEVICES, default="cpu", help="the target device (default cpu)")
+    parser.add_argument("--budget", default=None, help="memory budget per device, e.g. 24GiB")
+    parser.add_argument("--world-size", type=int, default=1, help="data-parallel ranks (default 1)")
+    parser.add_argument("--shard", choices=SHARDS, default="none", help="ZeRO stage or FSDP full shard")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _common(args: argparse.Namespace) -> dict[str, Any]:
+    return dict(
+        seq_len=args.seq_len, task=args.task, precision=args.precision, accum=args.accum, device=args.device,
+        world_size=args.world_size, shard=args.shard, seq2seq_target_len=args.target_len,
+    )
+
+
+def remedies(args: argparse.Namespace, budget: int, given: Any) -> list[dict[str, Any]]:
+    """Predicted peak of each remedy at the given micro-batch, and the largest micro-batch it allows."""
+    options = [("as given", args.checkpointing, args.optim)]
+    if not args.checkpointing:
+        options.append(("checkpointing", True, args.optim))
+    eight_bit = eight_bit_optim(args.device)
+    if bnb_available() and args.optim != eight_bit:
+        options.append(("8-bit AdamW", args.checkpointing, eight_bit))
+        if not args.checkpointing:
+            options.append(("checkpointing + 8-bit AdamW", True, eight_bit))
+    rows = []
+    for label, checkpointing, optim in options:
+        cache: dict[int, int] = {}
+        if checkpointing == args.checkpointing and optim == args.optim:
+            cache[args.batch_size] = given.peak_bytes
+
+        def peak_of(batch: int, checkpointing: bool = checkpointing, optim: str = optim,
+                    cache: dict[int, int] = cache) -> int:
+            if batch not in cache:
+                cache[batch] = estimate(args.model, batch_size=batch, optim=optim, checkpointing=checkpointing,
+                                        **_common(args)).peak_bytes
+            return cache[batch]
+
+        peak = peak_of(args.batch_size)
+        rows.append({
+            "remedy": label, "checkpointing": checkpointing, "optim": optim, "peak_bytes": peak,
+            "fits": peak <= budget, "largest_fitting_batch": largest_fitting(peak_of, budget, 4096),
+        })
+    return rows
+
+
+def _plan(args: argparse.Namespace, budget: int) -> dict[str, Any] | None:
+    request = PlanRequest(
+        args.model, micro_batch_size=args.batch_size, gradient_accumulation_steps=args.accum, seq_len=args.seq_len,
+        budget=budget, precision=args.precision, optim=args.optim, checkpointing=args.checkpointing,
+        world_size=args.world_size, shard=args.shard, device=args.device, task=args.task,
+        seq2seq_target_len=args.target_len, allow_larger_micro_batch=False,
+    )
+    chosen = plan_all(request, candidates_when_given_fits=False).chosen
+    if chosen is None:
+        return None
+    return {
+        "micro_batch_size": chosen.micro_batch_size, "gradient_accumulation_steps": chosen.gradient_accumulation_steps,
+        "activation_checkpointing": chosen.activation_checkpointing, "optim": chosen.optim,
+        "predicted_peak": chosen.predicted_peak, "relative_throughput": round(chosen.relative_throughput, 3),
+        "explain": chosen.explain(),
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    """Estimate, print (table or JSON); 0 on success. Errors raise and the dispatcher exits 2."""
+    budget = None if args.budget is None else parse_bytes(args.budget)
+    # libraries print on import (transformers' W&B offline notice): keep stdout for our output only
+    with contextlib.redirect_stdout(sys.stderr):
+        result = estimate(args.model, batch_size=args.batch_size, optim=args.optim,
+                          checkpointing=args.checkpointing, budget=budget, **_common(args))
+        payload = result.to_dict()
+        if budget is not None:
+            payload["remedies"] = remedies(args, budget, result)
+            payload["largest_fitting_batch"] = payload["remedies"][0]["largest_fitting_batch"]
+            payload["plan"] = _plan(args, budget)
+    if args.json:
+        print(json.dumps(payload))
+    else:
+        _print_table(payload)
+    return 0
+
+
+def _print_table(payload: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    cfg = payload["config"]
+    peak = payload["peak_bytes"]
+    extras = (" · checkpointing" if cfg["checkpointing"] else "") + (
+        f" · accum {cfg['accum']}" if cfg["accum"] > 1 else "")
+    title = (f"{cfg['model']} · {cfg['task']} · batch {cfg['batch_size']} x {cfg['seq_len']} tokens · "
+             f"{cfg['precision']} · {cfg['optim']}{extras}")
+    table = Table(title=title)
+    table.add_column("class")
+    table.add_column("bytes", justify="right")
+    table.add_column("", justify="right")
+    table.add_column("share", justify="right")
+    for name in CLASS_NAMES:
+        value = payload["classes"][name]
+        table.add_row(name, f"{value:,}", format_bytes(value), f"{100 * value / peak:.1f}%" if peak else "-")
+    table.add_row("peak", f"{peak:,}", format_bytes(peak), "100%", style="bold")
+    console.print(table)
+    console.print(f"peak phase: {payload['peak_phase']} · params {payload['params']:,} "
+                  f"(trainable {payload['trainable_params']:,}) · target {cfg['device']}")
+    for note in payload["notes"]:
+        console.print(f"note: {note}")
+    if payload.get("budget") is None:
+        return
+    verdict = "[green]fits[/green]" if payload["fits"] else "[red]does not fit[/red]"
+    console.print(f"budget {format_bytes(payload['budget'])}: {verdict}; "
+                  f"largest micro-batch that fits: {payload['largest_fitting_batch']}")
+    remedy_table = Table(title="remedies")
+    for column in ("remedy", "peak", "fits", "largest micro-batch"):
+        remedy_table.add_column(column)
+    for row in payload["remedies"]:
+        remedy_table.add_row(row["remedy"], format_bytes(row["peak_bytes"]), "yes" if row["fits"] else "no",
+                             str(row["largest_fitting_batch"]))
+    console.print(remedy_table)
+    plan = payload.get("plan")
+    console.print(f"plan (same effective batch): {plan['explain'] if plan else 'nothing fits'}")

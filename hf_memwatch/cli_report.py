@@ -1,0 +1,32 @@
+"""``hf-memwatch report <timeline.jsonl or output dir> -o memory.png|memory.html``: draw a run's memory.
+
+Example:
+    $ hf-memwatch report runs/gpt2 -o memory.png
+    wrote memory.png (2 ranks, 40 steps)
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from .units import parse_bytes
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``hf-memwatch report``."""
+    parser.add_argument("path", help="a timeline.jsonl, a memwatch folder or a Trainer output_dir")
+    parser.add_argument("-o", "--output", default="memory.png", help="memory.png or memory.html (default: %(default)s)")
+    parser.add_argument("--budget", default=None, help="draw this budget line (e.g. 20GiB) instead of the plan's")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Write the picture; ``MemWatchConfigError`` / ``FileNotFoundError`` become one stderr line (cli)."""
+    from .report import load_run, write_report
+
+    budget = parse_bytes(args.budget, what="--budget") if args.budget is not None else None
+    out = write_report(args.path, args.output, budget=budget)
+    runs = load_run(args.path)
+    steps = max((len(r.steps) for r in runs), default=0)
+    ranks = f"{len(runs)} rank{'s' if len(runs) > 1 else ''}"
+    print(f"wrote {out} ({ranks}, {steps} steps)")
+    return 0

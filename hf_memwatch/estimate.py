@@ -1,0 +1,434 @@
+"""Pre-flight prediction of a Trainer optimizer step's peak memory, without allocating the model.
+
+:func:`estimate` builds the model (or a fake copy of the one given) under ``FakeTensorMode``, so
+every tensor has its real shape, dtype and device but no memory, and runs the step the Trainer
+really runs — the same loss path (``num_items_in_batch``, accelerate's autocast wrapper and its
+fp32 output conversion), ``loss.backward()``, ``clip_grad_norm_``, the optimizer class and kwargs
+``Trainer.get_optimizer_cls_and_kwargs`` picks, ``zero_grad(set_to_none=True)`` — twice, so the
+lazily created optimizer state coexists with the second step's activations. A
+:class:`~hf_memwatch.tracker.StorageTracker` counts live storages as the allocator would and
+records the class split at the peak.
+
+Usage:
+    >>> from transformers import GPT2Config                                  # doctest: +SKIP
+    >>> est = estimate(GPT2Config(n_layer=2), batch_size=8, seq_len=256)    # doctest: +SKIP
+    >>> est.peak_bytes, est.peak_phase, est.classes["activations"]           # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import types
+from collections import OrderedDict
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from .errors import MemWatchConfigError
+from .estimate_layers import AUTO_MIN_LAYERS, SHORT_DEPTHS, extrapolate, homogeneous_layers, truncated
+from .estimate_shard import shard_classes
+from .estimate_step import simulate_step
+from .units import parse_bytes
+
+TASKS = ("causal-lm", "seq-cls", "masked-lm", "seq2seq")
+PRECISIONS = ("fp32", "bf16", "fp16")
+SHARDS = ("none", "zero1", "zero2", "zero3", "fsdp")
+DEVICES = ("cpu", "cuda")
+CLASS_NAMES = ("weights", "gradients", "optimizer_states", "activations", "temporaries", "other")
+
+
+@dataclass
+class MemoryEstimate:
+    """Predicted peak of one Trainer optimizer step (per rank), with its split by class.
+
+    ``classes`` is the split *at the moment of the peak* and sums to ``peak_bytes``.
+    ``phase_peaks`` gives the highest live bytes inside each phase of the step.
+    """
+
+    peak_bytes: int
+    peak_phase: str
+    classes: dict[str, int]
+    params: int
+    trainable_params: int
+    fits: bool | None
+    budget: int | None = None
+    phase_peaks: dict[str, int] = field(default_factory=dict)
+    config: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-data form (the CLI's ``--json`` object)."""
+        return asdict(self)
+
+    def to_json(self, **kwargs: Any) -> str:
+        """One JSON object: ``peak_bytes``, ``peak_phase``, ``classes``, ``params``, ... ."""
+        return json.dumps(self.to_dict(), **kwargs)
+
+
+# -- inputs ----------------------------------------------------------------------------------
+def load_config(model_or_config: Any) -> Any:
+    """A ``PretrainedConfig`` from a config, a model directory or a ``config.json`` path.
+
+    Raises :class:`MemWatchConfigError` with one clear line when the path is missing or invalid.
+    """
+    from transformers import AutoConfig, PretrainedConfig
+
+    if isinstance(model_or_config, PretrainedConfig):
+        return model_or_config
+    if isinstance(model_or_config, os.PathLike):
+        model_or_config = os.fspath(model_or_config)
+    if not isinstance(model_or_config, str):
+        raise MemWatchConfigError(
+            f"model_or_config must be a PretrainedConfig, an nn.Module or a path; got {type(model_or_config).__name__}"
+        )
+    path = model_or_config
+    try:
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as handle:
+                data = json.load(handle)
+            if not isinstance(data, dict) or "model_type" not in data:
+                raise MemWatchConfigError(f"{path}: not a Transformers config (no 'model_type')")
+            config_cls = AutoConfig.for_model(data["model_type"]).__class__
+            return config_cls.from_dict(data)
+        if os.path.isdir(path):
+            if not os.path.isfile(os.path.join(path, "config.json")):
+                raise MemWatchConfigError(f"{path}: no config.json in this directory")
+            return AutoConfig.from_pretrained(path)
+        if os.path.sep in path or path.endswith(".json"):
+            raise MemWatchConfigError(f"{path}: no such file or directory")
+        return AutoConfig.from_pretrained(path)  # a hub id, where the network allows
+    except MemWatchConfigError:
+        raise
+    except (OSError, ValueError, KeyError, json.JSONDecodeError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise MemWatchConfigError(f"cannot load a config from {path!r}: {first}") from None
+
+
+def infer_task(config: Any) -> str:
+    """The task from the config's ``architectures`` (``causal-lm`` when it says nothing)."""
+    if getattr(config, "is_encoder_decoder", False):
+        return "seq2seq"
+    for arch in getattr(config, "architectures", None) or []:
+        if arch.endswith("ForSequenceClassification"):
+            return "seq-cls"
+        if arch.endswith("ForMaskedLM"):
+            return "masked-lm"
+        if arch.endswith("ForConditionalGeneration") or arch.endswith("ForSeq2SeqLM"):
+            return "seq2seq"
+        if arch.endswith("ForCausalLM") or arch.endswith("LMHeadModel"):
+            return "causal-lm"
+    return "causal-lm"
+
+
+def _auto_class(task: str) -> Any:
+    import transformers
+
+    return {
+        "causal-lm": transformers.AutoModelForCausalLM,
+        "seq-cls": transformers.AutoModelForSequenceClassification,
+        "masked-lm": transformers.AutoModelForMaskedLM,
+        "seq2seq": transformers.AutoModelForSeq2SeqLM,
+    }[task]
+
+
+def _task_of_module(model: torch.nn.Module) -> str:
+    name = type(model).__name__
+    if name.endswith("ForSequenceClassification"):
+        return "seq-cls"
+    if name.endswith("ForMaskedLM"):
+        return "masked-lm"
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        return "seq2seq"
+    return "causal-lm"
+
+
+def _check_positive(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise MemWatchConfigError(f"{name} must be a positive integer; got {value!r}")
+
+
+def validate(
+    *, batch_size: Any, seq_len: Any, task: str | None, precision: str, optim: str, accum: Any,
+    device: str, world_size: Any, shard: str, seq2seq_target_len: Any,
+) -> None:
+    """Fail fast, with one line, on arguments that cannot work."""
+    from .estimate_optim import SUPPORTED_OPTIMS
+
+    _check_positive("batch_size", batch_size)
+    _check_positive("seq_len", seq_len)
+    _check_positive("accum", accum)
+    _check_positive("world_size", world_size)
+    if seq2seq_target_len is not None:
+        _check_positive("seq2seq_target_len", seq2seq_target_len)
+    if task is not None and task not in TASKS:
+        raise MemWatchConfigError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
+    if precision not in PRECISIONS:
+        raise MemWatchConfigError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
+    if optim not in SUPPORTED_OPTIMS:
+        raise MemWatchConfigError(f"unsupported optim {optim!r}; choose one of {', '.join(SUPPORTED_OPTIMS)}")
+    if device not in DEVICES:
+        raise MemWatchConfigError(f"unknown device {device!r}; choose one of {', '.join(DEVICES)}")
+    if shard not in SHARDS:
+        raise MemWatchConfigError(f"unknown shard {shard!r}; choose one of {', '.join(SHARDS)}")
+    if shard != "none" and world_size < 2:
+        raise MemWatchConfigError(f"shard={shard!r} needs world_size >= 2; got {world_size}")
+
+
+# -- the fake model --------------------------------------------------------------------------
+def fake_copy(model: torch.nn.Module, fake_mode: Any, device: str) -> torch.nn.Module:
+    """A structural copy of ``model`` whose parameters and buffers are fake tensors on ``device``.
+
+    No weight is copied: each parameter/buffer is replaced (through ``deepcopy``'s memo) by a fake
+    tensor of the same shape, dtype and ``requires_grad``; tied weights stay tied because the memo
+    maps one object to one fake.
+    """
+    memo: dict[int, Any] = {}
+    target = torch.device(device)
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        if id(tensor) in memo:
+            continue
+        with torch.no_grad():
+            fake = fake_mode.from_tensor(tensor.detach())
+            if fake.device != target:
+                with fake_mode:
+                    fake = fake.to(target)
+        if isinstance(tensor, torch.nn.Parameter):
+            fake = torch.nn.Parameter(fake, requires_grad=tensor.requires_grad)
+        memo[id(tensor)] = fake
+    _drop_foreign_hooks(model, memo)
+    return copy.deepcopy(model, memo)
+
+
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+def _drop_foreign_hooks(model: torch.nn.Module, memo: dict[int, Any]) -> None:
+    """Keep plain-function hooks in the copy; drop bound methods (a callback's, a monitor's).
+
+    A bound method's ``deepcopy`` copies its object — for a training callback that is the whole
+    Trainer, optimizer state included — and running it on the fake copy would feed the live
+    monitor fake events.
+    """
+    for module in model.modules():
+        for attr in _HOOK_DICTS:
+            hooks = getattr(module, attr, None)
+            if hooks:
+                memo[id(hooks)] = OrderedDict(
+                    (key, hook) for key, hook in hooks.items() if isinstance(hook, types.FunctionType)
+                )
+
+
+def build_fake_model(config: Any, task: str, fake_mode: Any, device: str) -> torch.nn.Module:
+    """Instantiate the task's model class from ``config`` under ``fake_mode`` (nothing allocated)."""
+    from transformers.initialization import no_init_weights
+
+    auto = _auto_class(task)
+    try:
+        with fake_mode, torch.device(device):
+            with no_init_weights():  # values are irrelevant, and initialising costs seconds
+                model = auto.from_config(copy.deepcopy(config))
+            model.tie_weights()  # skipped with the initialisation
+    except ValueError as exc:
+        raise MemWatchConfigError(f"task {task!r} is not available for {type(config).__name__}: {exc}") from None
+    return model
+
+
+def count_params(model: torch.nn.Module) -> tuple[int, int]:
+    """(all, trainable) parameter counts, tied weights once."""
+    seen: set[int] = set()
+    total = trainable = 0
+    for param in model.parameters():
+        if id(param) in seen:
+            continue
+        seen.add(id(param))
+        total += param.numel()
+        if param.requires_grad:
+            trainable += param.numel()
+    return total, trainable
+
+
+# -- the estimate ----------------------------------------------------------------------------
+def estimate(
+    model_or_config: Any,
+    *,
+    batch_size: int,
+    seq_len: int,
+    task: str | None = None,
+    precision: str = "fp32",
+    optim: str = "adamw_torch",
+    checkpointing: bool = False,
+    accum: int = 1,
+    device: str = "cpu",
+    budget: int | str | None = None,
+    max_grad_norm: float = 1.0,
+    world_size: int = 1,
+    shard: str = "none",
+    seq2seq_target_len: int | None = None,
+    extrapolate_layers: bool | None = None,
+) -> MemoryEstimate:
+    """Predict the peak memory of one Trainer optimizer step (per device), split by class.
+
+    ``model_or_config``: a ``PretrainedConfig``, a model directory / ``config.json`` path, or a
+    built ``nn.Module`` (never copied: a fake twin is made, frozen and tied parameters respected).
+    ``batch_size`` is the per-device micro-batch, ``accum`` the gradient accumulation steps,
+    ``precision`` ``fp32``/``bf16``/``fp16`` (mixed precision as the Trainer runs it: fp32
+    weights, autocast), ``optim`` a ``TrainingArguments.optim`` name, ``device`` the target
+    (``cpu`` or ``cuda``), ``budget`` bytes or a size such as ``"24GiB"``. ``world_size`` and
+    ``shard`` (``zero1``/``zero2``/``zero3``/``fsdp``) divide the model states per rank.
+    ``extrapolate_layers``: simulate 2 and 3 layers of a homogeneous stack and extend the line
+    (exact, see :mod:`hf_memwatch.estimate_layers`); ``None`` = when the model has 6+ layers.
+
+    Example:
+        >>> from transformers import GPT2Config                                   # doctest: +SKIP
+        >>> cfg = GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=1000)    # doctest: +SKIP
+        >>> estimate(cfg, batch_size=8, seq_len=256, budget="1GiB").fits         # doctest: +SKIP
+        True
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    validate(
+        batch_size=batch_size, seq_len=seq_len, task=task, precision=precision, optim=optim, accum=accum,
+        device=device, world_size=world_size, shard=shard, seq2seq_target_len=seq2seq_target_len,
+    )
+    budget_bytes = None if budget is None else parse_bytes(budget)
+    # Outer dispatch modes (a live MemWatch tracker, a profiler's) must not see the fake step.
+    with _disable_current_modes():
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        if isinstance(model_or_config, torch.nn.Module):
+            model = fake_copy(model_or_config, fake_mode, "cpu")  # every target is simulated on CPU
+            config = getattr(model, "config", None)
+            task = task or _task_of_module(model)
+        else:
+            config = load_config(model_or_config)
+            task = task or infer_task(config)
+            model = build_fake_model(config, task, fake_mode, "cpu")
+            config = model.config
+        params, trainable = count_params(model)
+        if trainable == 0:
+            raise MemWatchConfigError("the model has no trainable parameter")
+
+        notes: list[str] = []
+        run = dict(
+            config=config, task=task, batch_size=batch_size, seq_len=seq_len,
+            target_len=seq2seq_target_len or seq_len, precision=precision, optim=optim,
+            checkpointing=checkpointing, accum=accum, device=device, max_grad_norm=max_grad_norm,
+        )
+        try:
+            phase_classes = _simulate(model, fake_mode, config, extrapolate_layers, notes, run)
+        except (MemWatchConfigError, KeyboardInterrupt):
+            raise
+        except Exception as exc:  # the model cannot run this configuration: say so in one line
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise MemWatchConfigError(
+                f"{type(model).__name__} cannot run a {task} training step with these settings: "
+                f"{type(exc).__name__}: {first}"
+            ) from exc
+    if device == "cuda":
+        notes.append("CUDA: the context (~0.3-1 GiB per process) and the caching allocator's reserve are not included")
+    per_phase = {phase: shard_classes(classes, model, world_size, shard, notes)
+                 for phase, classes in phase_classes.items()}
+    phase_peaks = {phase: sum(classes.values()) for phase, classes in per_phase.items()}
+    peak_phase = max(phase_peaks, key=lambda p: phase_peaks[p])
+    peak = phase_peaks[peak_phase]
+    return MemoryEstimate(
+        peak_bytes=peak,
+        peak_phase=peak_phase,
+        classes=dict(per_phase[peak_phase]),
+        params=params,
+        trainable_params=trainable,
+        fits=None if budget_bytes is None else peak <= budget_bytes,
+        budget=budget_bytes,
+        phase_peaks=phase_peaks,
+        config={
+            "model": type(model).__name__, "task": task, "batch_size": batch_size, "seq_len": seq_len,
+            "precision": precision, "optim": optim, "checkpointing": checkpointing, "accum": accum,
+            "device": device, "world_size": world_size, "shard": shard,
+            "seq2seq_target_len": seq2seq_target_len,
+        },
+        notes=notes,
+    )
+
+
+def _simulate(model: torch.nn.Module, fake_mode: Any, config: Any, extrapolate_layers: bool | None,
+              notes: list[str], run: dict[str, Any]) -> dict[str, dict[str, int]]:
+    """Per-phase class splits of the step: by depth extrapolation where exact and wanted, else in full."""
+    stack = homogeneous_layers(model, config) if extrapolate_layers is not False else None
+    depth = getattr(config, "num_hidden_layers", 0) or 0
+    if stack is not None and (extrapolate_layers or depth >= AUTO_MIN_LAYERS):
+        short = {}
+        for layers in SHORT_DEPTHS:
+            with truncated(stack, config, layers):
+                short[layers] = simulate_step(model, fake_mode, **run).phase_classes
+        extended = extrapolate(short, depth)
+        if extended is not None:
+            notes.append(f"depth extrapolated from {SHORT_DEPTHS[0]} and {SHORT_DEPTHS[1]} simulated layers")
+            return extended
+    return simulate_step(model, fake_mode, **run).phase_classes
+
+
+def largest_fitting_batch(
+    model_or_config: Any, *, budget: int | str, seq_len: int, max_batch: int = 4096, **kwargs: Any
+) -> int:
+    """The largest micro-batch whose predicted peak fits ``budget`` (0 when even 1 does not).
+
+    Activations grow linearly with the batch, so two estimates give a line; the answer is checked
+    (and corrected) with one or two more.
+
+    Example:
+        >>> largest_fitting_batch(cfg, budget="2GiB", seq_len=512)   # doctest: +SKIP
+        23
+    """
+    budget_bytes = parse_bytes(budget)
+    kwargs.pop("batch_size", None)
+    kwargs.pop("budget", None)
+
+    def peak(batch: int) -> int:
+        return estimate(model_or_config, batch_size=batch, seq_len=seq_len, **kwargs).peak_bytes
+
+    return largest_fitting(peak, budget_bytes, max_batch)
+
+
+def largest_fitting(peak_of: Any, budget: int, max_batch: int) -> int:
+    """Largest ``b`` in [1, max_batch] with ``peak_of(b) <= budget``; 0 when none.
+
+    Extrapolates the line through ``peak_of(1)`` and ``peak_of(2)`` then verifies, falling back to
+    bisection over the verified bracket (``peak_of`` is assumed non-decreasing).
+    """
+    cache: dict[int, int] = {}
+
+    def fits(batch: int) -> bool:
+        if batch not in cache:
+            cache[batch] = peak_of(batch)
+        return cache[batch] <= budget
+
+    if not fits(1):
+        return 0
+    if max_batch == 1:
+        return 1
+    slope = max(peak_of_cached(cache, peak_of, 2) - cache[1], 1)
+    guess = max(1, min(max_batch, 1 + (budget - cache[1]) // slope))
+    low, high = 1, max_batch + 1  # fits(low), not fits(high) (high virtual)
+    if fits(guess):
+        low = guess
+        if guess < max_batch and not fits(guess + 1):
+            return guess
+    else:
+        high = guess
+    while high - low > 1:
+        mid = (low + high) // 2
+        if fits(mid):
+            low = mid
+        else:
+            high = mid
+    return low
+
+
+def peak_of_cached(cache: dict[int, int], peak_of: Any, batch: int) -> int:
+    """``peak_of(batch)`` through ``cache``."""
+    if batch not in cache:
+        cache[batch] = peak_of(batch)
+    return cache[batch]

@@ -1,0 +1,106 @@
+"""The optimizer the Trainer would build, built over a fake model.
+
+``Trainer.get_optimizer_cls_and_kwargs`` picks the class and kwargs from ``TrainingArguments``
+(so ``adamw_torch`` is ``torch.optim.AdamW`` with the Trainer's betas/eps, ``adamw_bnb_8bit`` is
+bitsandbytes' ``AdamW`` with ``optim_bits=8``), and the parameters are grouped as
+``Trainer.create_optimizer`` groups them (weight decay / no weight decay, trainable only).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import tempfile
+import warnings
+from typing import Any
+
+import torch
+
+from .errors import MemWatchConfigError
+
+SUPPORTED_OPTIMS: tuple[str, ...] = (
+    "adamw_torch",
+    "adamw_torch_fused",
+    "adamw_bnb_8bit",
+    "adamw_8bit",
+    "paged_adamw_8bit",
+    "paged_adamw_32bit",
+    "sgd",
+    "adafactor",
+    "adagrad",
+    "rmsprop",
+)
+BNB_OPTIMS = frozenset({"adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit"})
+
+
+@functools.lru_cache(maxsize=32)
+def _training_arguments(optim: str) -> Any:
+    """``TrainingArguments`` carrying only what decides the optimizer (cached: building them is slow)."""
+    from transformers import TrainingArguments
+
+    with warnings.catch_warnings(), tempfile.TemporaryDirectory() as tmp:
+        warnings.simplefilter("ignore")
+        try:
+            return TrainingArguments(output_dir=tmp, optim=optim, use_cpu=True, report_to=[])
+        except ValueError as exc:
+            raise MemWatchConfigError(f"optim {optim!r}: {str(exc).splitlines()[0]}") from None
+
+
+def optimizer_class_and_kwargs(optim: str, model: torch.nn.Module | None = None) -> tuple[type, dict[str, Any]]:
+    """The optimizer class and kwargs the Trainer would use for ``optim``."""
+    from transformers import Trainer
+
+    args = _training_arguments(optim)
+    try:
+        cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
+    except (ImportError, ValueError) as exc:
+        raise MemWatchConfigError(f"optim {optim!r} is not available here: {str(exc).splitlines()[0]}") from None
+    return cls, dict(kwargs)
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float = 0.0) -> list[dict[str, Any]]:
+    """Trainable parameters grouped as ``Trainer.create_optimizer`` does (decay, then no decay)."""
+    from transformers import Trainer
+
+    decay = set(Trainer.get_decay_parameter_names(None, model))  # does not use ``self``
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return [
+        {"params": [p for n, p in named if n in decay], "weight_decay": weight_decay},
+        {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
+    ]
+
+
+def build_optimizer(model: torch.nn.Module, optim: str, target: str = "cpu") -> Any:
+    """Instantiate the Trainer's optimizer over ``model``'s (fake) parameters.
+
+    Built outside any fake mode: bitsandbytes fills its quantization maps with ``tolist()``. For a
+    CUDA target simulated on CPU tensors, torch optimizers get the implementation torch's
+    ``_default_to_fused_or_foreach`` picks for CUDA tensors: ``foreach`` (``fused`` stays fused).
+    """
+    cls, kwargs = optimizer_class_and_kwargs(optim, model)
+    if target == "cuda" and cls.__module__.startswith("torch.optim") and not kwargs.get("fused"):
+        if "foreach" in inspect.signature(cls.__init__).parameters and kwargs.get("foreach") is None:
+            kwargs["foreach"] = True
+    args = _training_arguments(optim)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        optimizer = cls(param_groups(model, args.weight_decay), **kwargs)
+    if "bitsandbytes" in str(cls) and kwargs.get("optim_bits") == 8:
+        _embeddings_in_32bit(optimizer, model)
+    return optimizer
+
+
+def _embeddings_in_32bit(optimizer: Any, model: torch.nn.Module) -> None:
+    """What ``Trainer.create_optimizer`` does for 8-bit bitsandbytes: embeddings keep 32-bit states.
+
+    The Trainer registers the override in bitsandbytes' process-wide manager; a private manager
+    gives the fake optimizer the same overrides without touching the global one.
+    """
+    from bitsandbytes.optim import GlobalOptimManager
+
+    manager = GlobalOptimManager.__new__(GlobalOptimManager)
+    manager.initialize()
+    for module in model.modules():
+        if isinstance(module, torch.nn.Embedding):
+            manager.register_module_override(module, "weight", {"optim_bits": 32})
+    optimizer.mng = manager

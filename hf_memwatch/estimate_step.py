@@ -1,0 +1,462 @@
+"""The Trainer's optimizer step, replayed on a fake model with lean storage accounting.
+
+:func:`simulate_step` mirrors ``Trainer._run_epoch`` / ``training_step`` / ``compute_loss``:
+``accum`` micro-batches prefetched (plus accelerate's one-batch look-ahead),
+``num_items_in_batch`` when the model takes loss kwargs, accelerate's autocast forward wrapper
+with its fp32 output conversion, ``loss / accum`` otherwise, ``backward``, the detached loss
+accumulator, ``clip_grad_norm_``, ``optimizer.step()``, ``zero_grad(set_to_none=True)`` — for two
+optimizer steps. Every tensor is fake; :class:`EstimateTracker` counts storages and snapshots the
+live set each time a phase reaches a new high, and the snapshot is split into classes when the
+phase ends.
+
+A CUDA target is simulated on fake CPU tensors (fake CUDA tensors need a CUDA build of torch),
+with what differs on CUDA modelled: every storage rounded up to 512 bytes as the caching
+allocator rounds blocks; the optimizer implementation torch picks for CUDA tensors (``foreach``
+unless the Trainer asks for ``fused``); bitsandbytes' fused CUDA kernels (no temporaries) instead
+of its Python CPU kernels. Autocast runs with CPU autocast's op lists at the same dtype, and SDPA
+with the CPU flash kernel, which saves what the CUDA flash / memory-efficient kernels save (the
+output and the log-sum-exp), not the attention matrix.
+
+Phase names are those of the timeline snapshot that closes each interval: ``after_forward``
+(forward and loss), ``after_backward``, ``after_optimizer`` (clipping and the optimizer step),
+``step_end`` (``zero_grad``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import warnings
+from dataclasses import dataclass, field
+from types import MethodType
+from typing import Any
+
+import torch
+
+from .estimate_optim import BNB_OPTIMS, build_optimizer
+from .saved_tensors import SavedTensorRegistry
+from .tracker import StorageTracker, _StorageRef
+
+CUDA_BLOCK = 512  # the CUDA caching allocator rounds every block up to a multiple of 512 bytes
+MIXED_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class StepSimulation:
+    """What one simulated step left: for each phase, the class split at its highest point."""
+
+    phase_classes: dict[str, dict[str, int]]
+    notes: list[str] = field(default_factory=list)
+
+
+class EstimateTracker(StorageTracker):
+    """A :class:`StorageTracker` that also snapshots the live set at each new high of a phase.
+
+    ``round_to`` rounds each storage up as the target allocator would (512 bytes on CUDA).
+    bitsandbytes optimizer ops are replayed with their Python CPU kernels when ``bnb_cpu_kernels``
+    (the registered fake kernels allocate nothing, the real CPU ones dequantize into temporaries).
+    For a CPU target, the per-thread buffers the CPU flash-attention kernel allocates inside itself
+    are added as transients (:func:`sdpa_cpu_workspace`).
+    """
+
+    def __init__(self, device_type: str, saved: SavedTensorRegistry, round_to: int = 1,
+                 bnb_cpu_kernels: bool = False) -> None:
+        super().__init__(device_type)
+        self.saved = saved
+        self.round_to = round_to
+        self.bnb_cpu_kernels = bnb_cpu_kernels
+        self.snapshot: tuple[dict[int, Any], set[int]] | None = None
+        self.kernel_workspaces = device_type == "cpu" and round_to == 1
+
+    def _track_plain(self, tensor: torch.Tensor) -> None:
+        if tensor.device.type != self.device_type:
+            return
+        storage = tensor.untyped_storage()
+        key = storage._cdata
+        nbytes = storage.nbytes()
+        if self.round_to > 1 and nbytes:
+            nbytes = -(-nbytes // self.round_to) * self.round_to
+        known = self._live.get(key)
+        if known is not None:
+            if known.nbytes == nbytes:
+                return
+            self.allocated += nbytes - known.nbytes
+            known.nbytes = nbytes
+        elif nbytes:
+            ref = _StorageRef(storage, self._on_free)
+            ref.key = key
+            ref.nbytes = nbytes
+            self._live[key] = ref
+            self.allocated += nbytes
+        else:
+            return
+        if self.allocated > self.peak:
+            self.peak = self.allocated
+            # C-speed shallow copies: the refs keep each storage's size even after it dies
+            self.snapshot = (dict(self._live), set(self.saved._counts))
+
+    def reset_peak(self) -> None:
+        super().reset_peak()
+        self.snapshot = (dict(self._live), set(self.saved._counts))
+
+    def transient(self, nbytes: int) -> None:
+        """Memory a kernel allocates and frees inside itself (invisible to dispatch), at its high."""
+        if nbytes <= 0:
+            return
+        self._live[-1] = _Transient(nbytes)
+        self.allocated += nbytes
+        if self.allocated > self.peak:
+            self.peak = self.allocated
+            self.snapshot = (dict(self._live), set(self.saved._counts))
+        del self._live[-1]
+        self.allocated -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.kernel_workspaces and func in _SDPA_CPU_OPS:
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            self.transient(sdpa_cpu_workspace(func, args))
+            return out
+        if self.bnb_cpu_kernels and func.namespace == "bitsandbytes" and "optimizer_update" in func.__name__:
+            kernel = _bnb_cpu_kernel(func.__name__)
+            if kernel is not None:
+                with self:  # re-enter so the kernel's temporaries are counted
+                    kernel(*args, **(kwargs or {}))
+                return None
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+class _Transient:
+    """Stands in a snapshot for a kernel's internal workspace (classified as temporaries)."""
+
+    __slots__ = ("nbytes",)
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+
+
+_SDPA_CPU_OPS = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+}
+
+
+def sdpa_cpu_workspace(func: Any, args: tuple) -> int:
+    """Bytes the CPU flash-attention kernel allocates for its per-thread buffers.
+
+    From ATen's ``FlashAttentionKernel.cpp``: query blocks of 32/64/256 rows (sequence < 192,
+    < 768, longer), key blocks of up to 512; forward ``buf`` (fp32) holds q @ k.T, row max and sum
+    and an output block per thread, plus a low-precision copy of q @ k.T for bf16/fp16; backward
+    holds attention and its gradient per thread, in fp32 and, for bf16/fp16, again in low precision,
+    after a contiguous copy of the output gradient when it arrives strided.
+    """
+    backward = func is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+    query, key = (args[1], args[2]) if backward else (args[0], args[1])
+    q_len, kv_len, head_dim = query.shape[-2], key.shape[-2], query.shape[-1]
+    q_split = min(256 if q_len >= 768 else 64 if q_len >= 192 else 32, q_len)
+    kv_split = min(512, kv_len)
+    threads = torch.get_num_threads()
+    reduced = query.dtype in (torch.bfloat16, torch.float16)
+    low = query.element_size()
+    if backward:
+        per_thread = 2 * q_split * kv_split * 4 + q_split * 4 + (2 * q_split * kv_split * low if reduced else 0)
+        grad_out = args[0]  # the kernel makes it contiguous first
+        copy = 0 if grad_out.is_contiguous() else grad_out.numel() * grad_out.element_size()
+        return threads * per_thread + copy
+    per_thread = (q_split * kv_split + 2 * q_split + q_split * head_dim) * 4 + (
+        q_split * kv_split * low if reduced else 0)
+    return threads * per_thread
+
+
+def _bnb_cpu_kernel(op_name: str) -> Any:
+    """bitsandbytes' Python CPU implementation of an optimizer op (None when unavailable)."""
+    try:
+        from bitsandbytes.backends.cpu import ops as cpu_ops
+    except ImportError:  # pragma: no cover - bnb without a CPU backend
+        return None
+    if op_name.startswith("optimizer_update_8bit_blockwise"):
+        return getattr(cpu_ops, "_optimizer_update_8bit_blockwise_cpu", None)
+    if op_name.startswith("optimizer_update_32bit"):
+        return getattr(cpu_ops, "_optimizer_update_32bit_cpu", None)
+    return None
+
+
+# -- inputs ----------------------------------------------------------------------------------
+def make_batch(config: Any, task: str, batch: int, seq_len: int, target_len: int, device: str) -> dict[str, torch.Tensor]:
+    """The tensors ``default_data_collator`` would hand the model for ``task`` (call under the fake mode)."""
+    vocab = int(getattr(config, "vocab_size", None) or 2)
+    input_ids = torch.randint(0, vocab, (batch, seq_len), device=device)
+    if task == "seq-cls":
+        labels = torch.randint(0, max(int(getattr(config, "num_labels", 2)), 1), (batch,), device=device)
+    elif task == "seq2seq":
+        labels = torch.randint(0, vocab, (batch, target_len), device=device)
+    else:
+        labels = torch.randint(0, vocab, (batch, seq_len), device=device)
+    return {"input_ids": input_ids, "labels": labels}
+
+
+def accepts_loss_kwargs(model: torch.nn.Module) -> bool:
+    """``Trainer.model_accepts_loss_kwargs`` for ``model``."""
+    if hasattr(model, "accepts_loss_kwargs"):
+        return bool(model.accepts_loss_kwargs)
+    params = inspect.signature(model.forward).parameters
+    return any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def loss_shifts_labels(model: torch.nn.Module) -> bool:
+    """``Trainer._loss_shifts_labels``: causal-LM loss counts ``labels[..., 1:]``."""
+    try:
+        from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
+    except ImportError:  # pragma: no cover - older transformers
+        return False
+    config = getattr(model, "config", None)
+    return LOSS_MAPPING.get(getattr(model, "loss_type", None)) is ForCausalLMLoss and not getattr(
+        config, "is_encoder_decoder", False
+    )
+
+
+def wrap_autocast(model: torch.nn.Module, device: str, precision: str) -> None:
+    """Wrap ``model.forward`` as ``Accelerator.prepare_model`` does for native AMP."""
+    from accelerate.utils import convert_outputs_to_fp32
+
+    dtype = MIXED_DTYPES[precision]
+    autocast = torch.autocast(device_type=device, dtype=dtype)
+    forward = model.forward.__func__ if hasattr(model.forward, "__func__") else model.forward
+    model.forward = MethodType(autocast(forward), model)
+    model.forward = MethodType(convert_outputs_to_fp32(model.forward.__func__), model)
+
+
+def enable_checkpointing(model: torch.nn.Module) -> None:
+    """Activation checkpointing as ``Trainer.__init__`` enables it (default kwargs)."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=None)
+    else:
+        model.gradient_checkpointing_enable()
+
+
+@contextlib.contextmanager
+def real_batch_masks() -> Any:
+    """Let transformers' mask code take the path it takes on the real batch: full rows, no padding.
+
+    On a fake tensor transformers cannot read values, so its mask helpers play safe: they treat the
+    tensor as traced, keep a packed-sequence mask and materialise causal and padding masks that a
+    real run skips (one unpadded sequence per row, as the estimate's batches are — SDPA then gets
+    ``is_causal`` instead of a mask). Within this context, ``masking_utils`` judges fake tensors
+    as real ones, and its value checks (``fast_all``, packed-sequence detection) still run their
+    operators, so their temporaries count, but answer as the real batch would: all ones, not packed.
+    """
+    try:
+        from torch._subclasses.fake_tensor import is_fake
+        from transformers import masking_utils
+    except ImportError:  # pragma: no cover - older transformers
+        yield
+        return
+    originals = {name: getattr(masking_utils, name, None)
+                 for name in ("is_tracing", "fast_all", "find_packed_sequence_indices")}
+    if any(value is None for value in originals.values()):  # pragma: no cover - other transformers
+        yield
+        return
+
+    def is_tracing(tensor: Any = None) -> bool:
+        return originals["is_tracing"]()  # graph capture only, not "this tensor is fake"
+
+    def fast_all(tensor: torch.Tensor) -> Any:
+        result = originals["fast_all"](tensor)
+        return True if is_fake(result) else result
+
+    def find_packed_sequence_indices(position_ids: torch.Tensor) -> torch.Tensor | None:
+        if not is_fake(position_ids):
+            return originals["find_packed_sequence_indices"](position_ids)
+        first = position_ids[:, :1] - 1  # the detection's operators, as transformers runs them
+        (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
+        return None
+
+    patched = {"is_tracing": is_tracing, "fast_all": fast_all,
+               "find_packed_sequence_indices": find_packed_sequence_indices}
+    for name, value in patched.items():
+        setattr(masking_utils, name, value)
+    try:
+        yield
+    finally:
+        for name, value in originals.items():
+            setattr(masking_utils, name, value)
+
+
+# -- classification --------------------------------------------------------------------------
+def classify(snapshot: tuple[dict[int, Any], set[int]], live_now: dict[int, Any], weights: dict[int, Any],
+             gradients: set[int], states: set[int], other: dict[int, Any]) -> dict[str, int]:
+    """Split a live-set snapshot into the six classes (each storage once, first class wins).
+
+    Storage keys are addresses and get reused once a storage dies, so a snapshot entry belongs to
+    a class only when it is the *same* storage: the tracker's reference object (one per storage
+    lifetime) must match the one recorded for the class (``weights``/``other``: key -> ref) or
+    the one live now (``gradients``/``states``: keys read now).
+    """
+    live, saved = snapshot
+    classes = dict.fromkeys(("weights", "gradients", "optimizer_states", "activations", "temporaries", "other"), 0)
+    for key, ref in live.items():
+        if weights.get(key) is ref:
+            name = "weights"
+        elif key in gradients and live_now.get(key) is ref:
+            name = "gradients"
+        elif key in states and live_now.get(key) is ref:
+            name = "optimizer_states"
+        elif key in saved:
+            name = "activations"
+        elif other.get(key) is ref:
+            name = "other"
+        else:
+            name = "temporaries"
+        classes[name] += ref.nbytes
+    return classes
+
+
+def _keys(tensors: Any) -> set[int]:
+    keys: set[int] = set()
+    for tensor in tensors:
+        if isinstance(tensor, torch.Tensor):
+            keys.add(tensor.untyped_storage()._cdata)
+    return keys
+
+
+def _refs(tracker: StorageTracker, tensors: Any) -> dict[int, Any]:
+    """key -> the tracker's reference object of each tensor's storage (its identity for this lifetime)."""
+    return {key: tracker._live[key] for key in _keys(tensors) if key in tracker._live}
+
+
+def _state_tensors(optimizer: Any) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    for state in optimizer.state.values():
+        values = state.values() if isinstance(state, dict) else [state]
+        found.extend(v for v in values if isinstance(v, torch.Tensor))
+    return found
+
+
+class _Phases:
+    """Closes phase intervals: classify the interval's highest snapshot, keep the best per phase."""
+
+    def __init__(self, tracker: EstimateTracker, model: torch.nn.Module, optimizer: Any,
+                 weights: dict[int, Any], other: dict[int, Any]) -> None:
+        self.tracker, self.model, self.optimizer = tracker, model, optimizer
+        self.weights, self.other = weights, other
+        self.best: dict[str, dict[str, int]] = {}
+
+    def close(self, phase: str) -> None:
+        tracker = self.tracker
+        if tracker.snapshot is not None:
+            grads = _keys(p.grad for p in self.model.parameters())
+            states = _keys(_state_tensors(self.optimizer))
+            classes = classify(tracker.snapshot, tracker._live, self.weights, grads, states, self.other)
+            if sum(classes.values()) > sum(self.best.get(phase, {}).values() or [-1]):
+                self.best[phase] = classes
+        tracker.reset_peak()
+
+
+# -- the step --------------------------------------------------------------------------------
+def simulate_step(
+    model: torch.nn.Module, fake_mode: Any, *, config: Any, task: str, batch_size: int, seq_len: int,
+    target_len: int, precision: str, optim: str, checkpointing: bool, accum: int, device: str,
+    max_grad_norm: float, steps: int = 2,
+) -> StepSimulation:
+    """Run ``steps`` Trainer optimizer steps on the fake ``model``; the peak and its split.
+
+    All but the last step only prime the optimizer (see :func:`_prime_optimizer`).
+    """
+    notes: list[str] = []
+    model.train()
+    if checkpointing:
+        enable_checkpointing(model)
+    saved_forward = model.__dict__.get("forward")
+    target, device = device, "cpu"  # a CUDA target is simulated on fake CPU tensors (see module doc)
+    if precision in MIXED_DTYPES:
+        wrap_autocast(model, device, precision)
+    optimizer = build_optimizer(model, optim, target)
+    takes_loss_kwargs = accepts_loss_kwargs(model)
+    shifts = loss_shifts_labels(model)
+
+    saved = SavedTensorRegistry()
+    tracker = EstimateTracker(
+        device, saved, round_to=CUDA_BLOCK if target == "cuda" else 1,
+        bnb_cpu_kernels=(target == "cpu" and optim in BNB_OPTIMS),
+    )
+    weight_tensors = list(model.parameters()) + list(model.buffers())
+    tracker.register(weight_tensors)
+    weights = _refs(tracker, weight_tensors)
+    other: dict[int, Any] = {}
+    phases = _Phases(tracker, model, optimizer, weights, other)
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    with warnings.catch_warnings(), real_batch_masks(), fake_mode, tracker:
+        warnings.simplefilter("ignore")
+        saved.start()
+        try:
+            tr_loss = torch.tensor(0.0, device=device)
+            other.update(_refs(tracker, [tr_loss]))
+            lookahead = make_batch(config, task, batch_size, seq_len, target_len, device)
+            for _ in range(steps - 1):
+                _prime_optimizer(optimizer, params)
+            phases.close("after_optimizer")
+            batches = [lookahead] + [
+                make_batch(config, task, batch_size, seq_len, target_len, device) for _ in range(accum - 1)
+            ]
+            lookahead = make_batch(config, task, batch_size, seq_len, target_len, device)
+            for b in batches + [lookahead]:
+                other.update(_refs(tracker, b.values()))
+            num_items = None
+            if takes_loss_kwargs:
+                labels = [b["labels"][..., 1:] if shifts else b["labels"] for b in batches]
+                num_items = sum(lab.ne(-100).sum() for lab in labels).to(device)
+                other.update(_refs(tracker, [num_items]))
+            tracker.reset_peak()
+            # Micro-steps after the second are the second again (same live set, gradients
+            # accumulating in place), so at most two are replayed; all batches stay prefetched.
+            for inputs in batches[:2]:
+                loss = _forward_loss(model, inputs, num_items)
+                del inputs
+                if num_items is None:
+                    loss = loss / accum
+                phases.close("after_forward")
+                loss.backward()
+                phases.close("after_backward")
+                tr_loss += loss.detach()
+                del loss
+            del batches
+            if max_grad_norm and max_grad_norm > 0:
+                torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+            optimizer.step()
+            phases.close("after_optimizer")
+            optimizer.zero_grad(set_to_none=True)
+            model.zero_grad(set_to_none=True)
+            phases.close("step_end")
+        finally:
+            saved.stop()
+            _restore_forward(model, saved_forward)
+    return StepSimulation(dict(phases.best), notes)
+
+
+def _restore_forward(model: torch.nn.Module, saved_forward: Any) -> None:
+    """Undo :func:`wrap_autocast` (the fake model may be simulated again)."""
+    if saved_forward is None:
+        model.__dict__.pop("forward", None)
+    else:
+        model.forward = saved_forward
+
+
+def _prime_optimizer(optimizer: Any, params: list[torch.nn.Parameter]) -> None:
+    """An earlier optimizer step, short: create the lazily built state (gradients of the right shapes).
+
+    The forward and backward of the earlier step are the later one's without optimizer state, so
+    they cannot be higher and are not replayed; the state creation itself is tracked.
+    """
+    for param in params:
+        param.grad = torch.zeros_like(param)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _forward_loss(model: torch.nn.Module, inputs: dict[str, torch.Tensor], num_items: Any) -> torch.Tensor:
+    """``Trainer.compute_loss``: outputs are dropped on return, only the loss survives."""
+    kwargs = dict(inputs)
+    if num_items is not None:
+        kwargs["num_items_in_batch"] = num_items
+    outputs = model(**kwargs)
+    return outputs["loss"] if isinstance(outputs, dict) else outputs[0]

@@ -1,0 +1,84 @@
+"""Ground truth for the estimator: the peak of a real ``Trainer.train()`` on the CPU, from PyTorch.
+
+Used by ``benchmarks/accuracy.py`` and the tests. The model's parameter and buffer storages live
+before ``train()`` are the baseline; the profiler's CPU allocator events inside ``train()`` give
+the rest (:func:`hf_memwatch.truth.window_peak`).
+
+Usage:
+    >>> peak = trainer_peak(model, task="causal-lm", batch_size=8, seq_len=64)   # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import gc
+import tempfile
+import warnings
+from typing import Any
+
+import torch
+
+from .attribution import weight_storages
+from .estimate_step import make_batch
+from .truth import window_peak
+
+
+class ListDataset(torch.utils.data.Dataset):
+    """A list of examples (dicts of tensors) as a map-style dataset."""
+
+    def __init__(self, rows: list[dict[str, torch.Tensor]]) -> None:
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return self.rows[index]
+
+
+def synthetic_dataset(config: Any, task: str, rows: int, seq_len: int, target_len: int) -> ListDataset:
+    """``rows`` examples shaped as :func:`~hf_memwatch.estimate_step.make_batch` shapes one batch."""
+    batch = make_batch(config, task, rows, seq_len, target_len, "cpu")
+    return ListDataset([{k: v[i] for k, v in batch.items()} for i in range(rows)])
+
+
+def _fresh_bitsandbytes_overrides() -> None:
+    """Forget per-parameter overrides earlier Trainers left in bitsandbytes' process-wide manager.
+
+    ``Trainer.create_optimizer`` registers 32-bit states for embeddings there, and the manager keys
+    them by (group, index) for every later optimizer too: without this, each measured run would
+    depend on the runs before it in the same process, unlike a fresh training process.
+    """
+    import sys
+
+    bnb = sys.modules.get("bitsandbytes")
+    if bnb is not None:
+        bnb.optim.GlobalOptimManager.get_instance().initialize()
+
+
+def trainer_peak(
+    model: torch.nn.Module, *, task: str, batch_size: int, seq_len: int, target_len: int | None = None,
+    precision: str = "fp32", optim: str = "adamw_torch", checkpointing: bool = False, accum: int = 1,
+    max_grad_norm: float = 1.0, steps: int = 2,
+) -> int:
+    """Peak live CPU bytes of ``steps`` real Trainer optimizer steps, from the profiler's memory events."""
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import Trainer, TrainingArguments
+
+    config = model.config
+    target_len = target_len or seq_len
+    dataset = synthetic_dataset(config, task, batch_size * accum * steps, seq_len, target_len)
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        args = TrainingArguments(
+            output_dir=tmp, per_device_train_batch_size=batch_size, gradient_accumulation_steps=accum,
+            max_steps=steps, logging_steps=1, report_to=[], save_strategy="no", use_cpu=True,
+            bf16=precision == "bf16", fp16=precision == "fp16", optim=optim, max_grad_norm=max_grad_norm,
+            activation_checkpointing=checkpointing, disable_tqdm=True, dataloader_num_workers=0,
+        )
+        trainer = Trainer(model=model, args=args, train_dataset=dataset)
+        _fresh_bitsandbytes_overrides()
+        gc.collect()  # garbage of earlier runs freed inside the window would lower the running sum
+        baseline = sum(weight_storages(model, None).values())
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            trainer.train()
+    return window_peak(prof, baseline)

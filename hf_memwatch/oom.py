@@ -1,0 +1,422 @@
+"""OOM post-mortem: ``memwatch/oom_report.md`` written before an out-of-memory error leaves ``train()``.
+
+:func:`install_oom_guard` wraps the Trainer instance's ``train`` (whatever it is at the time, so it
+composes with other wrappers). On an OOM the report is written and the *same* exception object is
+re-raised with a bare ``raise``: the user's traceback is the original one. The report says at which
+step and phase the run died, what was live at the last snapshot, and which remedy would have saved
+how much, from :func:`hf_memwatch.estimate.estimate` when that module is importable.
+
+On CUDA, ``MemWatch(record_history=True)`` records the allocator's history
+(:func:`start_allocator_history`) and the post-mortem dumps ``oom_snapshot.pickle`` for
+https://pytorch.org/memory_viz, each allocation tagged with the step and phase that made it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import re
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .categories import LIVE_CLASSES
+from .errors import is_oom_error
+from .units import format_bytes
+
+logger = logging.getLogger("hf_memwatch")
+
+REPORT_NAME = "oom_report.md"
+SNAPSHOT_NAME = "oom_snapshot.pickle"
+_WRAPPED_MARK = "_hf_memwatch_oom"
+
+#: What runs after each snapshot phase until the next one: where an OOM after that snapshot happened.
+PHASE_IN_PROGRESS = {
+    "step_begin": "the forward pass",
+    "after_forward": "the backward pass",
+    "after_backward": "the optimizer step (or the next micro-batch's forward pass)",
+    "after_optimizer": "zero_grad / the end of the step",
+    "step_end": "between steps (data loading, logging, evaluation, saving)",
+}
+
+
+# -- installing --------------------------------------------------------------------------------
+def install_oom_guard(trainer: Any, on_oom: Callable[[BaseException], None]) -> bool:
+    """Wrap ``trainer.train`` so that ``on_oom(exc)`` runs before an OOM propagates, unchanged.
+
+    ``on_oom`` faults are logged, never raised: the user sees their own exception. Installs once
+    per trainer; returns False when it already was installed.
+    """
+    current = trainer.train
+    if getattr(current, _WRAPPED_MARK, False):
+        return False
+    _load_estimator()  # import now: at the OOM there may be no memory left to import with
+
+    @functools.wraps(current)
+    def train(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return current(*args, **kwargs)
+        except BaseException as exc:
+            if is_oom_error(exc):
+                try:
+                    on_oom(exc)
+                except Exception as inner:  # noqa: BLE001 - the user's OOM matters, not ours
+                    logger.warning("hf-memwatch: OOM report failed (%s: %s)", type(inner).__name__, inner)
+            raise
+
+    setattr(train, _WRAPPED_MARK, True)
+    trainer.train = train
+    return True
+
+
+def start_allocator_history(monitor: Any, max_entries: int = 100_000) -> bool:
+    """On CUDA, record allocator history and tag allocations with the step and phase in progress.
+
+    Costs time on every allocation (opt-in). Returns False on other devices.
+    """
+    if getattr(monitor.backend, "kind", None) != "cuda":
+        logger.warning("hf-memwatch: record_history applies to CUDA only; device is %s", monitor.device)
+        return False
+    torch.cuda.memory._record_memory_history(max_entries=max_entries)
+    set_metadata = getattr(torch.cuda.memory, "_set_memory_metadata", None)
+    snapshot = monitor.snapshot
+
+    @functools.wraps(snapshot)
+    def snapshot_and_mark(phase: str) -> dict[str, Any]:
+        record = snapshot(phase)
+        label = f"hf_memwatch step {monitor.step} mb {monitor.micro_step}: {PHASE_IN_PROGRESS.get(phase, phase)}"
+        if set_metadata is not None:
+            set_metadata(label)
+        with torch.profiler.record_function(label):  # an annotation in the snapshot as well
+            pass
+        return record
+
+    monitor.snapshot = snapshot_and_mark
+    return True
+
+
+def stop_allocator_history() -> None:
+    """Stop CUDA allocator history recording (started by :func:`start_allocator_history`)."""
+    if torch.cuda.is_available():
+        torch.cuda.memory._record_memory_history(enabled=None)
+
+
+# -- the remedies ------------------------------------------------------------------------------
+_ESTIMATOR: Any = None
+_ESTIMATOR_ERROR: str | None = None
+
+
+def _load_estimator() -> Any:
+    global _ESTIMATOR, _ESTIMATOR_ERROR
+    if _ESTIMATOR is None and _ESTIMATOR_ERROR is None:
+        try:
+            from .estimate import estimate
+
+            _ESTIMATOR = estimate
+        except Exception as exc:  # noqa: BLE001 - another module; absent or broken degrades to a note
+            _ESTIMATOR_ERROR = f"{type(exc).__name__}: {exc}"
+    return _ESTIMATOR
+
+
+@dataclasses.dataclass
+class RunConfig:
+    """What the estimator needs about the run that died."""
+
+    batch_size: int
+    seq_len: int | None
+    precision: str
+    optim: str
+    checkpointing: bool
+    accum: int
+    device: str
+
+    @classmethod
+    def from_trainer(cls, trainer: Any, seq_len: int | None) -> RunConfig:
+        args = trainer.args
+        precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+        optim = getattr(args.optim, "value", args.optim)
+        return cls(
+            batch_size=int(args.per_device_train_batch_size),
+            seq_len=seq_len,
+            precision=precision,
+            optim=str(optim),
+            checkpointing=bool(args.gradient_checkpointing),
+            accum=int(args.gradient_accumulation_steps),
+            device=str(args.device),
+        )
+
+
+def remedy_variants(config: RunConfig) -> list[tuple[str, RunConfig]]:
+    """The standard remedies that change ``config``, each as (description, changed config)."""
+    variants: list[tuple[str, RunConfig]] = []
+    if config.batch_size > 1:
+        half = config.batch_size // 2
+        variants.append(
+            (f"batch {config.batch_size} → {half}, gradient accumulation {config.accum} → {config.accum * 2} "
+             "(same effective batch)",
+             dataclasses.replace(config, batch_size=half, accum=config.accum * 2))
+        )
+    if not config.checkpointing:
+        variants.append(("gradient checkpointing on", dataclasses.replace(config, checkpointing=True)))
+    if "8bit" not in config.optim and "adam" in config.optim.lower():
+        variants.append(("8-bit AdamW (optim='adamw_bnb_8bit')", dataclasses.replace(config, optim="adamw_bnb_8bit")))
+    if config.precision == "fp32":
+        variants.append(("bf16 mixed precision", dataclasses.replace(config, precision="bf16")))
+    return variants
+
+
+def estimate_remedies(model: Any, config: RunConfig) -> tuple[int | None, list[tuple[str, int | None, str]], str]:
+    """(predicted peak of ``config``, [(remedy, predicted peak, note)], note on the whole).
+
+    Uses :func:`hf_memwatch.estimate.estimate`; without it, no figures and a note saying why.
+    """
+    estimate = _load_estimator()
+    if estimate is None:
+        return None, [], f"the estimator is not available ({_ESTIMATOR_ERROR})"
+    if config.seq_len is None:
+        return None, [], "the sequence length of the failing batch is unknown, so the estimator was not run"
+
+    # The config, not the module: the live module carries our hooks (and the user's), which the
+    # estimator's copy must not drag along.
+    subject = getattr(model, "config", None) or model
+
+    def peak_of(cfg: RunConfig) -> int:
+        fields = dataclasses.asdict(cfg)
+        return int(estimate(subject, **fields).peak_bytes)
+
+    try:
+        baseline = peak_of(config)
+    except Exception as exc:  # noqa: BLE001 - report what we can
+        return None, [], f"the estimator failed on this run's configuration ({type(exc).__name__}: {exc})"
+    rows: list[tuple[str, int | None, str]] = []
+    for description, variant in remedy_variants(config):
+        try:
+            rows.append((description, peak_of(variant), ""))
+        except Exception as exc:  # noqa: BLE001
+            rows.append((description, None, f"estimator failed: {type(exc).__name__} {exc}".strip()))
+    return baseline, rows, ""
+
+
+# -- the report --------------------------------------------------------------------------------
+_TRIED = re.compile(r"(?:you tried to allocate|Tried to allocate)\s+([0-9.]+)\s*(bytes|[KMGT]i?B)", re.IGNORECASE)
+_UNIT = {"bytes": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6,
+         "gb": 10**9, "tb": 10**12}
+
+
+def requested_bytes(exc: BaseException) -> int | None:
+    """The allocation that failed, from the allocator's message (CPU and CUDA wordings).
+
+    Example:
+        >>> requested_bytes(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1048576 bytes."))
+        1048576
+    """
+    match = _TRIED.search(str(exc))
+    if not match:
+        return None
+    return int(float(match.group(1)) * _UNIT[match.group(2).lower()])
+
+
+def write_oom_report(
+    directory: str | Path,
+    exc: BaseException,
+    monitor: Any,
+    trainer: Any,
+    *,
+    seq_len: int | None = None,
+    plan: Any = None,
+    snapshot_path: Path | None = None,
+) -> Path:
+    """Write ``<directory>/oom_report.md`` (and an ``oom`` timeline record); returns its path.
+
+    On CUDA with allocator history being recorded, also dumps ``oom_snapshot.pickle``.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    last = monitor.step_snapshots[-1] if monitor.step_snapshots else None
+    at_failure = split_at_failure(monitor)
+    live_now = at_failure["allocated"] if at_failure else None
+    monitor.stop_tracking()  # the estimator below must not run under our tracking mode
+    if snapshot_path is None:
+        snapshot_path = _dump_cuda_snapshot(directory)
+    model = getattr(trainer, "model", None)
+    config = RunConfig.from_trainer(trainer, seq_len)
+    baseline, remedies, note = estimate_remedies(model, config)
+    record = {
+        "event": "oom", "step": monitor.step, "micro_step": monitor.micro_step, "rank": monitor.rank,
+        "time": time.time(), "last_phase": last["phase"] if last else None,
+        "requested": requested_bytes(exc), "allocated_at_failure": live_now,
+        "live_at_failure": at_failure["live"] if at_failure else None,
+        "error": f"{type(exc).__name__}: {str(exc)[:300]}",
+    }
+    if monitor.writer is not None:
+        monitor.writer.write(record)
+        monitor.writer.flush()
+    text = render_oom_report(
+        exc, monitor, last, config, model, at_failure, baseline, remedies, note, plan, snapshot_path
+    )
+    path = directory / REPORT_NAME
+    path.write_text(text, encoding="utf-8")
+    logger.warning("hf-memwatch: out of memory at step %s; post-mortem in %s", monitor.step, path)
+    return path
+
+
+def split_at_failure(monitor: Any) -> dict[str, Any] | None:
+    """The live classes at the moment of the failure (a snapshot record, not written to the timeline).
+
+    Only where the figures are real: an allocator that counts for itself (CUDA) or a CPU step being
+    tracked in full; None otherwise. The activations saved so far in the failing pass count as
+    activations.
+    """
+    backend = monitor.backend
+    if not (backend.exact or backend.tracking) or not monitor.in_step:
+        return None
+    # The monitor's own full snapshot, without recording it: same attribution as every snapshot.
+    return monitor._full_snapshot("oom", monitor.micro_step)
+
+
+def _dump_cuda_snapshot(directory: Path) -> Path | None:
+    if not torch.cuda.is_available():
+        return None
+    try:
+        if not any(torch.cuda.memory._snapshot().get("device_traces") or []):
+            return None  # history is not being recorded
+        path = directory / SNAPSHOT_NAME
+        torch.cuda.memory._dump_snapshot(str(path))
+        return path
+    except Exception as exc:  # noqa: BLE001 - the report matters more than the snapshot
+        logger.warning("hf-memwatch: no allocator snapshot (%s: %s)", type(exc).__name__, exc)
+        return None
+
+
+def render_oom_report(
+    exc: BaseException,
+    monitor: Any,
+    last: Mapping[str, Any] | None,
+    config: RunConfig,
+    model: Any,
+    at_failure: Mapping[str, Any] | None,
+    baseline: int | None,
+    remedies: list[tuple[str, int | None, str]],
+    note: str,
+    plan: Any,
+    snapshot_path: Path | None,
+) -> str:
+    """The Markdown text of the post-mortem."""
+    lines = ["# hf-memwatch: out-of-memory post-mortem", ""]
+    name = type(model).__name__ if model is not None else "?"
+    params = sum(p.numel() for p in model.parameters()) if model is not None else None
+    model_text = f"{name} ({params:,} parameters), " if params is not None else ""
+    lines += [
+        f"- **Error:** `{type(exc).__name__}: {_first_line(exc)}`",
+        f"- **Run:** {model_text}batch {config.batch_size} per device × gradient accumulation {config.accum}, "
+        f"sequence length {config.seq_len or '?'}, {config.precision}, optim {config.optim}, "
+        f"gradient checkpointing {'on' if config.checkpointing else 'off'}, device {config.device}",
+    ]
+    if last is not None:
+        lines.append(
+            f"- **Where:** optimizer step {monitor.step}, micro-batch {monitor.micro_step}, during "
+            f"{PHASE_IN_PROGRESS.get(last['phase'], last['phase'])} (last snapshot: `{last['phase']}`)"
+        )
+    else:
+        lines.append(f"- **Where:** before the first snapshot of step {monitor.step} (model or batch set-up)")
+    requested = requested_bytes(exc)
+    if requested is not None:
+        lines.append(f"- **Failed allocation:** {format_bytes(requested)}")
+    if at_failure is not None:
+        lines.append(f"- **Live when it failed:** {format_bytes(at_failure['allocated'])}")
+    if last is not None and last.get("device_total") is not None:
+        lines.append(
+            f"- **Device:** {format_bytes(last['device_total'])} in all, "
+            f"{format_bytes(last.get('device_free'))} free at the last snapshot"
+        )
+    if at_failure is not None:
+        lines += ["", "## Live memory when the allocation failed", ""]
+        lines += _class_table(at_failure, spike=False)
+    lines += ["", f"## Live memory at the last snapshot (`{last['phase']}`)" if last else "", ""]
+    if last is not None and last.get("allocated") is not None:
+        lines += _class_table(last)
+    else:
+        lines.append("No snapshot with allocator figures was taken in this step.")
+    previous = monitor.last_step
+    if previous is not None and previous.get("step") != monitor.step:
+        lines += [
+            "",
+            f"Last completed step ({previous['step']}): peak {format_bytes(previous.get('peak'))} "
+            f"at `{previous.get('peak_phase')}`, dominated by {previous.get('dominant')}.",
+        ]
+    lines += ["", "## What would have saved how much", ""]
+    lines += _remedy_lines(baseline, remedies, note, last)
+    lines += ["", "## Plan in force", "", _plan_text(plan)]
+    if snapshot_path is not None:
+        lines += [
+            "", "## Allocator snapshot", "",
+            f"`{snapshot_path.name}`: drag it onto https://pytorch.org/memory_viz. Allocations carry "
+            "`hf_memwatch step N mb M: <phase>` as metadata (the phase in progress when they were made).",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:400] if text else ""
+
+
+def _class_table(snapshot: Mapping[str, Any], spike: bool = True) -> list[str]:
+    allocated = snapshot["allocated"] or 0
+    live = snapshot.get("live") or {}
+    rows = ["| class | bytes | share |", "|---|---:|---:|"]
+    for name in LIVE_CLASSES:
+        value = live.get(name)
+        share = f"{100 * value / allocated:.1f} %" if value is not None and allocated else "-"
+        rows.append(f"| {name} | {format_bytes(value)} | {share} |")
+    rows.append(f"| **allocated** | **{format_bytes(allocated)}** | 100 % |")
+    if spike:
+        rows.append(f"| spike (temporaries above live, in the phase) | {format_bytes(snapshot.get('spike'))} | |")
+    return rows
+
+
+def _remedy_lines(
+    baseline: int | None, remedies: list[tuple[str, int | None, str]], note: str, last: Mapping[str, Any] | None
+) -> list[str]:
+    if baseline is None:
+        lines = [f"No estimator figures: {note}."]
+        if last is not None and last.get("live"):
+            lines += ["", "From the measured split only (rough, not a prediction):"]
+            live = last["live"]
+            activations = live.get("activations") or 0
+            states = live.get("optimizer_states") or 0
+            if activations:
+                lines.append(f"- halving the batch frees about {format_bytes(activations / 2)} of activations; "
+                             "gradient checkpointing most of the rest")
+            if states:
+                lines.append(f"- 8-bit AdamW would keep about a quarter of the {format_bytes(states)} "
+                             "of optimizer states")
+            if not activations and not states:
+                lines.append("- the last snapshot was before the forward pass: the activations of the failing "
+                             "batch were never measured; a smaller batch or gradient checkpointing is the usual fix")
+        return lines
+    lines = [
+        f"Predicted peak of this configuration: **{format_bytes(baseline)}** (hf_memwatch.estimate).",
+        "",
+        "| remedy | predicted peak | saves |",
+        "|---|---:|---:|",
+    ]
+    for description, peak, problem in sorted(remedies, key=lambda r: r[1] if r[1] is not None else 1 << 62):
+        if peak is None:
+            lines.append(f"| {description} | - | ({problem}) |")
+        else:
+            lines.append(f"| {description} | {format_bytes(peak)} | {format_bytes(baseline - peak)} |")
+    return lines
+
+
+def _plan_text(plan: Any) -> str:
+    from .summary import describe_plan
+
+    if isinstance(plan, Mapping):
+        text = describe_plan(plan)
+        return text + (f". Reason: {plan['reason']}" if plan.get("reason") else "")
+    return "None (the auto mode was off or had no plan)." if plan is None else str(plan)

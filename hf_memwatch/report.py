@@ -1,0 +1,327 @@
+"""The picture of a run: where each step's memory goes, phase by phase (PNG via matplotlib, or HTML).
+
+One panel per rank (small multiples, shared axes): the live classes stacked across the phases of
+every step, the spike (temporaries above live memory inside a phase) on top, a marker at each
+step's peak, the budget as a line and the auto mode's plan events as vertical marks.
+
+Usage:
+    >>> write_report("out/memwatch", "memory.png")   # doctest: +SKIP
+    >>> # or: hf-memwatch report out -o memory.html
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .categories import LIVE_CLASSES
+from .errors import MemWatchConfigError
+from .timeline import _rank_of, find_timelines, read_timeline
+from .units import format_bytes
+
+SPIKE = "spike"
+COLOURS = {
+    "weights": "#4C72B0",
+    "gradients": "#DD8452",
+    "optimizer_states": "#55A868",
+    "activations": "#C44E52",
+    "other": "#8C8C8C",
+    SPIKE: "#F2C14E",
+}
+LABELS = {
+    "weights": "weights",
+    "gradients": "gradients",
+    "optimizer_states": "optimizer states",
+    "activations": "activations (saved for backward)",
+    "other": "other (inputs, logits, buffers)",
+    SPIKE: "spike (temporaries inside the phase)",
+}
+PHASE_LETTERS = {"step_begin": "b", "after_forward": "F", "after_backward": "B", "after_optimizer": "O", "step_end": "e"}
+
+
+@dataclass
+class RankTimeline:
+    """The records of one rank's timeline, split by kind."""
+
+    rank: int
+    snapshots: list[dict[str, Any]] = field(default_factory=list)
+    steps: list[dict[str, Any]] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)  # plan, remedy, oom
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def load_run(path: str | os.PathLike[str]) -> list[RankTimeline]:
+    """Every rank's timeline under ``path`` (a timeline file, a ``memwatch`` folder or an output dir)."""
+    files = find_timelines(path)
+    if not files:
+        raise FileNotFoundError(f"no timeline*.jsonl under {path}")
+    runs = []
+    for file in files:
+        run = RankTimeline(rank=_rank_of(file))
+        for record in read_timeline(file):
+            kind = record.get("event")
+            if kind == "snapshot" and record.get("allocated") is not None:
+                run.snapshots.append(record)
+            elif kind == "step":
+                run.steps.append(record)
+            elif kind == "meta":
+                run.meta.update(record)
+            elif kind in ("plan", "remedy", "oom"):
+                run.events.append(record)
+        runs.append(run)
+    if not any(run.snapshots for run in runs):
+        raise MemWatchConfigError(f"the timeline under {path} has no snapshot with allocator figures to draw")
+    return runs
+
+
+def run_meta(model: Any, args: Any) -> dict[str, Any]:
+    """The ``meta`` timeline record: what the picture's title and the summary say about the run."""
+    params = sum(p.numel() for p in model.parameters()) if model is not None else None
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad) if model is not None else None
+    return {
+        "event": "meta",
+        "model": type(model).__name__ if model is not None else None,
+        "params": params,
+        "trainable_params": trainable,
+        "batch_size": int(args.per_device_train_batch_size),
+        "gradient_accumulation_steps": int(args.gradient_accumulation_steps),
+        "precision": "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
+        "optim": str(getattr(args.optim, "value", args.optim)),
+        "world_size": int(getattr(args, "world_size", 1)),
+    }
+
+
+def budget_of(runs: list[RankTimeline]) -> int | None:
+    """The budget recorded by the last plan event, if any."""
+    for run in runs:
+        for event in reversed(run.events):
+            if event.get("event") == "plan" and event.get("budget"):
+                return int(event["budget"])
+    return None
+
+
+def choose_unit(peak: float) -> tuple[str, int]:
+    """GiB for figures of a GiB or more, MiB otherwise (KiB for tiny ones).
+
+    Example:
+        >>> choose_unit(3 * 2**30), choose_unit(5 * 2**20)
+        (('GiB', 1073741824), ('MiB', 1048576))
+    """
+    if peak >= 2**30:
+        return "GiB", 2**30
+    if peak >= 2**20:
+        return "MiB", 2**20
+    return "KiB", 2**10
+
+
+def title_of(runs: list[RankTimeline]) -> str:
+    """``Memory per phase — GPT2LMHeadModel (1.2M params), batch 8 × accum 1, fp32`` and the peak."""
+    meta = next((run.meta for run in runs if run.meta), {})
+    parts = []
+    if meta.get("model"):
+        params = meta.get("params")
+        parts.append(f"{meta['model']}" + (f" ({_count(params)} params)" if params else ""))
+    if meta.get("batch_size"):
+        parts.append(f"batch {meta['batch_size']} × accum {meta.get('gradient_accumulation_steps', 1)}")
+    if meta.get("precision"):
+        parts.append(str(meta["precision"]))
+    if len(runs) > 1:
+        parts.append(f"{len(runs)} ranks")
+    peak = max((s["peak"] for run in runs for s in run.steps if s.get("peak") is not None), default=None)
+    head = "Memory per phase of each step"
+    if peak is not None:
+        head += f" — peak {format_bytes(peak)}"
+    return head + ("\n" + ", ".join(parts) if parts else "")
+
+
+def _count(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return str(n)
+
+
+def draw(runs: list[RankTimeline], budget: int | None = None) -> Any:
+    """The matplotlib Figure of ``runs`` (one panel per rank)."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    budget = budget if budget is not None else budget_of(runs)
+    highest = max(
+        [max((s.get("peak") or 0), s["allocated"] + (s.get("spike") or 0)) for r in runs for s in r.snapshots]
+        + [budget or 0]
+    )
+    unit, scale = choose_unit(highest)
+    panels = [run for run in runs if run.snapshots] or runs
+    fig, axes = plt.subplots(
+        len(panels), 1, figsize=(11, 3.6 + 2.6 * (len(panels) - 1) if len(panels) > 1 else 5.2),
+        sharex=True, sharey=True, squeeze=False,
+    )
+    for ax, run in zip(axes[:, 0], panels, strict=True):
+        _draw_rank(ax, run, unit, scale, budget, show_rank=len(panels) > 1)
+    axes[-1, 0].set_xlabel("optimizer step (phases: b=begin, F=after forward, B=after backward, O=after optimizer)")
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.0, 0.92), frameon=False, fontsize=9)
+    fig.suptitle(title_of(runs), fontsize=12)
+    fig.tight_layout()
+    return fig
+
+
+def _draw_rank(ax: Any, run: RankTimeline, unit: str, scale: int, budget: int | None, show_rank: bool) -> None:
+    snaps = run.snapshots
+    xs = list(range(len(snaps)))
+    layers = [[(s["live"].get(name) or 0) / scale for s in snaps] for name in LIVE_CLASSES]
+    ax.stackplot(xs, layers, labels=[LABELS[n] for n in LIVE_CLASSES], colors=[COLOURS[n] for n in LIVE_CLASSES],
+                 alpha=0.9)
+    _draw_spikes(ax, snaps, scale)
+    _mark_peaks(ax, run, snaps, scale, unit)
+    if budget:
+        ax.axhline(budget / scale, color="black", linestyle="--", linewidth=1.2, label=f"budget {format_bytes(budget)}")
+    predicted = next((e.get("predicted_peak") for e in reversed(run.events) if e.get("event") == "plan"), None)
+    if predicted:
+        ax.axhline(predicted / scale, color="purple", linestyle="-.", linewidth=1.0,
+                   label=f"predicted peak {format_bytes(predicted)}")
+    _mark_events(ax, run, snaps)
+    _step_ticks(ax, snaps)
+    ax.set_ylabel(f"memory ({unit})")
+    ax.set_ylim(bottom=0)
+    ax.set_xlim(-0.5, len(snaps) - 0.5)
+    ax.grid(axis="y", alpha=0.3)
+    if show_rank:
+        ax.set_title(f"rank {run.rank}", fontsize=10, loc="left")
+
+
+def _phase_span(snaps: list[dict[str, Any]], i: int) -> tuple[float, float]:
+    """(x, floor) of the phase that ends at snapshot ``i``: its middle and the higher live end."""
+    if i == 0:
+        return 0.0, snaps[0]["allocated"]
+    return i - 0.5, max(snaps[i - 1]["allocated"], snaps[i]["allocated"])
+
+
+def _draw_spikes(ax: Any, snaps: list[dict[str, Any]], scale: int) -> None:
+    """The spike of each phase: a block from the higher live end of the phase up to the phase's peak."""
+    xs, bottoms, heights = [], [], []
+    for i, snap in enumerate(snaps):
+        if snap.get("spike"):
+            x, floor = _phase_span(snaps, i)
+            xs.append(x)
+            bottoms.append(floor / scale)
+            heights.append(snap["spike"] / scale)
+    ax.bar(xs, heights, bottom=bottoms, width=1.0 if len(snaps) > 1 else 0.6, color=COLOURS[SPIKE], alpha=0.85,
+           label=LABELS[SPIKE], linewidth=0)
+
+
+def _mark_peaks(ax: Any, run: RankTimeline, snaps: list[dict[str, Any]], scale: int, unit: str) -> None:
+    index = {(s["step"], s["phase"], s.get("micro_step", 0)): i for i, s in enumerate(snaps)}
+    xs, ys = [], []
+    for step in run.steps:
+        i = index.get((step["step"], step.get("peak_phase"), step.get("peak_micro_step", 0)))
+        if i is not None and step.get("peak") is not None:
+            xs.append(_phase_span(snaps, i)[0])
+            ys.append(step["peak"] / scale)
+    if xs:
+        size = 6 if len(xs) <= 40 else 3
+        ax.plot(xs, ys, linestyle="none", marker="v", color="black", markersize=size, label="step peak")
+        top = max(range(len(xs)), key=lambda k: ys[k])
+        ax.annotate(f"peak {ys[top]:.1f} {unit}", (xs[top], ys[top]), textcoords="offset points", xytext=(5, 5),
+                    fontsize=9)
+
+
+def _mark_events(ax: Any, run: RankTimeline, snaps: list[dict[str, Any]]) -> None:
+    first_of_step = {}
+    for i, s in enumerate(snaps):
+        first_of_step.setdefault(s["step"], i)
+    labelled = False
+    for event in run.events:
+        step = event.get("step")
+        x = first_of_step.get(step, 0) if step is not None else 0
+        label = str(event.get("event", "event"))
+        if label == "plan" and event.get("micro_batch_size"):
+            label += f": micro-batch {event['micro_batch_size']} × accum {event.get('gradient_accumulation_steps', 1)}"
+        ax.axvline(x, color="purple", linestyle=":", linewidth=1.4, label=None if labelled else "plan / remedy / oom")
+        ax.annotate(label, (x, 1.0), xycoords=("data", "axes fraction"), xytext=(3, -12),
+                    textcoords="offset points", fontsize=8, color="purple")
+        labelled = True
+
+
+def _step_ticks(ax: Any, snaps: list[dict[str, Any]]) -> None:
+    starts = [(i, s["step"]) for i, s in enumerate(snaps) if s["phase"] == "step_begin"]
+    if not starts:
+        return
+    every = max(1, len(starts) // 12)  # at most ~12 labelled steps, readable for long runs
+    ax.set_xticks([i for i, _ in starts[::every]], [str(step) for _, step in starts[::every]])
+    if len(starts) <= 6:  # few steps: name the phases as well
+        ax.set_xticks(range(len(snaps)), minor=True)
+        ax.set_xticklabels([PHASE_LETTERS.get(s["phase"], "") for s in snaps], minor=True, fontsize=7)
+        ax.tick_params(axis="x", which="major", pad=12)
+    if len(starts) <= 40:  # step separators only while they do not blur into a grey band
+        for i, _ in starts:
+            ax.axvline(i, color="white", linewidth=0.6, alpha=0.6)
+
+
+def write_report(path: str | os.PathLike[str], out: str | os.PathLike[str], budget: int | None = None) -> Path:
+    """Draw the run under ``path`` into ``out`` (``.png`` or ``.html``); returns ``out``."""
+    out = Path(out)
+    suffix = out.suffix.lower()
+    if suffix not in (".png", ".html", ".htm"):
+        raise MemWatchConfigError(f"report output must end in .png or .html; got {out.name!r}")
+    runs = load_run(path)
+    fig = draw(runs, budget)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        if suffix == ".png":
+            fig.savefig(out, dpi=120, bbox_inches="tight")
+        else:
+            out.write_text(render_html(runs, fig), encoding="utf-8")
+    finally:
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)
+    return out
+
+
+def render_html(runs: list[RankTimeline], fig: Any) -> str:
+    """A self-contained page: the picture (inline PNG) and a table of every step."""
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=110, bbox_inches="tight")
+    image = base64.b64encode(buffer.getvalue()).decode("ascii")
+    title = html.escape(title_of(runs).replace("\n", " — "))
+    parts = [
+        "<!doctype html><html><head><meta charset='utf-8'>",
+        f"<title>{title}</title>",
+        "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
+        "td,th{border:1px solid #ccc;padding:2px 8px;text-align:right}th{background:#eee}</style>",
+        f"</head><body><h1>{title}</h1>",
+        f"<img alt='memory per phase' src='data:image/png;base64,{image}'>",
+    ]
+    for run in runs:
+        parts.append(f"<h2>rank {run.rank}: steps</h2>")
+        parts.append(_steps_table(run))
+        if run.events:
+            parts.append("<h3>events</h3><ul>")
+            parts += [f"<li>{html.escape(str(e))}</li>" for e in run.events]
+            parts.append("</ul>")
+    parts.append("</body></html>")
+    return "\n".join(parts)
+
+
+def _steps_table(run: RankTimeline) -> str:
+    head = ["step", "peak", "peak phase", "dominant", *LIVE_CLASSES, SPIKE]
+    rows = ["<table><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in head) + "</tr>"]
+    for step in run.steps:
+        live: Mapping[str, Any] = step.get("live_at_peak") or {}
+        cells = [str(step.get("step")), format_bytes(step.get("peak")), str(step.get("peak_phase")),
+                 str(step.get("dominant"))]
+        cells += [format_bytes(live.get(name)) for name in LIVE_CLASSES]
+        cells.append(format_bytes(step.get("spike_at_peak")))
+        rows.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>")
+    rows.append("</table>")
+    return "\n".join(rows)

@@ -1,0 +1,202 @@
+"""The console summary at train end: the peak step's memory classes, shares and bytes per parameter.
+
+Bytes per parameter sit beside the rule of thumb of the Transformers "GPU memory usage" guide
+(weights 4 B/param in fp32, 6 in mixed precision; gradients 4; AdamW 8, 8-bit AdamW 2, SGD with
+momentum 4), so a class far from its rule stands out.
+
+Usage:
+    >>> print_summary("out/memwatch")   # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from .categories import LIVE_CLASSES
+from .sinks import composition_at_peak
+from .units import format_bytes
+
+logger = logging.getLogger("hf_memwatch")
+
+PICTURE_NAME = "memory.png"
+
+
+def rule_of_thumb(name: str, precision: str | None, optim: str | None) -> float | None:
+    """The guide's bytes per parameter for class ``name`` (None where it gives none).
+
+    Example:
+        >>> rule_of_thumb("weights", "bf16", "adamw_torch"), rule_of_thumb("optimizer_states", "fp32", "adamw_bnb_8bit")
+        (6, 2)
+    """
+    optim = (optim or "").lower()
+    if name == "weights":
+        return 4 if precision in (None, "fp32") else 6
+    if name == "gradients":
+        return 4
+    if name == "optimizer_states":
+        if "8bit" in optim:
+            return 2
+        if "adam" in optim:
+            return 8
+        if "sgd" in optim:
+            return 4
+    return None
+
+
+def peak_step(steps: list[Mapping[str, Any]]) -> Mapping[str, Any] | None:
+    """The step record with the highest peak."""
+    measured = [s for s in steps if s.get("peak") is not None]
+    return max(measured, key=lambda s: s["peak"]) if measured else None
+
+
+def summary_rows(
+    step: Mapping[str, Any], meta: Mapping[str, Any], snapshots: list[Mapping[str, Any]] | None = None
+) -> list[dict[str, Any]]:
+    """One row per class at ``step``'s peak: bytes, share of the peak, B/param and the guide's rule.
+
+    ``snapshots`` are the step's snapshots (for the classes live at the peak moment, see
+    :func:`~hf_memwatch.sinks.composition_at_peak`); shares are of live bytes plus the spike.
+    """
+    live, _ = composition_at_peak(step, list(snapshots or []))
+    figures = {name: live.get(name) for name in LIVE_CLASSES}
+    figures["temporaries"] = step.get("spike_at_peak")
+    total = sum(v or 0 for v in figures.values())
+    params, trainable = meta.get("params"), meta.get("trainable_params") or meta.get("params")
+    rows = []
+    for name, value in figures.items():
+        # B/param of the class at its largest in the step: the guide's rules are about full sizes,
+        # and gradients, for one, are still being built at a backward-pass peak.
+        largest = max([value or 0] + [(s.get("live") or {}).get(name) or 0 for s in snapshots or []])
+        per = trainable if name in ("gradients", "optimizer_states") else params
+        rows.append({
+            "class": name,
+            "bytes": value,
+            "share": (value or 0) / total if total else None,
+            "largest": largest if name != "temporaries" else None,
+            "bytes_per_param": largest / per if per and name != "temporaries" else None,
+            "rule": rule_of_thumb(name, meta.get("precision"), meta.get("optim")),
+        })
+    return rows
+
+
+def build_table(
+    steps: list[Mapping[str, Any]],
+    meta: Mapping[str, Any],
+    plan: Mapping[str, Any] | None,
+    snapshots: list[Mapping[str, Any]] | None = None,
+) -> Any:
+    """The rich ``Table`` of the peak step (None when no step was measured)."""
+    from rich.table import Table
+
+    step = peak_step(steps)
+    if step is None:
+        return None
+    table = Table(
+        title=f"hf-memwatch: peak step {step['step']} — {format_bytes(step['peak'])} at {step.get('peak_phase')}",
+        caption=_caption(meta, plan),
+    )
+    for header, justify in (("class", "left"), ("at peak", "right"), ("share", "right"),
+                            ("max in step", "right"), ("B/param", "right"), ("guide", "right")):
+        table.add_column(header, justify=justify, no_wrap=True)  # type: ignore[arg-type]
+    step_snaps = [s for s in snapshots or [] if s.get("step") == step["step"]]
+    for row in summary_rows(step, meta, step_snaps):
+        table.add_row(
+            row["class"],
+            format_bytes(row["bytes"]),
+            "-" if row["share"] is None else f"{100 * row['share']:.1f} %",
+            "-" if row["largest"] is None else format_bytes(row["largest"]),
+            "-" if row["bytes_per_param"] is None else f"{row['bytes_per_param']:.2f}",
+            "-" if row["rule"] is None else f"{row['rule']:g}",
+        )
+    return table
+
+
+def _caption(meta: Mapping[str, Any], plan: Mapping[str, Any] | None) -> str:
+    parts = []
+    if meta.get("model"):
+        parts.append(f"{meta['model']}, {meta.get('params', 0):,} params, batch {meta.get('batch_size')} × "
+                     f"accum {meta.get('gradient_accumulation_steps')}, {meta.get('precision')}, {meta.get('optim')}")
+    parts.append(f"plan in force: {describe_plan(plan)}")
+    return "\n".join(parts)
+
+
+def describe_plan(plan: Mapping[str, Any] | None) -> str:
+    """One line for a ``plan`` record of the auto mode.
+
+    Example:
+        >>> describe_plan({"micro_batch_size": 8, "gradient_accumulation_steps": 2, "optim": "adamw_torch",
+        ...                "activation_checkpointing": True, "predicted_peak": 2**30, "budget": 2**31})
+        'micro-batch 8 × accum 2, checkpointing on, adamw_torch, predicted peak 1.00 GiB, budget 2.00 GiB'
+    """
+    if not plan:
+        return "none (auto mode off)"
+    parts = []
+    if "micro_batch_size" in plan:
+        parts.append(f"micro-batch {plan['micro_batch_size']} × accum {plan.get('gradient_accumulation_steps', 1)}")
+    if "activation_checkpointing" in plan:
+        parts.append(f"checkpointing {'on' if plan['activation_checkpointing'] else 'off'}")
+    if plan.get("optim"):
+        parts.append(str(plan["optim"]))
+    for key in ("predicted_peak", "budget"):
+        if plan.get(key):
+            parts.append(f"{key.replace('_', ' ')} {format_bytes(plan[key])}")
+    return ", ".join(parts) or str(dict(plan))
+
+
+def load_summary_inputs(
+    path: str | os.PathLike[str],
+) -> tuple[list[dict[str, Any]], dict[str, Any], dict | None, list[dict[str, Any]]]:
+    """(step records, meta, last plan record, snapshots) of rank 0's timeline under ``path``."""
+    from .timeline import find_timelines, read_timeline
+
+    files = find_timelines(path)
+    steps: list[dict[str, Any]] = []
+    meta: dict[str, Any] = {}
+    plan = None
+    snapshots: list[dict[str, Any]] = []
+    for record in read_timeline(files[0]) if files else []:
+        kind = record.get("event")
+        if kind == "snapshot":
+            snapshots.append(record)
+        elif kind == "step":
+            steps.append(record)
+        elif kind == "meta":
+            meta.update(record)
+        elif kind == "plan":
+            plan = record
+    return steps, meta, plan, snapshots
+
+
+def print_summary(path: str | os.PathLike[str], plan: Mapping[str, Any] | None = None, console: Any = None) -> Any:
+    """Print the table for the run under ``path``; returns it (None when there is nothing to show)."""
+    from rich.console import Console
+
+    steps, meta, recorded_plan, snapshots = load_summary_inputs(path)
+    table = build_table(steps, meta, plan or recorded_plan, snapshots)
+    if table is not None:
+        console = console or Console()
+        console.print()  # the progress bar may still hold the current line
+        console.print(table)
+    return table
+
+
+def finish_reports(callback: Any, args: Any, state: Any) -> None:
+    """Train-end reporting of ``MemWatch``: the picture and the summary, each failing alone, quietly."""
+    directory = Path(callback.memwatch_dir(args))
+    if callback.report:
+        try:
+            from .report import write_report
+
+            path = write_report(directory, directory / PICTURE_NAME)
+            logger.info("hf-memwatch: memory picture in %s", path)
+        except Exception as exc:  # noqa: BLE001 - a picture must never fail a finished run
+            logger.warning("hf-memwatch: no memory picture (%s: %s)", type(exc).__name__, exc)
+    if callback.summary:
+        try:
+            print_summary(directory, plan=callback.plan_in_force())
+        except Exception as exc:  # noqa: BLE001
+            logger.warning("hf-memwatch: no summary table (%s: %s)", type(exc).__name__, exc)

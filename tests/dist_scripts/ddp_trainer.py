@@ -1,0 +1,120 @@
+"""Launched by ``tests/test_distributed.py`` with ``torchrun --nproc-per-node 2``: real Trainer runs on gloo.
+
+Usage: ``torchrun --nproc-per-node 2 ddp_trainer.py OUT_DIR``. Each rank writes ``facts.rank<N>.json``
+into OUT_DIR with what the test checks the timelines against (no assertion here: the test decides).
+
+Runs, each in its own output dir under OUT_DIR:
+
+* ``plain``: DDP, no MemWatch (the loss history monitoring must not change);
+* ``watch``: DDP as the Trainer configures it (``gradient_as_bucket_view=False``), MemWatch full,
+  under ``torch.profiler`` for the per-rank truth (``hf_memwatch.truth.step_peaks``);
+* ``bucket_view``: the same with ``gradient_as_bucket_view=True`` (gradients are the buckets);
+* ``auto``: ``MemWatch(auto=True)`` with a budget that fits on rank 0 and not on rank 1;
+* ``auto_fail``: rank 1's budget is below the weights: both ranks must stop with a ``PlanError``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for conftest's builders
+
+import torch  # noqa: E402
+from conftest import gpt2_model, loss_history, token_dataset, training_args  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+from transformers import Trainer, TrainerCallback  # noqa: E402
+
+from hf_memwatch import MemWatch, PlanError  # noqa: E402
+from hf_memwatch.callback import find_trainer  # noqa: E402
+from hf_memwatch.distributed import ddp_bucket_sizes, find_ddp, max_over_ranks, world  # noqa: E402
+from hf_memwatch.truth import StepMarker, step_peaks  # noqa: E402
+
+
+def unique_bytes(tensors) -> int:
+    return sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+class ProfileTraining(TrainerCallback):
+    """The profiler's CPU memory truth from ``on_train_begin`` (the model already wrapped) to the end.
+
+    Started here rather than around ``train()``: the move to ``cpu:0`` and DDP's initial broadcast
+    free storages the profiler cannot see (allocated before it started, or freed on gloo's threads),
+    which would offset the running sum. The baseline is what is alive at that moment by the
+    engines' own figures: parameters, buffers and DDP's gradient buckets (its logging data).
+    """
+
+    def __init__(self) -> None:
+        self.prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self.baseline = 0
+        self.step_peaks: list[int] = []
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        trainer = find_trainer()
+        ddp = find_ddp(trainer.model_wrapped)
+        self.baseline = unique_bytes(list(model.parameters()) + list(model.buffers())) + sum(ddp_bucket_sizes(ddp))
+        self.prof.start()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.prof.stop()
+        self.step_peaks = step_peaks(self.prof, self.baseline)
+
+
+def run(out: Path, name: str, callbacks: list, bucket_view: bool = False, profiled: bool = False) -> dict:
+    model = gpt2_model()
+    args = training_args(out / name, ddp_backend="gloo", per_device_train_batch_size=8, max_steps=3)
+    trainer = Trainer(model=model, args=args, train_dataset=token_dataset(64, 32, 1000),
+                      callbacks=callbacks + ([StepMarker()] if profiled else []))
+    if bucket_view:  # the Trainer's arguments cannot set it; accelerate's DDP kwargs handler can
+        trainer.accelerator.ddp_handler.gradient_as_bucket_view = True
+    profiler = ProfileTraining() if profiled else None
+    if profiler is not None:
+        trainer.add_callback(profiler)
+    trainer.train()
+    ddp = find_ddp(trainer.model_wrapped)
+    return {
+        "truth_step_peaks": profiler.step_peaks if profiler is not None else None,
+        "losses": loss_history(trainer),
+        "param_bytes": unique_bytes(p for p in model.parameters() if p.requires_grad),
+        "bucket_sizes": ddp_bucket_sizes(ddp) if ddp is not None else None,
+        "ddp": ddp is not None,
+        "configured": {
+            "micro_batch_size": trainer.args.per_device_train_batch_size,
+            "gradient_accumulation_steps": trainer.args.gradient_accumulation_steps,
+            "activation_checkpointing": bool(trainer.args.gradient_checkpointing),
+            "optim": str(getattr(trainer.args.optim, "value", trainer.args.optim)),
+        },
+    }
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    torch.manual_seed(0)
+    facts: dict = {}
+    facts["plain"] = run(out, "plain", [])
+    facts["watch"] = run(out, "watch", [MemWatch(detail="full", report=False, summary=False)], profiled=True)
+    facts["bucket_view"] = run(out, "bucket_view", [MemWatch(detail="full", report=False, summary=False)], True)
+    rank, world_size = world()
+    facts["world"] = [rank, world_size]
+    # The step peak of the configured run, the same on both ranks; rank 1 gets 3/4 of it as budget.
+    peaks = [json.loads(line) for line in (out / "watch" / "memwatch" / ("timeline.jsonl" if rank == 0 else f"timeline.rank{rank}.jsonl")).read_text().splitlines()]
+    peak = max(r["peak"] for r in peaks if r["event"] == "step")
+    facts["max_peak_over_ranks"] = max_over_ranks(peak)
+    budget = 8 * 2**30 if rank == 0 else int(0.75 * peak)
+    facts["auto_budget"] = budget
+    facts["auto"] = run(out, "auto", [MemWatch(auto=True, budget=budget, report=False, summary=False)])
+    # Rank 1's budget is below the weights alone: it cannot plan, and rank 0 must not wait for it.
+    try:
+        budget = 8 * 2**30 if rank == 0 else 2**20
+        run(out, "auto_fail", [MemWatch(auto=True, budget=budget, report=False, summary=False)])
+        facts["auto_fail"] = {"raised": None}
+    except PlanError as exc:
+        facts["auto_fail"] = {"raised": type(exc).__name__, "message": str(exc)}
+    (out / f"facts.rank{rank}.json").write_text(json.dumps(facts))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    main()

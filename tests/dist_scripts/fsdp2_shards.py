@@ -1,0 +1,53 @@
+"""Launched by ``tests/test_distributed.py`` with ``torchrun --nproc-per-node 2`` (gloo, CPU).
+
+Usage: ``torchrun --nproc-per-node 2 fsdp2_shards.py OUT_DIR``. A model sharded with FSDP2's
+``fully_shard`` trains one step under a :class:`~hf_memwatch.monitor.StepMonitor`; each rank writes
+``fsdp2.rank<N>.json`` with the full model's bytes and the monitor's figures after the step.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+
+from hf_memwatch.backends import backend_for
+from hf_memwatch.monitor import StepMonitor
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256))
+    full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    for layer in (model[0], model[2]):
+        fully_shard(layer)
+    fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters())
+    monitor = StepMonitor(backend_for(torch.device("cpu")), writer=None, rank=dist.get_rank())
+    monitor.attach(model, optimizer)
+    monitor.begin_step(1, full=True)
+    model(torch.randn(8, 256)).sum().backward()
+    monitor.snapshot("after_backward")
+    optimizer.step()
+    after_optimizer = monitor.snapshot("after_optimizer")
+    monitor.end_step()
+    result = {
+        "rank": dist.get_rank(),
+        "full_bytes": full_bytes,
+        "param_type": type(next(model.parameters())).__name__,
+        "local_param_bytes": sum(p.to_local().numel() * p.element_size() for p in model.parameters()),
+        "tensors": len(list(model.parameters())),
+        "after_optimizer": after_optimizer,
+    }
+    (out / f"fsdp2.rank{dist.get_rank()}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""``hf-memwatch estimate``: JSON output, the table with a budget, and one-line errors with exit status 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from transformers import GPT2Config
+
+from hf_memwatch.cli import main
+from hf_memwatch.estimate import estimate
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-gpt2")
+    GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=128, n_positions=64, bos_token_id=0, eos_token_id=0,
+               architectures=["GPT2LMHeadModel"]).save_pretrained(path)
+    return path
+
+
+def test_json_output_matches_the_python_api(model_dir, capsys):
+    status = main(["estimate", str(model_dir), "--batch-size", "2", "--seq-len", "32", "--json"])
+    assert status == 0
+    data = json.loads(capsys.readouterr().out)  # stdout holds the JSON object only
+    expected = estimate(str(model_dir), batch_size=2, seq_len=32)
+    assert data["peak_bytes"] == expected.peak_bytes
+    assert data["peak_phase"] == expected.peak_phase
+    assert set(data["classes"]) == {"weights", "gradients", "optimizer_states", "activations", "temporaries", "other"}
+    assert sum(data["classes"].values()) == data["peak_bytes"]
+    assert data["params"] == data["trainable_params"] > 0
+    assert data["fits"] is None
+    assert data["config"]["task"] == "causal-lm"  # from the config's architectures
+
+
+def test_budget_adds_fit_largest_batch_and_remedies(model_dir, capsys):
+    config_json = model_dir / "config.json"
+    tight = estimate(str(config_json), batch_size=8, seq_len=32).peak_bytes - 1
+    status = main(["estimate", str(config_json), "--batch-size", "8", "--seq-len", "32", "--budget", str(tight),
+                   "--json"])
+    assert status == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["fits"] is False
+    assert 1 <= data["largest_fitting_batch"] < 8
+    remedies = {row["remedy"]: row for row in data["remedies"]}
+    assert remedies["checkpointing"]["peak_bytes"] < remedies["as given"]["peak_bytes"]
+    assert remedies["checkpointing"]["fits"] is True
+    assert data["plan"]["micro_batch_size"] * data["plan"]["gradient_accumulation_steps"] == 8
+    assert data["plan"]["predicted_peak"] <= tight
+
+
+def test_table_output(model_dir, capsys):
+    status = main(["estimate", str(model_dir), "--batch-size", "2", "--seq-len", "32", "--budget", "1GiB"])
+    assert status == 0
+    out = capsys.readouterr().out
+    for word in ("activations", "optimizer_states", "peak phase", "fits", "remedies", "largest micro-batch"):
+        assert word in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["MISSING"], "no such file"),
+        (["MODEL", "--batch-size", "0"], "batch_size must be a positive integer"),
+        (["MODEL", "--seq-len", "-5"], "seq_len must be a positive integer"),
+        (["MODEL", "--optim", "magic"], "unsupported optim 'magic'"),
+        (["MODEL", "--budget", "12 parsecs"], "cannot parse budget"),
+        (["MODEL", "--task", "vision"], "invalid choice"),
+        (["MODEL", "--precision", "fp8"], "invalid choice"),
+        (["BADJSON"], "cannot load a config"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(model_dir, tmp_path, capsys, argv, message):
+    bad = tmp_path / "config.json"
+    bad.write_text("not json")
+    replace = {"MODEL": str(model_dir), "MISSING": str(tmp_path / "nope" / "config.json"), "BADJSON": str(bad)}
+    argv = [replace.get(a, a) for a in argv]
+    with pytest.raises(SystemExit) if argv[1:2] and argv[1] in ("--task", "--precision") else _returns() as box:
+        box.value = main(["estimate", *argv])
+    status = box.value.code if isinstance(box.value, SystemExit) else box.value
+    assert status == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err and "Traceback" not in err
+
+
+class _returns:
+    """Context that stores a return value in ``.value`` (the counterpart of ``pytest.raises``)."""
+
+    value = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_console_script_exit_status_without_traceback(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "hf_memwatch.cli", "estimate", str(tmp_path / "absent"), "--json"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "Traceback" not in proc.stderr
+    assert proc.stdout == ""

@@ -1,0 +1,340 @@
+"""Distributed runs (issue 7): real 2-process gloo runs launched with torchrun, and sharded estimates.
+
+The torchrun launches are module-scoped fixtures (one launch each, ~30 s and ~10 s on 2 cores); the
+scripts under ``tests/dist_scripts/`` only record facts, the assertions are here. A launch that does
+not finish in time is killed (its whole process group) and the test fails with what it printed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import gpt2_model
+
+from hf_memwatch.distributed import (
+    agree_plan,
+    agree_unavailable,
+    decide_across_ranks,
+    gather_ints,
+    max_over_ranks,
+    share_failure,
+    world,
+)
+from hf_memwatch.estimate import estimate
+from hf_memwatch.estimate_shard import largest_layer_bytes, shard_classes
+
+SCRIPTS = Path(__file__).parent / "dist_scripts"
+TORCHRUN = Path(sys.executable).parent / "torchrun"
+LAUNCH_TIMEOUT_S = 240
+PLAN_KEYS = ("micro_batch_size", "gradient_accumulation_steps", "activation_checkpointing", "optim")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def torchrun(script: Path, out: Path, timeout_s: int = LAUNCH_TIMEOUT_S) -> str:
+    """Run ``script OUT`` on 2 local ranks; fail the test on a non-zero exit or a hang."""
+    out.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               TOKENIZERS_PARALLELISM="false", WANDB_MODE="offline")
+    command = [str(TORCHRUN), "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+               "--master-port", str(_free_port()), str(script), str(out)]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and both ranks: the group this test started
+        output, _ = proc.communicate()
+        pytest.fail(f"{script.name} did not finish within {timeout_s} s (a rank hung?):\n{output[-4000:]}")
+    if proc.returncode != 0:
+        pytest.fail(f"{script.name} exited with {proc.returncode}:\n{output[-4000:]}")
+    return output
+
+
+def timeline(run_dir: Path, rank: int) -> list[dict[str, Any]]:
+    name = "timeline.jsonl" if rank == 0 else f"timeline.rank{rank}.jsonl"
+    path = run_dir / "memwatch" / name
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def snapshots(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r for r in records if r["event"] == "snapshot"]
+
+
+@pytest.fixture(scope="module")
+def ddp_runs(tmp_path_factory) -> tuple[Path, list[dict[str, Any]]]:
+    out = tmp_path_factory.mktemp("ddp")
+    torchrun(SCRIPTS / "ddp_trainer.py", out)
+    facts = [json.loads((out / f"facts.rank{rank}.json").read_text()) for rank in (0, 1)]
+    return out, facts
+
+
+@pytest.fixture(scope="module")
+def agreement(tmp_path_factory) -> list[dict[str, Any]]:
+    out = tmp_path_factory.mktemp("agreement")
+    torchrun(SCRIPTS / "agreement.py", out, timeout_s=120)
+    return [json.loads((out / f"agreement.rank{rank}.json").read_text()) for rank in (0, 1)]
+
+
+@pytest.fixture(scope="module")
+def fsdp2(tmp_path_factory) -> list[dict[str, Any]]:
+    out = tmp_path_factory.mktemp("fsdp2")
+    torchrun(SCRIPTS / "fsdp2_shards.py", out, timeout_s=120)
+    return [json.loads((out / f"fsdp2.rank{rank}.json").read_text()) for rank in (0, 1)]
+
+
+# -- without a process group ------------------------------------------------------------------
+
+
+def test_helpers_without_a_process_group_are_the_single_process_answer():
+    assert world() == (0, 1)
+    assert gather_ints(7) == [7]
+    assert max_over_ranks(5) == 5 and max_over_ranks(None) is None
+    assert agree_plan({"micro_batch_size": 4}, need_bytes=-1) == {"micro_batch_size": 4}
+    assert decide_across_ranks({"a": 1}, need_bytes=3).decider == 0
+    assert agree_unavailable({"8-bit AdamW": "no bitsandbytes"}) == {"8-bit AdamW": "no bitsandbytes"}
+    share_failure(RuntimeError("x"), fatal=True)  # nothing to tell: must not raise nor block
+
+
+# -- agreement over gloo -----------------------------------------------------------------------
+
+
+def test_small_collectives_on_two_ranks(agreement):
+    for rank, result in enumerate(agreement):
+        assert result["world"] == [rank, 2]
+        assert result["gather_ints"] == [10, 20]
+        assert result["max_over_ranks"] == 100
+        assert result["max_with_none"] == 7  # a rank without a figure is ignored
+
+
+def test_the_rank_that_needs_the_most_decides_for_all(agreement):
+    rank1_plan = {"micro_batch_size": 4, "activation_checkpointing": True}
+    rank0_plan = {"micro_batch_size": 8, "activation_checkpointing": False}
+    for result in agreement:
+        assert result["agree_rank1_needs_more"] == rank1_plan
+        assert result["agree_rank0_needs_more"] == rank0_plan
+        assert result["agree_tie"] == {"plan": rank0_plan, "decider": 0, "needs": [3, 3]}
+
+
+def test_a_remedy_unavailable_on_one_rank_is_unavailable_on_all(agreement):
+    for result in agreement:
+        assert result["unavailable"] == {"8-bit AdamW": "rank 1: bitsandbytes missing"}
+
+
+def test_a_rank_failing_while_planning_leaves_no_rank_waiting(agreement):
+    assert agreement[1]["failure_rank1"] == {"outcome": "failed here"}
+    assert agreement[0]["failure_rank1"] == {
+        "outcome": "peer failure", "message": "rank 1: ValueError: weights alone exceed the budget", "fatal": True,
+    }
+    assert agreement[0]["after_failure"] == agreement[1]["after_failure"] == [0, 1]  # still in step
+
+
+# -- DDP with the real Trainer -----------------------------------------------------------------
+
+
+def test_each_rank_writes_its_own_timeline(ddp_runs):
+    out, _ = ddp_runs
+    for run in ("watch", "bucket_view", "auto"):
+        for rank in (0, 1):
+            records = timeline(out / run, rank)
+            assert records and {r["rank"] for r in records if "rank" in r} == {rank}
+            assert [r["step"] for r in records if r["event"] == "step"] == [1, 2, 3]
+
+
+def test_monitoring_does_not_change_ddp_training(ddp_runs):
+    _, facts = ddp_runs
+    for rank_facts in facts:
+        assert rank_facts["plain"]["ddp"] and len(rank_facts["plain"]["losses"]) == 3
+        assert rank_facts["watch"]["losses"] == rank_facts["plain"]["losses"]
+        assert rank_facts["bucket_view"]["losses"] == rank_facts["plain"]["losses"]
+    assert facts[0]["plain"]["losses"] == facts[1]["plain"]["losses"]  # DDP: one loss history
+
+
+def test_ddp_gradient_buckets_count_as_gradients(ddp_runs):
+    """The Trainer's DDP (``gradient_as_bucket_view=False``): ``.grad`` plus the reducer's buckets."""
+    out, facts = ddp_runs
+    for rank in (0, 1):
+        param_bytes = facts[rank]["watch"]["param_bytes"]
+        buckets = sum(facts[rank]["watch"]["bucket_sizes"])
+        assert buckets == param_bytes  # DDP's own logging data: one bucket byte per gradient byte
+        for snap in snapshots(timeline(out / "watch", rank)):
+            assert sum(snap["live"].values()) == snap["allocated"]
+            with_grad = snap["phase"] in ("after_backward", "after_optimizer")
+            expected = param_bytes + buckets if with_grad else buckets  # .grad set to None at step end
+            assert snap["live"]["gradients"] == expected, snap
+
+
+def test_bucket_view_gradients_equal_local_parameter_bytes(ddp_runs):
+    """``gradient_as_bucket_view=True``: the ``.grad`` are the buckets, gradients == parameter bytes."""
+    out, facts = ddp_runs
+    for rank in (0, 1):
+        param_bytes = facts[rank]["bucket_view"]["param_bytes"]
+        for snap in snapshots(timeline(out / "bucket_view", rank)):
+            assert sum(snap["live"].values()) == snap["allocated"]
+            assert snap["live"]["gradients"] == param_bytes, snap
+
+
+def test_ddp_step_peaks_per_rank_match_the_profiler(ddp_runs):
+    out, facts = ddp_runs
+    for rank in (0, 1):
+        ours = [r["peak"] for r in timeline(out / "watch", rank) if r["event"] == "step"]
+        truth = facts[rank]["watch"]["truth_step_peaks"]
+        assert len(ours) == len(truth) == 3
+        for measured, reference in zip(ours, truth):
+            assert abs(measured - reference) / reference <= 0.02, (rank, ours, truth)
+
+
+def test_scalars_figure_is_the_maximum_over_ranks(ddp_runs):
+    out, facts = ddp_runs
+    peaks = [max(r["peak"] for r in timeline(out / "watch", rank) if r["event"] == "step") for rank in (0, 1)]
+    assert facts[0]["max_peak_over_ranks"] == facts[1]["max_peak_over_ranks"] == max(peaks)
+
+
+def test_ddp_estimate_matches_the_measured_rank_peak(ddp_runs):
+    """``estimate(world_size=2)`` (DDP, no sharding) against the peak each rank measured."""
+    out, facts = ddp_runs
+    predicted = estimate(gpt2_model().config, batch_size=8, seq_len=32, world_size=2, shard="none",
+                         optim="adamw_torch_fused").peak_bytes
+    for rank in (0, 1):
+        measured = max(r["peak"] for r in timeline(out / "watch", rank) if r["event"] == "step")
+        assert abs(predicted - measured) / measured <= 0.03, (predicted, measured)
+
+
+def test_auto_mode_agrees_one_plan_when_only_one_rank_must_act(ddp_runs):
+    """Rank 0's budget fits the configured run, rank 1's does not: both must run rank 1's plan."""
+    out, facts = ddp_runs
+    plans = [[r for r in timeline(out / "auto", rank) if r["event"] == "plan"] for rank in (0, 1)]
+    assert plans[0] and plans[1]
+    first = [{k: p[0][k] for k in PLAN_KEYS} for p in plans]
+    last = [{k: p[-1][k] for k in PLAN_KEYS} for p in plans]
+    assert first[0] == first[1] and last[0] == last[1], plans
+    configured = facts[0]["plain"]["configured"]
+    assert configured["micro_batch_size"] == 8
+    assert first[0] != configured  # the plan acted, for rank 1's sake
+    assert first[0]["micro_batch_size"] * first[0]["gradient_accumulation_steps"] == 8  # effective batch kept
+    rank1_peak = max(r["peak"] for r in timeline(out / "auto", 1) if r["event"] == "step")
+    assert rank1_peak <= facts[1]["auto_budget"], (rank1_peak, facts[1]["auto_budget"])
+
+
+def test_a_rank_that_cannot_plan_stops_every_rank_without_a_hang(ddp_runs):
+    """Rank 1's budget is below the weights: PlanError there, and the same stop on rank 0."""
+    _, facts = ddp_runs
+    assert facts[1]["auto_fail"]["raised"] == "PlanError"
+    assert "below what the weights alone need" in facts[1]["auto_fail"]["message"]
+    assert facts[0]["auto_fail"]["raised"] == "PlanError"
+    assert "rank 1: PlanError" in facts[0]["auto_fail"]["message"]
+
+
+# -- FSDP2 (fully_shard) on gloo ----------------------------------------------------------------
+
+
+def test_fsdp2_rank_holds_its_shard_of_weights_gradients_and_optimizer_states(fsdp2):
+    """Weights, gradients and AdamW states are DTensors: each rank counts its local shard, half here."""
+    for result in fsdp2:
+        assert result["param_type"] == "DTensor"
+        shard = result["full_bytes"] // 2
+        assert result["local_param_bytes"] == shard
+        live = result["after_optimizer"]["live"]
+        assert live["weights"] == shard
+        assert live["gradients"] == shard
+        assert live["optimizer_states"] == 2 * shard + 4 * result["tensors"]  # exp_avg, exp_avg_sq, step
+
+
+# -- sharded estimates against hand-worked numbers ----------------------------------------------
+
+# GPT-2 of conftest (n_layer=2, n_embd=128, vocab 1000, n_positions 512, tied lm_head), fp32:
+#   wte 1000*128 + wpe 512*128 = 193,536; per block: ln 2*(2*128) + attn (128*384+384) + (128*128+128)
+#   + mlp (128*512+512) + (512*128+128) = 198,272; ln_f 256  ->  P = 193,536 + 2*198,272 + 256 = 590,336
+P = 590_336
+TENSORS = 28  # parameter tensors: AdamW keeps one 4-byte fp32 ``step`` per tensor
+BLOCK_BYTES = 4 * 198_272  # the largest repeated layer (a GPT-2 block), fp32
+
+
+def test_hand_worked_model_size():
+    model = gpt2_model()
+    assert sum(p.numel() for p in model.parameters()) == P
+    assert len(list(model.parameters())) == TENSORS
+    assert largest_layer_bytes(model) == BLOCK_BYTES
+
+
+@pytest.mark.parametrize("world_size", [2, 4, 8])
+def test_zero_sharding_of_model_states_by_hand(world_size):
+    full = {"weights": 4 * P, "gradients": 4 * P, "optimizer_states": 8 * P + 4 * TENSORS,
+            "activations": 1000, "temporaries": 10, "other": 5}
+    model = gpt2_model()
+    ceil = lambda n: -(-n // world_size)  # noqa: E731
+    zero1 = shard_classes(full, model, world_size, "zero1", [])
+    assert (zero1["weights"], zero1["gradients"], zero1["optimizer_states"]) == (
+        4 * P, 4 * P, ceil(8 * P + 4 * TENSORS))
+    zero2 = shard_classes(full, model, world_size, "zero2", [])
+    assert (zero2["weights"], zero2["gradients"], zero2["optimizer_states"]) == (
+        4 * P, ceil(4 * P), ceil(8 * P + 4 * TENSORS))
+    zero3 = shard_classes(full, model, world_size, "zero3", [])
+    assert (zero3["weights"], zero3["gradients"], zero3["optimizer_states"]) == (
+        ceil(4 * P) + 2 * BLOCK_BYTES, ceil(4 * P), ceil(8 * P + 4 * TENSORS))
+    for sharded in (zero1, zero2, zero3):  # per-rank work is not sharded
+        assert (sharded["activations"], sharded["temporaries"], sharded["other"]) == (1000, 10, 5)
+    ddp = shard_classes(full, model, world_size, "none", [])
+    assert ddp["gradients"] == 4 * P + 4 * P  # .grad + DDP's buckets
+
+
+def test_estimate_divides_the_model_states_per_rank():
+    """End to end through ``estimate``: the peak-phase classes, single process vs 4 ranks."""
+    config = gpt2_model().config
+    single = estimate(config, batch_size=8, seq_len=32, optim="adamw_torch")
+    zero1 = estimate(config, batch_size=8, seq_len=32, optim="adamw_torch", world_size=4, shard="zero1")
+    zero3 = estimate(config, batch_size=8, seq_len=32, optim="adamw_torch", world_size=4, shard="zero3")
+    assert single.classes["weights"] == 4 * P
+    assert single.classes["optimizer_states"] == 8 * P + 4 * TENSORS
+    assert zero1.classes["optimizer_states"] == -(-(8 * P + 4 * TENSORS) // 4)
+    assert zero1.classes["weights"] == 4 * P
+    assert zero3.classes["weights"] == 4 * P // 4 + 2 * BLOCK_BYTES
+    assert zero1.peak_bytes == single.peak_bytes - (single.classes["optimizer_states"]
+                                                    - zero1.classes["optimizer_states"])
+
+
+def test_model_states_against_deepspeed_estimators():
+    """Per-rank model states (weights + gradients + optimizer states) against DeepSpeed's estimators.
+
+    DeepSpeed's ``estimate_zero{2,3}_model_states_mem_needs`` (no offload) assume mixed precision
+    with Adam: 16 bytes per parameter in all, sharded as each stage does. Ours: the single-process
+    bf16 estimate's classes with every gradient resident, divided by ``shard_classes``.
+    """
+    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed: its estimators cannot be compared")
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    model = gpt2_model()
+    single = estimate(model.config, batch_size=1, seq_len=8, precision="bf16")
+    full = dict.fromkeys(single.classes, 0)
+    full.update(weights=single.classes["weights"], gradients=4 * P,
+                optimizer_states=single.classes["optimizer_states"])
+    for world_size in (2, 4):
+        _, gpu2 = estimate_zero2_model_states_mem_needs(P, num_gpus_per_node=world_size, cpu_offload=False)
+        _, gpu3, _ = estimate_zero3_model_states_mem_needs(
+            P, BLOCK_BYTES // 4, num_gpus_per_node=world_size, cpu_offload=False, cpu_offload_params=False)
+        for shard, theirs in (("zero2", gpu2), ("zero3", gpu3)):
+            ours = shard_classes(full, model, world_size, shard, [])
+            states = ours["weights"] + ours["gradients"] + ours["optimizer_states"]
+            assert abs(states - theirs) / theirs <= 0.05, (shard, world_size, states, theirs)
+
+
+def test_deepspeed_storages_without_deepspeed_is_empty():
+    from hf_memwatch.distributed import deepspeed_storages
+
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    assert deepspeed_storages(model, optimizer, None) == {"weights": {}, "gradients": {}, "optimizer_states": {}}

@@ -1,0 +1,214 @@
+"""hf_memwatch.estimate against PyTorch's own accounting of real Trainer runs (profiler memory events)."""
+
+from __future__ import annotations
+
+import gc
+import json
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    BertConfig,
+    GPT2Config,
+    LlamaConfig,
+)
+
+from hf_memwatch.errors import MemWatchConfigError
+from hf_memwatch.estimate import CLASS_NAMES, estimate, largest_fitting_batch
+from hf_memwatch.estimate_truth import trainer_peak
+from hf_memwatch.truth import window_peak
+
+
+def gpt2_config(**overrides) -> GPT2Config:
+    base = dict(n_layer=2, n_embd=128, n_head=4, vocab_size=1000, n_positions=256, bos_token_id=0, eos_token_id=0)
+    return GPT2Config(**{**base, **overrides})
+
+
+def llama_config(**overrides) -> LlamaConfig:
+    base = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=1000, bos_token_id=0, eos_token_id=0)
+    return LlamaConfig(**{**base, **overrides})
+
+
+def bert_config() -> BertConfig:
+    return BertConfig(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, intermediate_size=256,
+                      vocab_size=1000, max_position_embeddings=256)
+
+
+TRUTH_CASES = [
+    pytest.param(gpt2_config, "causal-lm", dict(batch_size=4, seq_len=128), id="gpt2-fp32-adamw"),
+    pytest.param(llama_config, "causal-lm", dict(batch_size=4, seq_len=64, precision="bf16", checkpointing=True),
+                 id="llama-bf16-checkpointing"),
+    pytest.param(bert_config, "seq-cls", dict(batch_size=8, seq_len=64, optim="sgd", accum=2), id="bert-cls-sgd-accum"),
+    pytest.param(llama_config, "causal-lm", dict(batch_size=2, seq_len=64, optim="adamw_bnb_8bit"), id="llama-bnb8bit"),
+]
+
+
+def build(config_factory, task: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    auto = AutoModelForSequenceClassification if task == "seq-cls" else AutoModelForCausalLM
+    return auto.from_config(config_factory())
+
+
+@pytest.mark.parametrize(("config_factory", "task", "kwargs"), TRUTH_CASES)
+def test_peak_matches_profiler_truth_of_a_real_trainer_run(config_factory, task, kwargs):
+    if kwargs.get("optim") == "adamw_bnb_8bit":
+        pytest.importorskip("bitsandbytes")
+    model = build(config_factory, task)
+    predicted = estimate(model, task=task, **kwargs)
+    truth = trainer_peak(model, task=task, **kwargs)
+    assert abs(predicted.peak_bytes - truth) / truth <= 0.005, (predicted.peak_bytes, truth)
+    assert sum(predicted.classes.values()) == predicted.peak_bytes
+    assert set(predicted.classes) == set(CLASS_NAMES)
+
+
+def test_config_and_built_model_give_the_same_estimate():
+    model = build(gpt2_config, "causal-lm")
+    from_model = estimate(model, batch_size=2, seq_len=64)
+    from_config = estimate(gpt2_config(), batch_size=2, seq_len=64)
+    assert from_model.peak_bytes == from_config.peak_bytes
+    assert from_model.params == from_config.params == sum(p.numel() for p in model.parameters())  # tied once
+
+
+def test_live_model_is_never_copied_for_real():
+    """The weights are ~50 MB; estimating allocates a small fraction of that (fake tensors only)."""
+    model = AutoModelForCausalLM.from_config(gpt2_config(vocab_size=50000, n_embd=256, n_layer=1))
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    before = [p.detach().clone() for p in model.parameters()][:3]
+    gc.collect()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = estimate(model, batch_size=2, seq_len=32)
+    allocated_by_estimate = window_peak(prof, 0)
+    assert result.classes["weights"] >= weights
+    assert allocated_by_estimate < 0.1 * weights, allocated_by_estimate
+    assert all(torch.equal(a, b) for a, b in zip(before, list(model.parameters())[:3], strict=True))
+    assert not any(p.grad is not None for p in model.parameters())
+
+
+def test_frozen_parameters_have_no_gradients_or_optimizer_state():
+    model = build(llama_config, "causal-lm")
+    full = estimate(model, batch_size=2, seq_len=32)
+    model.model.embed_tokens.weight.requires_grad_(False)
+    frozen_bytes = model.model.embed_tokens.weight.numel() * 4
+    frozen = estimate(model, batch_size=2, seq_len=32)
+    assert frozen.trainable_params == full.trainable_params - model.model.embed_tokens.weight.numel()
+    # AdamW keeps two fp32 moments per trainable element: both disappear for the frozen embedding
+    assert full.phase_peaks["step_end"] - frozen.phase_peaks["step_end"] >= 2 * frozen_bytes
+    truth = trainer_peak(model, task="causal-lm", batch_size=2, seq_len=32)
+    assert abs(frozen.peak_bytes - truth) / truth <= 0.005, (frozen.peak_bytes, truth)
+
+
+def test_depth_extrapolation_equals_the_full_simulation():
+    config = llama_config(num_hidden_layers=7)
+    kwargs = dict(batch_size=2, seq_len=64)
+    extrapolated = estimate(config, extrapolate_layers=True, **kwargs)
+    full = estimate(config, extrapolate_layers=False, **kwargs)
+    assert any("extrapolated" in note for note in extrapolated.notes)
+    assert not any("extrapolated" in note for note in full.notes)
+    assert extrapolated.peak_bytes == full.peak_bytes
+    assert extrapolated.classes == full.classes
+
+
+def test_sharding_divides_model_states_per_rank():
+    config = llama_config()
+    kwargs = dict(batch_size=1, seq_len=16)
+    single = estimate(config, **kwargs)
+    after_optimizer = {}
+    for shard in ("zero1", "zero2", "zero3", "fsdp"):
+        est = estimate(config, world_size=4, shard=shard, **kwargs)
+        after_optimizer[shard] = est.phase_peaks["after_optimizer"]
+        assert est.peak_bytes <= single.peak_bytes
+    assert after_optimizer["zero1"] > after_optimizer["zero2"] > after_optimizer["zero3"]
+    assert after_optimizer["zero3"] == after_optimizer["fsdp"]
+    ddp = estimate(config, world_size=4, **kwargs)
+    assert ddp.peak_bytes >= single.peak_bytes  # DDP buckets: a second copy of the gradients
+
+
+def test_cuda_target_rounds_every_block_to_512_bytes():
+    result = estimate(llama_config(), batch_size=2, seq_len=32, device="cuda", precision="bf16")
+    assert all(value % 512 == 0 for value in result.classes.values())
+    cpu = estimate(llama_config(), batch_size=2, seq_len=32, precision="bf16")
+    assert result.peak_bytes >= cpu.peak_bytes
+
+
+def test_budget_fits_and_largest_fitting_batch():
+    config = gpt2_config(n_layer=1)
+    best = largest_fitting_batch(config, budget="40MiB", seq_len=64)
+    assert best >= 1
+    assert estimate(config, batch_size=best, seq_len=64, budget="40MiB").fits is True
+    assert estimate(config, batch_size=best + 1, seq_len=64, budget="40MiB").fits is False
+    assert largest_fitting_batch(config, budget="1MiB", seq_len=64) == 0
+
+
+def test_json_has_the_documented_fields():
+    result = estimate(gpt2_config(n_layer=1), batch_size=1, seq_len=16, budget=10**9)
+    data = json.loads(result.to_json())
+    for key in ("peak_bytes", "peak_phase", "classes", "params", "trainable_params", "fits"):
+        assert key in data
+    assert data["fits"] is True
+    assert sum(data["classes"].values()) == data["peak_bytes"]
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(batch_size=0, seq_len=16),
+        dict(batch_size=1, seq_len=-1),
+        dict(batch_size=1, seq_len=16, precision="fp8"),
+        dict(batch_size=1, seq_len=16, optim="nope"),
+        dict(batch_size=1, seq_len=16, task="vision"),
+        dict(batch_size=1, seq_len=16, budget="lots"),
+        dict(batch_size=1, seq_len=16, shard="zero3"),  # needs world_size > 1
+        dict(batch_size=1, seq_len=16, accum=0),
+    ],
+)
+def test_bad_arguments_raise_a_config_error(kwargs):
+    with pytest.raises(MemWatchConfigError):
+        estimate(gpt2_config(n_layer=1), **kwargs)
+
+
+def test_missing_or_invalid_config_path(tmp_path):
+    with pytest.raises(MemWatchConfigError, match="no such file"):
+        estimate(str(tmp_path / "missing" / "config.json"), batch_size=1, seq_len=8)
+    bad = tmp_path / "config.json"
+    bad.write_text("{}")
+    with pytest.raises(MemWatchConfigError, match="model_type"):
+        estimate(str(bad), batch_size=1, seq_len=8)
+
+
+def test_hooks_of_other_objects_are_not_copied_or_fired():
+    """A callback's bound-method hook on the live model must neither be deep-copied nor called."""
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.calls = 0
+            self.payload = torch.zeros(1 << 20)  # 4 MiB: copying it would show in the profiler
+
+        def hook(self, module, args):
+            self.calls += 1
+
+    model = build(gpt2_config, "causal-lm")
+    recorder = Recorder()
+    handle = model.register_forward_pre_hook(recorder.hook)
+    gc.collect()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        estimate(model, batch_size=1, seq_len=16)
+    handle.remove()
+    assert recorder.calls == 0
+    assert window_peak(prof, 0) < recorder.payload.nbytes
+
+
+def test_a_live_tracker_does_not_see_the_fake_step():
+    """Estimating during a monitored step (auto mode) leaves the monitor's figures untouched."""
+    from hf_memwatch.tracker import StorageTracker
+
+    outer = StorageTracker("cpu")
+    with outer:
+        kept = torch.ones(1024)
+        allocated, peak = outer.allocated, outer.peak
+        estimate(gpt2_config(n_layer=1), batch_size=2, seq_len=32)
+        assert (outer.allocated, outer.peak) == (allocated, peak)
+    del kept

@@ -1,0 +1,142 @@
+"""OOM post-mortem on a real CPU out-of-memory: a subprocess under ``RLIMIT_AS`` (no mocks)."""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_memwatch import is_oom_error
+from hf_memwatch.oom import install_oom_guard, requested_bytes
+
+TESTS = Path(__file__).resolve().parent
+
+# Measured on this project's venv (torch 2.13 CPU, transformers 5.23): the process maps ~2.19 GiB
+# once both trainers are built; training GPT-2 (2 layers, 128 wide) at batch 4 x 32 tokens raised
+# VmPeak by ~136 MiB, at batch 32 x 256 tokens by ~740 MiB. A limit 300 MiB above the mapped size
+# lets the small run train and makes the big one fail in its first forward pass.
+MARGIN_MIB = 300
+
+OOM_SCRIPT = r"""
+import functools, json, os, resource, sys, traceback
+sys.path.insert(0, sys.argv[3])
+from conftest import gpt2_model, token_dataset, training_args
+from transformers import Trainer
+from hf_memwatch import MemWatch
+
+out, margin = sys.argv[1], int(sys.argv[2]) << 20
+
+def vm_size():
+    with open("/proc/self/status") as fh:
+        return next(int(line.split()[1]) * 1024 for line in fh if line.startswith("VmSize:"))
+
+def trainer(name, batch, seq):
+    args = training_args(os.path.join(out, name), per_device_train_batch_size=batch, max_steps=2)
+    return Trainer(model=gpt2_model(), args=args, train_dataset=token_dataset(2 * batch, seq, 1000),
+                   callbacks=[MemWatch(report=False, summary=False)])
+
+small, big = trainer("small", 4, 32), trainer("big", 32, 256)
+raised = []  # the exception as it left the model, to compare with what reaches the caller
+forward = big.model.forward
+
+@functools.wraps(forward)
+def forward_recording(*args, **kwargs):
+    try:
+        return forward(*args, **kwargs)
+    except BaseException as exc:
+        raised.append(exc)
+        raise
+
+big.model.forward = forward_recording
+resource.setrlimit(resource.RLIMIT_AS, (vm_size() + margin, resource.getrlimit(resource.RLIMIT_AS)[1]))
+small.train()
+facts = {"small_steps": small.state.global_step}
+try:
+    big.train()
+    facts["big"] = "trained"
+except BaseException as exc:
+    frames = traceback.extract_tb(exc.__traceback__)
+    facts.update(type=type(exc).__name__, message=str(exc), same_object=bool(raised) and raised[0] is exc,
+                 innermost=frames[-1].filename, frames=[f.filename for f in frames])
+print("FACTS" + json.dumps(facts))
+"""
+
+
+def test_real_cpu_oom_writes_the_post_mortem_and_the_error_reaches_the_user_unchanged(tmp_path):
+    proc = subprocess.run([sys.executable, "-c", OOM_SCRIPT, str(tmp_path), str(MARGIN_MIB), str(TESTS)],
+                          capture_output=True, text=True, timeout=600)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("FACTS")]
+    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-3000:]
+    facts = json.loads(lines[0][len("FACTS"):])
+
+    assert facts["small_steps"] == 2  # the limit alone does not break a run that fits
+    assert "DefaultCPUAllocator: can't allocate memory" in facts["message"]
+    assert facts["same_object"]  # the very exception the model raised
+    assert "hf_memwatch" not in facts["innermost"] and "torch" in facts["innermost"]
+
+    memwatch = tmp_path / "big" / "memwatch"
+    assert not (tmp_path / "small" / "memwatch" / "oom_report.md").exists()
+    report = (memwatch / "oom_report.md").read_text()
+    (oom,) = [json.loads(line) for line in (memwatch / "timeline.jsonl").read_text().splitlines()
+              if json.loads(line)["event"] == "oom"]
+    assert (oom["step"], oom["micro_step"], oom["last_phase"]) == (1, 0, "step_begin")
+    assert "optimizer step 1, micro-batch 0, during the forward pass" in report
+    assert oom["requested"] == requested_bytes(RuntimeError(facts["message"]))
+    assert f"Failed allocation:** {oom['requested'] / 2**20:.2f} MiB" in report
+    # What was live when it failed: classes add up; the failing forward's saved activations dominate.
+    live = oom["live_at_failure"]
+    assert sum(live.values()) == oom["allocated_at_failure"]
+    assert live["activations"] > live["weights"] > 0 and live["optimizer_states"] == 0
+    assert f"| activations | {live['activations'] / 2**20:.2f} MiB |" in report
+    # Remedies from the estimator: at least the batch split and checkpointing have figures.
+    section = report.split("## What would have saved how much", 1)[1].split("## Plan in force", 1)[0]
+    assert "Predicted peak of this configuration" in section
+    rows = [r for r in section.splitlines() if r.startswith("| batch 32 → 16") or r.startswith("| gradient checkpointing")]
+    assert len(rows) == 2 and all(r.rstrip(" |").endswith("MiB") for r in rows), section
+
+
+def test_guard_composes_reports_once_and_never_replaces_the_error(caplog):
+    class Job:
+        def train(self):
+            try:
+                torch.empty(1 << 60, dtype=torch.uint8)  # a real allocator failure, no limit needed
+            except BaseException as exc:
+                self.raised = exc
+                raise
+
+    job, seen = Job(), []
+    install_oom_guard(job, seen.append)
+    inner = job.train
+
+    @functools.wraps(inner)
+    def outer(*args, **kwargs):  # another engineer's wrapper (the auto mode wraps train as well)
+        return inner(*args, **kwargs)
+
+    job.train = outer
+    assert not install_oom_guard(job, seen.append)  # once per trainer, even through other wrappers
+    with pytest.raises(RuntimeError) as caught:
+        job.train()
+    assert caught.value is job.raised and is_oom_error(caught.value)
+    assert seen == [job.raised]
+
+    broken = Job()
+    install_oom_guard(broken, lambda exc: 1 / 0)
+    with caplog.at_level(logging.WARNING, logger="hf_memwatch"), pytest.raises(RuntimeError) as caught:
+        broken.train()
+    assert caught.value is broken.raised and "OOM report failed" in caplog.text
+
+    class NotOom:
+        def train(self):
+            raise ValueError("bad data")
+
+    job2, seen2 = NotOom(), []
+    install_oom_guard(job2, seen2.append)
+    with pytest.raises(ValueError):
+        job2.train()
+    assert seen2 == []

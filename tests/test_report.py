@@ -1,0 +1,125 @@
+"""The picture, the CLI and the console summary, from the timeline of a real Trainer run."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import shutil
+
+import matplotlib.image
+import pytest
+from conftest import gpt2_model, read_records, token_dataset, training_args
+from transformers import Trainer
+
+from hf_memwatch import LIVE_CLASSES, MemWatch, cli
+from hf_memwatch.report import choose_unit, draw, load_run
+from hf_memwatch.sinks import composition_at_peak
+from hf_memwatch.summary import load_summary_inputs, summary_rows
+
+BUDGET = 40 * 2**20
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """One real run with the auto mode (a plan and a budget), 2 micro-batches per step."""
+    out = tmp_path_factory.mktemp("report") / "run"
+    model = gpt2_model()
+    args = training_args(out, max_steps=2, per_device_train_batch_size=4, gradient_accumulation_steps=2)
+    trainer = Trainer(model=model, args=args, train_dataset=token_dataset(16, 32, 1000),
+                      callbacks=[MemWatch(auto=True, budget=BUDGET)])
+    console = io.StringIO()
+    with contextlib.redirect_stdout(console):
+        trainer.train()
+    return {"out": out, "console": console.getvalue(), "model": model, "records": read_records(out)}
+
+
+def test_train_end_writes_a_readable_picture(run):
+    png = run["out"] / "memwatch" / "memory.png"
+    image = matplotlib.image.imread(png)
+    assert image.shape[0] >= 500 and image.shape[1] >= 1200  # a figure, not an empty canvas
+
+
+def test_picture_shows_the_timeline_figures(run):
+    records = run["records"]
+    steps = [r for r in records if r["event"] == "step"]
+    (plan,) = [r for r in records if r["event"] == "plan"]
+    runs = load_run(run["out"])
+    fig = draw(runs)
+    (ax,) = fig.axes
+    unit, scale = choose_unit(max(plan["budget"], *(s["peak"] for s in steps)))
+    assert ax.get_ylabel() == f"memory ({unit})"
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    assert list(lines["step peak"].get_ydata()) == pytest.approx([s["peak"] / scale for s in steps])
+    budget_line = next(v for k, v in lines.items() if k.startswith("budget"))
+    assert budget_line.get_ydata()[0] == pytest.approx(plan["budget"] / scale)
+    predicted = next(v for k, v in lines.items() if k.startswith("predicted peak"))
+    assert predicted.get_ydata()[0] == pytest.approx(plan["predicted_peak"] / scale)
+    assert any(text.get_text().startswith("plan: micro-batch") for text in ax.texts)
+    title = fig._suptitle.get_text()
+    assert "GPT2LMHeadModel" in title and f"batch {plan['micro_batch_size']} × accum" in title
+    # The stacked layers are the live classes, in order, then the spike on top.
+    legend = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert legend[: len(LIVE_CLASSES)] == ["weights", "gradients", "optimizer states",
+                                          "activations (saved for backward)", "other (inputs, logits, buffers)"]
+    assert any(label.startswith("spike") for label in legend)
+
+
+def test_console_summary_adds_up_to_the_peak_and_shows_bytes_per_param(run):
+    console, model = run["console"], run["model"]
+    steps, meta, plan, snapshots = load_summary_inputs(run["out"])
+    top = max(steps, key=lambda s: s["peak"])
+    step_snaps = [s for s in snapshots if s["step"] == top["step"]]
+    rows = {row["class"]: row for row in summary_rows(top, meta, step_snaps)}
+    live, allocated = composition_at_peak(top, step_snaps)
+    assert sum(row["bytes"] for row in rows.values()) == allocated + top["spike_at_peak"] == top["peak"]
+    assert sum(row["share"] for row in rows.values()) == pytest.approx(1.0)
+    params = sum(p.numel() for p in model.parameters())
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert rows["weights"]["bytes_per_param"] == pytest.approx(weight_bytes / params)  # 4.00 in fp32
+    assert rows["optimizer_states"]["rule"] == 8 and rows["gradients"]["rule"] == 4
+    assert f"hf-memwatch: peak step {top['step']}" in console
+    assert f"{weight_bytes / params:.2f}" in console
+    assert f"plan in force: micro-batch {plan['micro_batch_size']}" in console
+
+
+def cli_main(argv: list[str]) -> int:
+    return cli.main(argv)
+
+
+@pytest.fixture(autouse=True)
+def only_the_report_subcommand(monkeypatch):
+    """The dispatcher imports every subcommand; test ``report`` alone (``estimate`` has its own tests)."""
+    monkeypatch.setattr(cli, "SUBCOMMANDS", {"report": cli.SUBCOMMANDS["report"]})
+
+
+def test_cli_draws_png_and_html_with_one_panel_per_rank(run, tmp_path, capsys):
+    # A second rank's timeline: rank 0's records relabelled, the layout a 2-process run leaves.
+    folder = tmp_path / "memwatch"
+    shutil.copytree(run["out"] / "memwatch", folder)
+    lines = [json.loads(line) for line in (folder / "timeline.jsonl").read_text().splitlines()]
+    for record in lines:
+        record["rank"] = 1
+        if record["event"] == "snapshot":
+            record["allocated"] += 2**20  # rank 1 holds 1 MiB more
+    (folder / "timeline.rank1.jsonl").write_text("\n".join(json.dumps(r) for r in lines) + "\n")
+
+    assert cli_main(["report", str(tmp_path), "-o", str(tmp_path / "m.png")]) == 0
+    assert "wrote" in capsys.readouterr().out and (tmp_path / "m.png").stat().st_size > 10_000
+    fig = draw(load_run(tmp_path))
+    assert [ax.get_title(loc="left") for ax in fig.axes] == ["rank 0", "rank 1"]
+
+    assert cli_main(["report", str(folder / "timeline.jsonl"), "-o", str(tmp_path / "m.html")]) == 0
+    page = (tmp_path / "m.html").read_text()
+    assert page.count("<img alt='memory per phase' src='data:image/png;base64,") == 1
+    steps = [r for r in run["records"] if r["event"] == "step"]
+    assert page.count("<tr><td>") == len(steps)
+
+
+def test_cli_errors_are_one_line_and_status_2(tmp_path, capsys):
+    assert cli_main(["report", str(tmp_path), "-o", str(tmp_path / "m.png")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("hf-memwatch report: error:") and "timeline" in err and "\n" not in err
+    (tmp_path / "timeline.jsonl").write_text('{"event": "snapshot", "allocated": null}\n')
+    assert cli_main(["report", str(tmp_path), "-o", str(tmp_path / "m.svg")]) == 2
+    assert ".png or .html" in capsys.readouterr().err
