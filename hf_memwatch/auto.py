@@ -70,6 +70,8 @@ CHECKPOINT_TRIGGER = 0.95
 # past the largest probe, allocator rounding). Measured raw predictions were within 0.1% (docs/auto.md).
 PREDICTION_SAFETY = 1.03
 PROBE_SIZES = (1, 2, 4)
+# Two probe segments whose per-sample growths differ by less than this share lie on one line.
+COLLINEAR_TOLERANCE = 0.01
 # Plans whose predicted throughputs differ by less than this are a tie, won by the fewest changes
 # (the cost model is not finer than that).
 THROUGHPUT_TIE = 0.02
@@ -120,7 +122,8 @@ class ProbeResult:
         if micro_batch in points:
             return points[micro_batch]
         # Beyond the probes: the line through the two largest ones (the smallest sizes are the least
-        # linear: kernels pick other paths at a batch of one).
+        # linear: kernels pick other paths at a batch of one). The probe made them straddle no change
+        # of peak regime where it could (see :func:`refinement_size`).
         (b1, p1), (b2, p2) = sorted(points.items())[-2:] if len(points) > 1 else (*points.items(), *points.items())
         per_sample = max(0.0, (p2 - p1) / (b2 - b1)) if b2 != b1 else float(p2 - self.weights - self.gradients)
         return int(p2 + per_sample * (micro_batch - b2))
@@ -134,6 +137,39 @@ class ProbeResult:
         optimizer_step = self.weights + self.gradients + states + self.optimizer_temporaries[plan.optim]
         peak = max(forward_backward + states, optimizer_step) + self.engine
         return int(self.weights + PREDICTION_SAFETY * (peak - self.weights))
+
+
+def _per_sample(points: dict[int, int], small: int, large: int) -> float:
+    return (points[large] - points[small]) / (large - small)
+
+
+def refinement_size(measured: dict[int, tuple[int, int]]) -> int | None:
+    """A micro-batch to probe between the two largest probes, or None when their line can be trusted.
+
+    A step's peak is the largest of several moments, each growing linearly with the micro-batch:
+    early in backward (activations, the logits' gradient: grows fast) or at its end (every parameter
+    gradient plus the sum for a tied weight: grows by the batch's input bytes only). Small probes
+    can peak at the flat moment and larger ones at the steep one; a line through one of each
+    under-predicts every larger micro-batch. That shows as a segment steeper than the one before
+    it; the midpoint of the top segment is then probed, so the extrapolation runs along the shortest
+    top segment there is (never less steep, the peak being convex in the micro-batch).
+
+    Example (measured: GPT-2 of the tests, 32 tokens, first micro-step peaks; micro-batch 2 peaks
+    at the end of backward, 4 early in it):
+        >>> refinement_size({1: (5_747_208, 0), 2: (5_747_720, 0), 4: (8_426_760, 0)})
+        3
+        >>> refinement_size({1: (5_747_208, 0), 2: (5_747_720, 0), 3: (6_909_704, 0), 4: (8_426_760, 0)}) is None
+        True
+    """
+    sizes = sorted(measured)
+    if len(sizes) < 3 or sizes[-1] - sizes[-2] < 2:
+        return None
+    small, middle, large = sizes[-3:]
+    for series in ({s: p[0] for s, p in measured.items()}, {s: max(p) for s, p in measured.items()}):
+        below, top = _per_sample(series, small, middle), _per_sample(series, middle, large)
+        if top - below > COLLINEAR_TOLERANCE * max(abs(top), 1.0):
+            return (middle + large) // 2
+    return None
 
 
 class Probe:
@@ -187,7 +223,8 @@ class Probe:
         """Peak device bytes of two accumulation micro-steps at each micro-batch size.
 
         Sizes past the first whose peak exceeds ``limit`` are not run (they could not fit, and
-        running them could exhaust the device).
+        running them could exhaust the device). Sizes between the two largest are added where their
+        peaks came from different moments of the step (:func:`refinement_size`).
         """
         model = self.model
         was_checkpointing = bool(getattr(model, "is_activation_checkpointing", False))
@@ -203,6 +240,10 @@ class Probe:
                 measured[size] = self._measure_micro_steps(size)
                 if limit is not None and max(measured[size]) > limit:
                     break
+            # Probes peaking in different regimes: one more between the two largest (no larger
+            # than what already ran), until the top segment is one line or cannot be split.
+            while (size := refinement_size(measured)) is not None:
+                measured[size] = self._measure_micro_steps(size)
             return measured
         finally:
             if checkpointing and not was_checkpointing:
@@ -377,6 +418,63 @@ class _PreservedState:
         for name, param in self.model.named_parameters():
             param.grad = self.grads.get(name)
         self.model.train(self.training)
+
+
+# -- the estimator beside the probes ------------------------------------------------------------
+def _estimator_predictor(trainer: Any, seq_len: int, device_type: str) -> Callable[[Plan], int | None] | None:
+    """Peak of a plan by :func:`hf_memwatch.estimate.estimate` on the live model (nothing allocated).
+
+    The probes measure small micro-batches and extrapolate; where the peak moves from the end of
+    backward (gradients) to the forward's activations as the micro-batch grows, the line through small
+    probes is too flat (seen: 356 MiB predicted, 461 MiB measured for MiniLM at 32 x 32 tokens). The
+    estimator replays the real step at the plan's own size (461 MiB predicted there), so the auto mode
+    takes the larger of both. None when the estimator cannot be used; a plan it fails on gets None.
+    """
+    try:
+        from .estimate import estimate
+    except Exception as exc:  # noqa: BLE001 - planning goes on with the probes alone
+        logger.warning("hf-memwatch: the estimator is unavailable (%s); planning from probes only.", exc)
+        return None
+    args = trainer.args
+    precision = "bf16" if getattr(args, "bf16", False) else "fp16" if getattr(args, "fp16", False) else "fp32"
+    world_size = torch.distributed.get_world_size() if _distributed() else 1
+    cache: dict[tuple[Any, ...], int | None] = {}
+    warned: list[bool] = []
+
+    def predict(plan: Plan) -> int | None:
+        key = plan.key()
+        if key not in cache:
+            try:
+                cache[key] = estimate(
+                    trainer.model, batch_size=plan.micro_batch_size, seq_len=max(1, seq_len),
+                    precision=precision, optim=plan.optim, checkpointing=plan.activation_checkpointing,
+                    accum=plan.gradient_accumulation_steps, device=device_type,
+                    max_grad_norm=float(getattr(args, "max_grad_norm", 1.0) or 0.0), world_size=world_size,
+                ).peak_bytes
+            except Exception as exc:  # noqa: BLE001 - e.g. a custom model the estimator cannot replay
+                if not warned:
+                    warned.append(True)
+                    logger.warning("hf-memwatch: the estimator failed on this model (%s: %s); planning from "
+                                   "probes only.", type(exc).__name__, exc)
+                cache[key] = None
+        return cache[key]
+
+    return predict
+
+
+def _combined_predictor(
+    measured: Callable[[Plan], int], estimated: Callable[[Plan], int | None] | None
+) -> Callable[[Plan], int]:
+    """The larger of the probes' and the estimator's prediction (the probes alone without an estimator)."""
+    if estimated is None:
+        return measured
+
+    def predict(plan: Plan) -> int:
+        by_probe = measured(plan)
+        by_estimator = estimated(plan)
+        return by_probe if by_estimator is None else max(by_probe, by_estimator)
+
+    return predict
 
 
 # -- distributed agreement -----------------------------------------------------------------------
@@ -635,9 +733,10 @@ class AutoMode:
                 states, temporaries = probe.optimizer(optim)
                 result.optimizer_states[optim] = states
                 result.optimizer_temporaries[optim] = temporaries
-            given.predicted_peak = result.predict(given)
+            predict = _combined_predictor(result.predict, _estimator_predictor(trainer, seq_len, backend.device.type))
+            given.predicted_peak = predict(given)
             candidates = candidate_plans(given, allow_checkpointing=False, eight_bit=eight_bit, seq_len=seq_len)
-            chosen = choose(given, candidates, result.predict, budget.usable)
+            chosen = choose(given, candidates, predict, budget.usable)
             if not ckpt_reason and not given.activation_checkpointing:
                 with_checkpointing = candidate_plans(given, allow_checkpointing=True, eight_bit=eight_bit,
                                                      seq_len=seq_len)
@@ -645,7 +744,7 @@ class AutoMode:
                 if chosen is None or max(p.relative_throughput for p in with_checkpointing) > chosen.relative_throughput + THROUGHPUT_TIE:
                     result.forward_backward[True] = probe.forward_backward(sizes, True, limit=budget.usable)
                     candidates = with_checkpointing
-                    chosen = choose(given, candidates, result.predict, budget.usable)
+                    chosen = choose(given, candidates, predict, budget.usable)
         self.probe_seconds = time.perf_counter() - started
         if chosen is None:
             best = min(candidates, key=lambda p: p.predicted_peak or 0)

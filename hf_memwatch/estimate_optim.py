@@ -8,10 +8,12 @@ bitsandbytes' ``AdamW`` with ``optim_bits=8``), and the parameters are grouped a
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import tempfile
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -38,12 +40,32 @@ def _training_arguments(optim: str) -> Any:
     """``TrainingArguments`` carrying only what decides the optimizer (cached: building them is slow)."""
     from transformers import TrainingArguments
 
-    with warnings.catch_warnings(), tempfile.TemporaryDirectory() as tmp:
+    with warnings.catch_warnings(), tempfile.TemporaryDirectory() as tmp, _accelerate_state_kept():
         warnings.simplefilter("ignore")
         try:
             return TrainingArguments(output_dir=tmp, optim=optim, use_cpu=True, report_to=[])
         except ValueError as exc:
             raise MemWatchConfigError(f"optim {optim!r}: {str(exc).splitlines()[0]}") from None
+
+
+@contextlib.contextmanager
+def _accelerate_state_kept() -> Iterator[None]:
+    """Keep accelerate's process-wide state as it was.
+
+    ``TrainingArguments()`` resets ``AcceleratorState``/``PartialState`` while setting up its device;
+    inside a running Trainer (the auto mode estimates from within ``train()``) that would leave the
+    Trainer's accelerator without a state ("`AcceleratorState` object has no attribute
+    `distributed_type`").
+    """
+    from accelerate.state import AcceleratorState, PartialState
+
+    saved = [(cls._shared_state, dict(cls._shared_state)) for cls in (AcceleratorState, PartialState)]
+    try:
+        yield
+    finally:
+        for shared, content in saved:
+            shared.clear()
+            shared.update(content)
 
 
 def optimizer_class_and_kwargs(optim: str, model: torch.nn.Module | None = None) -> tuple[type, dict[str, Any]]:

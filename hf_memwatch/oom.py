@@ -237,14 +237,16 @@ def write_oom_report(
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     last = monitor.step_snapshots[-1] if monitor.step_snapshots else None
-    at_failure = split_at_failure(monitor)
+    try:
+        at_failure = split_at_failure(monitor)
+    except Exception:  # noqa: BLE001 - the dying process may not afford the walk; report without it
+        at_failure = None
     live_now = at_failure["allocated"] if at_failure else None
     monitor.stop_tracking()  # the estimator below must not run under our tracking mode
     if snapshot_path is None:
         snapshot_path = _dump_cuda_snapshot(directory)
     model = getattr(trainer, "model", None)
     config = RunConfig.from_trainer(trainer, seq_len)
-    baseline, remedies, note = estimate_remedies(model, config)
     record = {
         "event": "oom", "step": monitor.step, "micro_step": monitor.micro_step, "rank": monitor.rank,
         "time": time.time(), "last_phase": last["phase"] if last else None,
@@ -255,11 +257,17 @@ def write_oom_report(
     if monitor.writer is not None:
         monitor.writer.write(record)
         monitor.writer.flush()
-    text = render_oom_report(
-        exc, monitor, last, config, model, at_failure, baseline, remedies, note, plan, snapshot_path
-    )
     path = directory / REPORT_NAME
-    path.write_text(text, encoding="utf-8")
+
+    def render(baseline: int | None, remedies: list[tuple[str, int | None, str]], note: str) -> None:
+        text = render_oom_report(
+            exc, monitor, last, config, model, at_failure, baseline, remedies, note, plan, snapshot_path
+        )
+        path.write_text(text, encoding="utf-8")
+
+    # What was measured goes to disk first: the estimates below need memory the process may lack.
+    render(None, [], "the estimator did not finish (the process may have had no memory left to run it)")
+    render(*estimate_remedies(model, config))
     logger.warning("hf-memwatch: out of memory at step %s; post-mortem in %s", monitor.step, path)
     return path
 

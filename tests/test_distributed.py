@@ -227,6 +227,11 @@ def test_auto_mode_agrees_one_plan_when_only_one_rank_must_act(ddp_runs):
     assert first[0]["micro_batch_size"] * first[0]["gradient_accumulation_steps"] == 8  # effective batch kept
     rank1_peak = max(r["peak"] for r in timeline(out / "auto", 1) if r["event"] == "step")
     assert rank1_peak <= facts[1]["auto_budget"], (rank1_peak, facts[1]["auto_budget"])
+    # The prediction the plan was chosen by covers what the rank measured (DDP buckets included),
+    # and so does PyTorch's own accounting of the planned run.
+    assert rank1_peak <= plans[1][0]["predicted_peak"], (rank1_peak, plans[1][0])
+    truth = facts[1]["auto"]["truth_step_peaks"]
+    assert len(truth) == 3 and max(truth) <= facts[1]["auto_budget"], (truth, facts[1]["auto_budget"])
 
 
 def test_a_rank_that_cannot_plan_stops_every_rank_without_a_hang(ddp_runs):

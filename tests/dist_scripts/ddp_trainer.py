@@ -9,7 +9,8 @@ Runs, each in its own output dir under OUT_DIR:
 * ``watch``: DDP as the Trainer configures it (``gradient_as_bucket_view=False``), MemWatch full,
   under ``torch.profiler`` for the per-rank truth (``hf_memwatch.truth.step_peaks``);
 * ``bucket_view``: the same with ``gradient_as_bucket_view=True`` (gradients are the buckets);
-* ``auto``: ``MemWatch(auto=True)`` with a budget that fits on rank 0 and not on rank 1;
+* ``auto``: ``MemWatch(auto=True)`` with a budget that fits on rank 0 and not on rank 1, under
+  ``torch.profiler`` (the planned run's truth);
 * ``auto_fail``: rank 1's budget is below the weights: both ranks must stop with a ``PlanError``.
 """
 
@@ -104,7 +105,8 @@ def main() -> None:
     facts["max_peak_over_ranks"] = max_over_ranks(peak)
     budget = 8 * 2**30 if rank == 0 else int(0.75 * peak)
     facts["auto_budget"] = budget
-    facts["auto"] = run(out, "auto", [MemWatch(auto=True, budget=budget, report=False, summary=False)])
+    facts["auto"] = run(out, "auto", [MemWatch(auto=True, budget=budget, report=False, summary=False)],
+                        profiled=True)
     # Rank 1's budget is below the weights alone: it cannot plan, and rank 0 must not wait for it.
     try:
         budget = 8 * 2**30 if rank == 0 else 2**20
@@ -113,6 +115,10 @@ def main() -> None:
     except PlanError as exc:
         facts["auto_fail"] = {"raised": type(exc).__name__, "message": str(exc)}
     (out / f"facts.rank{rank}.json").write_text(json.dumps(facts))
+    # Tear gloo down before interpreter exit: left to atexit, its threads can abort the process
+    # ("terminate called without an active exception", seen intermittently).
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
