@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import os
 import re
 import time
 from collections.abc import Callable, Mapping
@@ -263,7 +264,9 @@ def write_oom_report(
         text = render_oom_report(
             exc, monitor, last, config, model, at_failure, baseline, remedies, note, plan, snapshot_path
         )
-        path.write_text(text, encoding="utf-8")
+        partial = path.with_suffix(".md.partial")
+        partial.write_text(text, encoding="utf-8")
+        os.replace(partial, path)  # atomic: a write that fails for want of memory leaves the last report
 
     # What was measured goes to disk first: the estimates below need memory the process may lack.
     render(None, [], "the estimator did not finish (the process may have had no memory left to run it)")
