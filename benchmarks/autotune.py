@@ -78,15 +78,14 @@ def build_trainer(output_dir: str, mode: str, budget: int | None) -> Any:
 def measure_peak(output_dir: str) -> dict[str, int]:
     """Unlimited run of the configuration as given: truth peak per step and the bytes live before."""
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
-    from hf_memwatch.truth import step_peaks
+    from hf_memwatch.truth import cpu_memory_profile, step_peaks
 
     trainer, _ = build_trainer(output_dir, "as_given", None)
     trainer.args.max_steps = 2
     model = trainer.model
     baseline = sum(t.untyped_storage().nbytes() for t in [*model.parameters(), *model.buffers()])
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with cpu_memory_profile() as prof:
         trainer.train()
     del torch
     return {"peak": max(step_peaks(prof, baseline)), "baseline": baseline}
@@ -101,13 +100,12 @@ ACCURACY_PLANS = (
 def prediction_accuracy(output_dir: str) -> str:
     """The auto mode's probe predictions against the profiler truth of the very plans, one run each."""
     import torch
-    from torch.profiler import ProfilerActivity, profile
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
     from hf_memwatch.auto import PREDICTION_SAFETY, PROBE_SIZES, Probe, ProbeResult, _PreservedState
     from hf_memwatch.backends import backend_for
     from hf_memwatch.remedies import Plan
-    from hf_memwatch.truth import StepMarker, step_peaks
+    from hf_memwatch.truth import StepMarker, cpu_memory_profile, step_peaks
     from hf_memwatch.units import format_bytes
 
     def trainer_for(micro: int, accum: int, ckpt: bool, optim: str, callbacks: list[Any]) -> Any:
@@ -145,7 +143,7 @@ def prediction_accuracy(output_dir: str) -> str:
         predicted = result.predict(Plan(micro, accum, ckpt, optim))
         raw = int(weights + (predicted - weights) / PREDICTION_SAFETY)
         run = trainer_for(micro, accum, ckpt, optim, [StepMarker()])
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with cpu_memory_profile() as prof:
             run.train()
         truth = max(step_peaks(prof, weights))
         lines.append(

@@ -339,11 +339,10 @@ class Probe:
         sees. Otherwise the backend measures (exact on CUDA; on the CPU, operator outputs only).
         """
         if self.device.type == "cpu" and not torch._C._autograd._profiler_enabled():
-            from torch.profiler import ProfilerActivity, profile
 
-            from .truth import cpu_memory_deltas
+            from .truth import cpu_memory_deltas, cpu_memory_profile
 
-            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            with cpu_memory_profile() as prof:
                 optimizer.step()
             running = peak = 0
             for _, delta in cpu_memory_deltas(prof):

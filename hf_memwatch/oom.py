@@ -170,6 +170,29 @@ def remedy_variants(config: RunConfig) -> list[tuple[str, RunConfig]]:
     return variants
 
 
+def cpu_memory_exhausted(exc: BaseException) -> bool:
+    """True for a failure of the CPU allocator (or Python's), as opposed to an accelerator's."""
+    return isinstance(exc, MemoryError) or "DefaultCPUAllocator" in str(exc)
+
+
+def estimate_command(model: Any, config: RunConfig) -> str:
+    """The ``hf-memwatch estimate`` command line for ``config``.
+
+    Example:
+        >>> estimate_command(None, RunConfig(8, 128, "bf16", "adamw_torch", True, 2, "cpu"))
+        'hf-memwatch estimate <model dir or config.json> --batch-size 8 --seq-len 128 --precision bf16 --optim adamw_torch --accum 2 --device cpu --checkpointing'
+    """
+    source = getattr(getattr(model, "config", None), "_name_or_path", "") or "<model dir or config.json>"
+    parts = [
+        "hf-memwatch estimate", source, f"--batch-size {config.batch_size}", f"--seq-len {config.seq_len or '<tokens>'}",
+        f"--precision {config.precision}", f"--optim {config.optim}", f"--accum {config.accum}",
+        f"--device {torch.device(config.device).type}",
+    ]
+    if config.checkpointing:
+        parts.append("--checkpointing")
+    return " ".join(parts)
+
+
 def estimate_remedies(model: Any, config: RunConfig) -> tuple[int | None, list[tuple[str, int | None, str]], str]:
     """(predicted peak of ``config``, [(remedy, predicted peak, note)], note on the whole).
 
@@ -270,7 +293,14 @@ def write_oom_report(
 
     # What was measured goes to disk first: the estimates below need memory the process may lack.
     render(None, [], "the estimator did not finish (the process may have had no memory left to run it)")
-    render(*estimate_remedies(model, config))
+    if cpu_memory_exhausted(exc):
+        # The failing pass's tensors are still held by the traceback, so the process has no memory
+        # left; running the estimator here has crashed the process outright (seen: SIGSEGV under
+        # RLIMIT_AS). Name the command that gives the figures instead.
+        render(None, [], "CPU memory was exhausted, so the estimator was not run in the dying process; "
+                         f"`{estimate_command(model, config)}` gives what each remedy saves")
+    else:
+        render(*estimate_remedies(model, config))
     logger.warning("hf-memwatch: out of memory at step %s; post-mortem in %s", monitor.step, path)
     return path
 

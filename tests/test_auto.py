@@ -11,13 +11,12 @@ import torch
 from conftest import gpt2_model, loss_history, read_records, token_dataset, training_args
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.profiler import ProfilerActivity, profile
 from transformers import Trainer
 
 from hf_memwatch import MemWatch, MemWatchConfigError, PlanError
 from hf_memwatch.auto import THROUGHPUT_TIE, candidate_plans, choose
 from hf_memwatch.remedies import Plan, optim_name
-from hf_memwatch.truth import StepMarker, step_peaks
+from hf_memwatch.truth import StepMarker, cpu_memory_profile, step_peaks
 
 SEQ = 64
 LIGHT = {"detail": "light", "report": False, "summary": False}
@@ -40,7 +39,7 @@ def run(out: Path, callbacks: list[Any], *, model_kw: dict[str, Any] | None = No
     if not profiled:
         trainer.train()
         return trainer, []
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with cpu_memory_profile() as prof:
         trainer.train()
     return trainer, step_peaks(prof, baseline)
 
@@ -198,7 +197,7 @@ def test_checkpointing_is_turned_on_between_steps_when_peaks_near_the_budget(tmp
         model = gpt2_model()
         trainer = Trainer(model=model, args=training_args(out, **config), train_dataset=data,
                           callbacks=[StepMarker(), watch])
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with cpu_memory_profile() as prof:
             trainer.train()
         return trainer, step_peaks(prof, model_bytes(model))
 
@@ -232,7 +231,7 @@ def test_planning_leaves_no_memory_rng_or_gradient_behind(tmp_path: Path) -> Non
     rng = torch.get_rng_state()
     gc.disable()  # what planning leaves must be freed by itself, not by a lucky collection
     try:
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with cpu_memory_profile() as prof:
             AutoMode("1GiB", records.append).before_train(trainer)
     finally:
         gc.enable()

@@ -7,7 +7,6 @@ import json
 
 import pytest
 import torch
-from torch.profiler import ProfilerActivity, profile
 from transformers import (
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
@@ -19,7 +18,7 @@ from transformers import (
 from hf_memwatch.errors import MemWatchConfigError
 from hf_memwatch.estimate import CLASS_NAMES, estimate, largest_fitting_batch
 from hf_memwatch.estimate_truth import trainer_peak
-from hf_memwatch.truth import window_peak
+from hf_memwatch.truth import cpu_memory_profile, window_peak
 
 
 def gpt2_config(**overrides) -> GPT2Config:
@@ -79,7 +78,7 @@ def test_live_model_is_never_copied_for_real():
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     before = [p.detach().clone() for p in model.parameters()][:3]
     gc.collect()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with cpu_memory_profile() as prof:
         result = estimate(model, batch_size=2, seq_len=32)
     allocated_by_estimate = window_peak(prof, 0)
     assert result.classes["weights"] >= weights
@@ -194,7 +193,7 @@ def test_hooks_of_other_objects_are_not_copied_or_fired():
     recorder = Recorder()
     handle = model.register_forward_pre_hook(recorder.hook)
     gc.collect()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with cpu_memory_profile() as prof:
         estimate(model, batch_size=1, seq_len=16)
     handle.remove()
     assert recorder.calls == 0

@@ -95,15 +95,12 @@ def test_real_cpu_oom_writes_the_post_mortem_and_the_error_reaches_the_user_unch
     assert sum(live.values()) == oom["allocated_at_failure"]
     assert live["activations"] > live["weights"] > 0 and live["optimizer_states"] == 0
     assert f"| activations | {live['activations'] / 2**20:.2f} MiB |" in report
-    # Remedies from the estimator. The measured part is written first; the estimates need memory the
-    # dying process may not have (the failing pass's activations are still held by the traceback), so
-    # they are either there with figures or the report says they did not finish.
+    # The dying process has no CPU memory left (the failing pass's activations are still held by the
+    # traceback), so the report names the estimate command instead of running the estimator there;
+    # the figures it gives are checked below, where memory allows.
     section = report.split("## What would have saved how much", 1)[1].split("## Plan in force", 1)[0]
-    if "the estimator did not finish" not in section:
-        assert "Predicted peak of this configuration" in section
-        rows = [r for r in section.splitlines()
-                if r.startswith("| batch 32 → 16") or r.startswith("| gradient checkpointing")]
-        assert len(rows) == 2 and all(r.rstrip(" |").endswith("MiB") for r in rows), section
+    assert "CPU memory was exhausted" in section
+    assert "hf-memwatch estimate" in section and "--batch-size 32 --seq-len 256" in section, section
 
 
 def test_remedy_estimates_for_the_failing_configuration():

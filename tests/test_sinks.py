@@ -11,13 +11,12 @@ from pathlib import Path
 
 import pytest
 from conftest import gpt2_model, read_records, token_dataset, training_args
-from torch.profiler import ProfilerActivity, profile
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState
 from transformers.integrations import TensorBoardCallback, WandbCallback
 
 from hf_memwatch import LIVE_CLASSES, MemWatch
 from hf_memwatch.sinks import install_scalar_logging, merge_ranks, route_exact_names, step_scalars
-from hf_memwatch.truth import StepMarker, step_peaks
+from hf_memwatch.truth import StepMarker, cpu_memory_profile, step_peaks
 
 LEVELDB_BLOCK = 32 * 1024
 
@@ -104,7 +103,7 @@ def test_scalars_land_under_exact_names_at_the_loss_step_in_tensorboard_and_wand
                       callbacks=[seen, MemWatch(report=False, summary=False), StepMarker()])
     baseline = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                     for t in [*model.parameters(), *model.buffers()]}.values())
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with cpu_memory_profile() as prof:
         trainer.train()
     run_dir = finish_wandb()
     truth = step_peaks(prof, baseline)

@@ -25,13 +25,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for conft
 
 import torch  # noqa: E402
 from conftest import gpt2_model, loss_history, token_dataset, training_args  # noqa: E402
-from torch.profiler import ProfilerActivity, profile  # noqa: E402
 from transformers import Trainer, TrainerCallback  # noqa: E402
 
 from hf_memwatch import MemWatch, PlanError  # noqa: E402
 from hf_memwatch.callback import find_trainer  # noqa: E402
 from hf_memwatch.distributed import ddp_bucket_sizes, find_ddp, max_over_ranks, world  # noqa: E402
-from hf_memwatch.truth import StepMarker, step_peaks  # noqa: E402
+from hf_memwatch.truth import StepMarker, cpu_memory_profile, step_peaks  # noqa: E402
 
 
 def unique_bytes(tensors) -> int:
@@ -48,7 +47,7 @@ class ProfileTraining(TrainerCallback):
     """
 
     def __init__(self) -> None:
-        self.prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self.prof = cpu_memory_profile()
         self.baseline = 0
         self.step_peaks: list[int] = []
 
