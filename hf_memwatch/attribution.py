@@ -7,13 +7,13 @@ buffers stay weights; ``.grad`` views of a DDP bucket are gradients through the 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 
 from .categories import MemClass
-from .storage import collect_storages
+from .storage import collect_storages, nested_tensors
 
 
 def unwrap_optimizer(optimizer: Any) -> Any:
@@ -24,17 +24,6 @@ def unwrap_optimizer(optimizer: Any) -> Any:
             break
         optimizer = inner
     return optimizer
-
-
-def _state_tensors(value: Any) -> Iterator[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, Mapping):
-        for item in value.values():
-            yield from _state_tensors(item)
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _state_tensors(item)
 
 
 def weight_storages(model: torch.nn.Module, device: torch.device | None) -> dict[int, int]:
@@ -80,7 +69,7 @@ def optimizer_state_storages(optimizer: Any, device: torch.device | None) -> dic
     state = getattr(optimizer, "state", None)
     if not isinstance(state, Mapping):
         return {}
-    return collect_storages(_state_tensors(list(state.values())), device)
+    return collect_storages(nested_tensors(list(state.values())), device)
 
 
 def split_live(

@@ -57,7 +57,7 @@ from .remedies import (
     eight_bit_unavailable_reason,
     enable_checkpointing_now,
 )
-from .storage import collect_storages
+from .storage import collect_storages, nested_tensors
 from .units import format_bytes
 
 logger = logging.getLogger("hf_memwatch")
@@ -311,7 +311,7 @@ class Probe:
         optimizers = [optimizer_cls(params, **kwargs) for params, kwargs in groups if params]
         step_peak = max(self._optimizer_step_peak(optimizer) for optimizer in optimizers)
         state_of = {id(t): state for optimizer in optimizers for t, state in optimizer.state.items()}
-        states = {key: sum(collect_storages(_tensors(state_of.get(id(t), {})), self.device).values())
+        states = {key: sum(collect_storages(nested_tensors(state_of.get(id(t), {})), self.device).values())
                   for key, t in copies.items()}
         state_total = sum(states[key] * count for key, count in shapes.items())
         temporaries = max(0, step_peak - max(
@@ -359,17 +359,6 @@ class Probe:
             return max(0, (self.backend.read().peak or 0) - before)
         finally:
             self.backend.stop_tracking()
-
-
-def _tensors(value: Any) -> Iterable[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _tensors(item)
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _tensors(item)
 
 
 def _sequence_length(item: Any) -> int:

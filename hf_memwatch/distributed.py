@@ -24,14 +24,14 @@ shard (not run here). On the CPU, FSDP2 frees its all-gathered parameters with
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from .monitor import StepMonitor
-from .storage import collect_storages
+from .storage import collect_storages, nested_tensors
 
 # DeepSpeed ZeRO optimizer attributes holding rank-local tensors, by memory class. Read from
 # DeepSpeed's ``runtime/zero/stage_1_and_2.py`` and ``stage3.py``; the fp32 master partitions count
@@ -266,17 +266,6 @@ def expected_ddp_bucket_bytes(trainer: Any) -> int:
 
 
 # -- DeepSpeed ----------------------------------------------------------------------------------
-def _tensors_in(value: Any) -> Iterable[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, Mapping):
-        for item in value.values():
-            yield from _tensors_in(item)
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _tensors_in(item)
-
-
 def deepspeed_storages(
     model: torch.nn.Module | None, optimizer: Any, device: torch.device | None
 ) -> dict[str, dict[int, int]]:
@@ -298,7 +287,7 @@ def deepspeed_storages(
             value = getattr(zero, attribute, None)
             if value is None:
                 continue
-            tensors = list(_tensors_in(value))
+            tensors = list(nested_tensors(value))
             collect_storages(tensors, device, classes[name])
             # The .grad of an fp32 master partition is the rank's gradient partition.
             collect_storages((t.grad for t in tensors), device, classes["gradients"])

@@ -35,7 +35,7 @@ import torch
 
 from .estimate_optim import BNB_OPTIMS, build_optimizer
 from .saved_tensors import SavedTensorRegistry
-from .tracker import StorageTracker, _StorageRef
+from .tracker import StorageTracker
 
 CUDA_BLOCK = 512  # the CUDA caching allocator rounds every block up to a multiple of 512 bytes
 MIXED_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -61,43 +61,19 @@ class EstimateTracker(StorageTracker):
 
     def __init__(self, device_type: str, saved: SavedTensorRegistry, round_to: int = 1,
                  bnb_cpu_kernels: bool = False) -> None:
-        super().__init__(device_type)
+        super().__init__(device_type, round_to=round_to)
         self.saved = saved
-        self.round_to = round_to
         self.bnb_cpu_kernels = bnb_cpu_kernels
         self.snapshot: tuple[dict[int, Any], set[int]] | None = None
         self.kernel_workspaces = device_type == "cpu" and round_to == 1
 
-    def _track_plain(self, tensor: torch.Tensor) -> None:
-        if tensor.device.type != self.device_type:
-            return
-        storage = tensor.untyped_storage()
-        key = storage._cdata
-        nbytes = storage.nbytes()
-        if self.round_to > 1 and nbytes:
-            nbytes = -(-nbytes // self.round_to) * self.round_to
-        known = self._live.get(key)
-        if known is not None:
-            if known.nbytes == nbytes:
-                return
-            self.allocated += nbytes - known.nbytes
-            known.nbytes = nbytes
-        elif nbytes:
-            ref = _StorageRef(storage, self._on_free)
-            ref.key = key
-            ref.nbytes = nbytes
-            self._live[key] = ref
-            self.allocated += nbytes
-        else:
-            return
-        if self.allocated > self.peak:
-            self.peak = self.allocated
-            # C-speed shallow copies: the refs keep each storage's size even after it dies
-            self.snapshot = (dict(self._live), set(self.saved._counts))
+    def on_new_peak(self) -> None:
+        # C-speed shallow copies: the refs keep each storage's size even after it dies
+        self.snapshot = (dict(self._live), set(self.saved._counts))
 
     def reset_peak(self) -> None:
         super().reset_peak()
-        self.snapshot = (dict(self._live), set(self.saved._counts))
+        self.on_new_peak()
 
     def transient(self, nbytes: int) -> None:
         """Memory a kernel allocates and frees inside itself (invisible to dispatch), at its high."""
@@ -107,7 +83,7 @@ class EstimateTracker(StorageTracker):
         self.allocated += nbytes
         if self.allocated > self.peak:
             self.peak = self.allocated
-            self.snapshot = (dict(self._live), set(self.saved._counts))
+            self.on_new_peak()
         del self._live[-1]
         self.allocated -= nbytes
 

@@ -24,6 +24,7 @@ from .attribution import (
 from .backends import AllocatorBackend
 from .categories import LIVE_CLASSES
 from .saved_tensors import SavedTensorRegistry
+from .storage import nested_tensors
 from .timeline import TimelineWriter
 
 
@@ -133,9 +134,7 @@ class StepMonitor:
         tensors.extend(p.grad for p in self.model.parameters())
         self.backend.register(tensors)
         if self.optimizer is not None:
-            from .attribution import _state_tensors
-
-            self.backend.register(_state_tensors(list(getattr(self.optimizer, "state", {}).values())))
+            self.backend.register(nested_tensors(list(getattr(self.optimizer, "state", {}).values())))
 
     def _class_storages(self) -> tuple[dict[int, int], dict[int, int], dict[int, int], dict[int, int]]:
         device = self.device

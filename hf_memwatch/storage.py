@@ -8,6 +8,7 @@ one storage and must count once. Every figure in hf-memwatch is a sum over uniqu
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
 
 import torch
 
@@ -33,6 +34,23 @@ def plain_tensors(tensor: torch.Tensor) -> Iterator[torch.Tensor]:
                 yield from plain_tensors(inner)
     elif not tensor.is_sparse and not getattr(tensor, "is_nested", False):
         yield tensor
+
+
+def nested_tensors(value: Any) -> Iterator[torch.Tensor]:
+    """Every tensor inside nested dicts, lists and tuples (optimizer state, a batch, ...).
+
+    Example:
+        >>> len(list(nested_tensors({"a": torch.zeros(1), "b": [torch.ones(2), 3]})))
+        2
+    """
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, Mapping):
+        for item in value.values():
+            yield from nested_tensors(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from nested_tensors(item)
 
 
 def storage_key(tensor: torch.Tensor) -> tuple[int, int]:

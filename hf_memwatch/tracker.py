@@ -36,9 +36,10 @@ class StorageTracker(TorchDispatchMode):
         (1024, 2048)
     """
 
-    def __init__(self, device_type: str = "cpu") -> None:
+    def __init__(self, device_type: str = "cpu", round_to: int = 1) -> None:
         super().__init__()
         self.device_type = device_type
+        self.round_to = round_to  # size each storage as the target allocator would (512 B on CUDA)
         self.allocated = 0
         self.peak = 0
         self._live: dict[int, _StorageRef] = {}
@@ -56,6 +57,8 @@ class StorageTracker(TorchDispatchMode):
         storage = tensor.untyped_storage()
         key = storage._cdata
         nbytes = storage.nbytes()
+        if self.round_to > 1 and nbytes:
+            nbytes = -(-nbytes // self.round_to) * self.round_to
         known = self._live.get(key)
         if known is not None:
             if known.nbytes == nbytes:
@@ -68,8 +71,14 @@ class StorageTracker(TorchDispatchMode):
             ref.nbytes = nbytes
             self._live[key] = ref
             self.allocated += nbytes
+        else:
+            return
         if self.allocated > self.peak:
             self.peak = self.allocated
+            self.on_new_peak()
+
+    def on_new_peak(self) -> None:
+        """Called when ``peak`` rises; subclasses record what is live at that moment."""
 
     def register(self, tensors: Iterable[torch.Tensor | None]) -> None:
         """Count storages created outside the tracker (weights, a batch loaded between steps)."""
