@@ -329,7 +329,7 @@ def estimate(
             ) from exc
     if device == "cuda":
         notes.append("CUDA: the context (~0.3-1 GiB per process) and the caching allocator's reserve are not included")
-    per_phase = {phase: shard_classes(classes, model, world_size, shard, notes)
+    per_phase = {phase: shard_classes(classes, model, world_size, shard, notes, precision)
                  for phase, classes in phase_classes.items()}
     phase_peaks = {phase: sum(classes.values()) for phase, classes in per_phase.items()}
     peak_phase = max(phase_peaks, key=lambda p: phase_peaks[p])

@@ -10,6 +10,11 @@ Kept deliberately simple; every rule is applied to the class split of each phase
 - ``zero3`` and ``fsdp`` (full shard): optimizer states, gradients and weights / N, plus the
   all-gathered working copy the engines hold: the largest layer's full parameters twice (the
   layer being computed and the next one prefetched).
+- DeepSpeed ZeRO in mixed precision (``zero1/2/3`` with bf16/fp16) holds the model in 16 bits and
+  keeps an fp32 master copy and fp32 gradient partitions with the optimizer, as DeepSpeed's own
+  estimators count (``estimate_zero2_model_states_mem_needs``: 2 B/param + 18 B/param / N;
+  ``estimate_zero3_model_states_mem_needs``: 4 B x largest layer + 18 B/param / N). The Trainer's
+  single-process mixed precision (fp32 weights, autocast) is what the other rules divide.
 
 Activations and temporaries are per-rank already (each rank runs its own micro-batch).
 """
@@ -36,7 +41,7 @@ def largest_layer_bytes(model: torch.nn.Module) -> int:
 
 
 def shard_classes(classes: dict[str, int], model: torch.nn.Module, world_size: int, shard: str,
-                  notes: list[str]) -> dict[str, int]:
+                  notes: list[str], precision: str = "fp32") -> dict[str, int]:
     """The per-rank split of ``classes`` under ``shard`` across ``world_size`` ranks.
 
     Example:
@@ -54,6 +59,8 @@ def shard_classes(classes: dict[str, int], model: torch.nn.Module, world_size: i
         out["gradients"] = classes["gradients"] + buckets
         _note(notes, f"DDP: gradient buckets of the trainable parameters' size ({buckets} bytes), always live")
         return out
+    if shard.startswith("zero") and precision in ("bf16", "fp16"):
+        return _deepspeed_mixed_precision(classes, model, world_size, shard, notes)
     out["optimizer_states"] = _ceil_div(classes["optimizer_states"], world_size)
     if shard in ("zero2", "zero3", "fsdp"):
         out["gradients"] = _ceil_div(classes["gradients"], world_size)
@@ -61,6 +68,40 @@ def shard_classes(classes: dict[str, int], model: torch.nn.Module, world_size: i
         gathered = 2 * largest_layer_bytes(model)
         out["weights"] = _ceil_div(classes["weights"], world_size) + gathered
         _note(notes, f"{shard}: weights / {world_size} + 2 x largest layer all-gathered ({gathered} bytes)")
+    return out
+
+
+def _deepspeed_mixed_precision(classes: dict[str, int], model: torch.nn.Module, world_size: int, shard: str,
+                                notes: list[str]) -> dict[str, int]:
+    """DeepSpeed ZeRO with bf16/fp16: 16-bit model and gradients, fp32 master and gradient partitions.
+
+    ``classes`` come from a single-process estimate with fp32 weights and gradients (4 B/param).
+
+    Example:
+        >>> P = 1000  # 4 kB of fp32 weights, trainable, AdamW: 8 kB of states
+        >>> c = {"weights": 4 * P, "gradients": 4 * P, "optimizer_states": 8 * P, "activations": 0,
+        ...      "temporaries": 0, "other": 0}
+        >>> s = shard_classes(c, torch.nn.Linear(P, 1, bias=False), 2, "zero2", [], precision="bf16")
+        >>> s["weights"] + s["gradients"] + s["optimizer_states"] == 2 * P + 18 * P // 2
+        True
+    """
+    out = dict(classes)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    fp32_partitions = 8 * trainable  # fp32 master weights + fp32 gradient partition, 4 B/param each
+    half_weights, half_grads = classes["weights"] // 2, classes["gradients"] // 2
+    out["optimizer_states"] = _ceil_div(classes["optimizer_states"] + fp32_partitions, world_size)
+    if shard in ("zero1", "zero2"):
+        out["weights"] = half_weights
+        # ZeRO-2 reduces the 16-bit gradients into partitions; ZeRO-1 keeps them whole.
+        out["gradients"] = _ceil_div(half_grads, world_size) if shard == "zero2" else half_grads
+        _note(notes, f"{shard} (DeepSpeed, 16-bit): the model in 16 bits on every rank; fp32 master, fp32 "
+                     f"gradients and optimizer states / {world_size}")
+        return out
+    gathered = largest_layer_bytes(model)  # two 16-bit copies of the largest layer's fp32 bytes / 2
+    out["weights"] = _ceil_div(half_weights, world_size) + gathered
+    out["gradients"] = 0  # 16-bit gradients live only in the gathered layer's reduce buffers
+    _note(notes, f"zero3 (DeepSpeed, 16-bit): weights / {world_size} in 16 bits + the largest layer gathered "
+                 f"twice ({gathered} bytes); fp32 master, gradients and optimizer states / {world_size}")
     return out
 
 

@@ -332,7 +332,7 @@ def test_model_states_against_deepspeed_estimators():
         _, gpu3, _ = estimate_zero3_model_states_mem_needs(
             P, BLOCK_BYTES // 4, num_gpus_per_node=world_size, cpu_offload=False, cpu_offload_params=False)
         for shard, theirs in (("zero2", gpu2), ("zero3", gpu3)):
-            ours = shard_classes(full, model, world_size, shard, [])
+            ours = shard_classes(full, model, world_size, shard, [], precision="bf16")
             states = ours["weights"] + ours["gradients"] + ours["optimizer_states"]
             assert abs(states - theirs) / theirs <= 0.05, (shard, world_size, states, theirs)
 
