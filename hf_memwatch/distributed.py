@@ -12,7 +12,8 @@ Without an initialized process group every helper degrades to the single-process
 * :func:`ddp_bucket_sizes`, :func:`ddp_gradient_buckets` — DDP's reducer keeps its own flat
   gradient buckets (as large as the gradients with the default ``gradient_as_bucket_view=False``);
   they are gradients.
-* :func:`deepspeed_storages` — what a DeepSpeed ZeRO rank holds outside ``model.parameters()``.
+* :func:`deepspeed_storages` — what a DeepSpeed ZeRO rank holds outside ``model.parameters()``
+  (fp32 master, gradient and reduce-bucket partitions, ZeRO-3 ``ds_tensor`` s).
 * :class:`RankMonitor` — a :class:`~hf_memwatch.monitor.StepMonitor` that counts the above.
 
 FSDP needs nothing special: FSDP2 parameters, gradients and optimizer states are ``DTensor`` s
@@ -34,11 +35,17 @@ from .monitor import StepMonitor
 from .storage import collect_storages, nested_tensors
 
 # DeepSpeed ZeRO optimizer attributes holding rank-local tensors, by memory class. Read from
-# DeepSpeed's ``runtime/zero/stage_1_and_2.py`` and ``stage3.py``; the fp32 master partitions count
-# as optimizer states, as in the ZeRO paper's "K = 12 bytes per parameter" (master, m, v).
+# DeepSpeed's ``runtime/zero/stage_1_and_2.py`` and ``stage3.py`` (checked on 0.19.8, 2 gloo ranks
+# through the Trainer); the fp32 master partitions count as optimizer states, as in the ZeRO paper's
+# "K = 12 bytes per parameter" (master, m, v). ``all_grad_tensors`` holds ZeRO-1/2's gradients
+# accumulated between micro-steps, ``averaged_gradients`` the flat partition the step consumes;
+# ``ipg_buckets`` (dtype -> bucket whose ``.buffer`` is a list of flat tensors) the reduce buckets.
 _DEEPSPEED_ATTRIBUTES: dict[str, tuple[str, ...]] = {
     "weights": ("bit16_groups_flat", "fp16_partitioned_groups_flat"),
-    "gradients": ("averaged_gradients", "ipg_buffer", "grad_partitions_flat_buffer", "grads_in_partition"),
+    "gradients": (
+        "averaged_gradients", "all_grad_tensors", "ipg_buckets", "ipg_buffer",
+        "grad_partitions_flat_buffer", "grads_in_partition",
+    ),
     "optimizer_states": ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat"),
 }
 
@@ -271,10 +278,11 @@ def deepspeed_storages(
 ) -> dict[str, dict[int, int]]:
     """Storages a DeepSpeed ZeRO rank holds outside ``model.parameters()``, by memory class.
 
+    ``optimizer`` is the ZeRO optimizer or any wrapper chain around it (the Trainer's
+    ``DeepSpeedOptimizerWrapper``); not the torch optimizer inside it, which hides the partitions.
     ZeRO-3 keeps each parameter's partition in ``param.ds_tensor`` (``param.data`` is empty between
     uses); ZeRO-1/2/3 keep gradient partitions and fp32 master partitions in the ZeRO optimizer.
-    The ``.grad`` of an fp32 master partition is a gradient. Not exercised here (DeepSpeed is not
-    installed in this project's CI); written from DeepSpeed's source.
+    The ``.grad`` of an fp32 master partition is a gradient.
     """
     classes: dict[str, dict[int, int]] = {"weights": {}, "gradients": {}, "optimizer_states": {}}
     if model is not None:
@@ -282,16 +290,25 @@ def deepspeed_storages(
     zero = _zero_optimizer(optimizer)
     if zero is None:
         return classes
+    for name, tensors in _zero_tensors(zero).items():
+        collect_storages(tensors, device, classes[name])
+        # The .grad of an fp32 master partition is the rank's gradient partition.
+        collect_storages((t.grad for t in tensors), device, classes["gradients"])
+    return classes
+
+
+def _zero_tensors(zero: Any) -> dict[str, list[torch.Tensor]]:
+    """The tensors behind :data:`_DEEPSPEED_ATTRIBUTES` of a ZeRO optimizer, by memory class."""
+    found: dict[str, list[torch.Tensor]] = {}
     for name, attributes in _DEEPSPEED_ATTRIBUTES.items():
+        tensors = found.setdefault(name, [])
         for attribute in attributes:
             value = getattr(zero, attribute, None)
-            if value is None:
-                continue
-            tensors = list(nested_tensors(value))
-            collect_storages(tensors, device, classes[name])
-            # The .grad of an fp32 master partition is the rank's gradient partition.
-            collect_storages((t.grad for t in tensors), device, classes["gradients"])
-    return classes
+            if attribute == "ipg_buckets" and isinstance(value, Mapping):
+                value = [getattr(bucket, "buffer", None) for bucket in value.values()]
+            if value is not None:
+                tensors.extend(nested_tensors(value))
+    return found
 
 
 def _zero_optimizer(optimizer: Any) -> Any:
@@ -318,17 +335,40 @@ class RankMonitor(StepMonitor):
       cannot see before DDP first writes into the bucket. In the one window where that first write
       happens the peak is the upper bound (it may count those buckets twice if the window's peak
       came after the write; measured: step 1 within 0.05% of the profiler on GPT-2).
-    * DeepSpeed ZeRO partitions: see :func:`deepspeed_storages`.
+    * DeepSpeed ZeRO partitions: see :func:`deepspeed_storages`. They are registered with the
+      tracker at each tracked step (the fp32 master and ZeRO-3 gradient partitions are allocated at
+      engine start, before tracking). Measured with DeepSpeed 0.19.8, ZeRO-1/2/3 on 2 gloo ranks:
+      each class equals what DeepSpeed holds on the rank. Under DeepSpeed the optimizer step runs
+      inside ``accelerator.backward`` (``engine.step()``), so the last micro-step's
+      ``after_backward`` window contains the step and ``after_optimizer`` is an empty window.
     """
 
     def __init__(self, *args: Any, wrapped_model: Any = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.ddp = find_ddp(wrapped_model)
+        self.zero_optimizer: Any = None
         self._unseen_bytes = 0
+
+    def attach(self, model: torch.nn.Module | None, optimizer: Any) -> None:
+        # ``self.optimizer`` becomes the innermost torch optimizer (its ``state``: m and v); the
+        # ZeRO optimizer around it, which holds the partitions, is kept before unwrapping.
+        super().attach(model, optimizer)
+        self.zero_optimizer = _zero_optimizer(optimizer)
+
+    def _register_known(self) -> None:
+        # The fp32 master and gradient partitions were allocated at engine initialization, before
+        # any tracked step: without registering them the tracker would not count them.
+        super()._register_known()
+        if self.model is not None:
+            self.backend.register([getattr(p, "ds_tensor", None) for p in self.model.parameters()])
+        if self.zero_optimizer is not None:
+            for tensors in _zero_tensors(self.zero_optimizer).values():
+                self.backend.register(tensors)
+                self.backend.register([t.grad for t in tensors])
 
     def _class_storages(self) -> tuple[dict[int, int], dict[int, int], dict[int, int], dict[int, int]]:
         weights, grads, states, saved = super()._class_storages()
-        shards = deepspeed_storages(self.model, self.optimizer, self.device)
+        shards = deepspeed_storages(self.model, self.zero_optimizer, self.device)
         weights.update(shards["weights"])
         grads.update(shards["gradients"])
         states.update(shards["optimizer_states"])

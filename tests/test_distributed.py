@@ -258,6 +258,71 @@ def test_fsdp2_rank_holds_its_shard_of_weights_gradients_and_optimizer_states(fs
         assert live["optimizer_states"] == 2 * shard + 4 * result["tensors"]  # exp_avg, exp_avg_sq, step
 
 
+# -- DeepSpeed ZeRO 1/2/3 through the Trainer, on gloo (DeepSpeed's CPU accelerator) -------------
+
+# ZeRO tensors the timeline cannot name are a few bytes (scalars such as the loss); more is a miss.
+SMALL = 1024
+
+
+@pytest.fixture(scope="module")
+def zero_runs(tmp_path_factory) -> tuple[Path, list[dict[str, Any]]]:
+    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed")
+    out = tmp_path_factory.mktemp("deepspeed")
+    torchrun(SCRIPTS / "deepspeed_zero.py", out, timeout_s=180)
+    return out, [json.loads((out / f"deepspeed.rank{rank}.json").read_text()) for rank in (0, 1)]
+
+
+def _first_step(records: list[dict[str, Any]], phase: str, micro_step: int = 0) -> dict[str, Any]:
+    return next(r for r in snapshots(records) if r["step"] == 1 and r["phase"] == phase
+                and r["micro_step"] == micro_step)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_rank_split_matches_what_deepspeed_holds(zero_runs, stage):
+    """Weights, gradients and optimizer states per rank are DeepSpeed's own partitions on that rank.
+
+    The fp32 master partition (allocated at engine start, before any tracked step) counts as an
+    optimizer state from the first step on; gradients between micro-steps (accumulation 2) are where
+    ZeRO keeps them (whole ``.grad`` for ZeRO-1, the rank's partition for ZeRO-2/3).
+    """
+    out, facts = zero_runs
+    for rank, fact in enumerate(facts):
+        held = fact[f"zero{stage}"]["deepspeed"]
+        records = timeline(out / f"zero{stage}", rank)
+        begin, micro0, end = (_first_step(records, "step_begin"), _first_step(records, "after_backward"),
+                              _first_step(records, "step_end", 1))
+        assert begin["live"]["weights"] == held["step_begin"]["weight_bytes"]
+        assert begin["live"]["optimizer_states"] == held["step_begin"]["master_bytes"] > 0
+        assert begin["live"]["gradients"] == held["step_begin"]["gradient_bytes"]
+        assert begin["allocated"] >= sum(begin["live"].values())  # registered: the tracker counts them
+        assert micro0["live"]["gradients"] == held["after_backward_micro0"]["gradient_bytes"] > 0
+        assert micro0["live"]["weights"] == held["after_backward_micro0"]["weight_bytes"]
+        assert end["live"]["optimizer_states"] == held["step_end"]["master_bytes"] + held["step_end"]["adam_state_bytes"]
+        assert end["live"]["gradients"] == held["step_end"]["gradient_bytes"]
+        assert end["live"]["other"] <= SMALL, end["live"]
+
+
+def test_zero_partitions_are_the_rank_share_of_the_model(zero_runs):
+    """Per rank (2 ranks): ZeRO-1/2 hold the whole fp32 model, ZeRO-3 half; master, m and v are half."""
+    out, facts = zero_runs
+    for rank, fact in enumerate(facts):
+        full_bytes = 4 * fact["zero3"]["full_param_numel"]
+        for stage in (1, 2, 3):
+            end = _first_step(timeline(out / f"zero{stage}", rank), "step_end", 1)["live"]
+            whole = full_bytes if stage < 3 else full_bytes / 2
+            assert abs(end["weights"] - whole) <= SMALL, (stage, end)
+            assert abs(end["optimizer_states"] - 3 * full_bytes / 2) <= SMALL, (stage, end)  # master, m, v
+        zero1, zero2 = (_first_step(timeline(out / f"zero{s}", rank), "after_backward")["live"] for s in (1, 2))
+        assert zero1["gradients"] >= full_bytes > zero2["gradients"]  # ZeRO-2 partitions gradients
+
+
+def test_monitoring_does_not_change_zero_training(zero_runs):
+    _, facts = zero_runs
+    for fact in facts:
+        assert fact["zero2"]["losses"] == fact["zero2_plain"]["losses"]
+        assert len(fact["zero2"]["losses"]) == 2
+
+
 # -- sharded estimates against hand-worked numbers ----------------------------------------------
 
 # GPT-2 of conftest (n_layer=2, n_embd=128, vocab 1000, n_positions 512, tied lm_head), fp32:
