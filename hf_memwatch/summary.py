@@ -193,6 +193,9 @@ def finish_reports(callback: Any, args: Any, state: Any) -> None:
 
             path = write_report(directory, directory / PICTURE_NAME)
             logger.info("hf-memwatch: memory picture in %s", path)
+        except ImportError as exc:
+            logger.warning("hf-memwatch: no memory picture: %s (pip install 'hf-memwatch[plot]', or "
+                           "MemWatch(report=False))", exc)
         except Exception as exc:  # noqa: BLE001 - a picture must never fail a finished run
             logger.warning("hf-memwatch: no memory picture (%s: %s)", type(exc).__name__, exc)
     if callback.summary:
