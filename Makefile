@@ -32,8 +32,8 @@ demo: venv
 
 bench: venv
 	$(PY) benchmarks/overhead.py --out benchmarks/results/overhead.md
-	$(PY) benchmarks/accuracy.py --out benchmarks/results/accuracy.md
-	$(PY) benchmarks/autotune.py --out benchmarks/results/autotune.md
+	$(PY) benchmarks/accuracy.py
+	$(PY) benchmarks/autotune.py
 
 gpu-check: venv
 	$(PY) benchmarks/gpu_check.py --out benchmarks/results/gpu
