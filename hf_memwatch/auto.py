@@ -450,19 +450,35 @@ def _estimator_predictor(trainer: Any, seq_len: int, device_type: str) -> Callab
     return predict
 
 
-def _combined_predictor(
-    measured: Callable[[Plan], int], estimated: Callable[[Plan], int | None] | None
-) -> Callable[[Plan], int]:
-    """The larger of the probes' and the estimator's prediction (the probes alone without an estimator)."""
-    if estimated is None:
-        return measured
+class _Predictions:
+    """Plan peaks: the probes' prediction, raised to the estimator's for every plan it has confirmed.
 
-    def predict(plan: Plan) -> int:
-        by_probe = measured(plan)
-        by_estimator = estimated(plan)
-        return by_probe if by_estimator is None else max(by_probe, by_estimator)
+    :meth:`choose` picks on these figures and has the estimator confirm each pick (the estimator is
+    the slower of the two: ~0.2 s a call even for a tiny model), re-choosing until the pick is
+    confirmed to fit. So only the configuration as given and the plans that would be chosen are
+    estimated, not every candidate.
+    """
 
-    return predict
+    def __init__(self, measured: Callable[[Plan], int], estimated: Callable[[Plan], int | None] | None) -> None:
+        self.measured = measured
+        self.estimated = estimated
+        self.confirmed: dict[tuple[Any, ...], int] = {}
+
+    def predict(self, plan: Plan) -> int:
+        by_probe = self.measured(plan)
+        return max(by_probe, self.confirmed.get(plan.key(), by_probe))
+
+    def confirm(self, plan: Plan) -> None:
+        if plan.key() not in self.confirmed:
+            by_estimator = self.estimated(plan) if self.estimated is not None else None
+            self.confirmed[plan.key()] = by_estimator if by_estimator is not None else self.measured(plan)
+
+    def choose(self, given: Plan, candidates: list[Plan], budget: int) -> Plan | None:
+        while True:
+            chosen = choose(given, candidates, self.predict, budget)
+            if chosen is None or chosen.key() in self.confirmed:
+                return chosen
+            self.confirm(chosen)
 
 
 # -- distributed agreement -----------------------------------------------------------------------
@@ -721,10 +737,11 @@ class AutoMode:
                 states, temporaries = probe.optimizer(optim)
                 result.optimizer_states[optim] = states
                 result.optimizer_temporaries[optim] = temporaries
-            predict = _combined_predictor(result.predict, _estimator_predictor(trainer, seq_len, backend.device.type))
-            given.predicted_peak = predict(given)
+            predictions = _Predictions(result.predict, _estimator_predictor(trainer, seq_len, backend.device.type))
+            predictions.confirm(given)
+            given.predicted_peak = predictions.predict(given)
             candidates = candidate_plans(given, allow_checkpointing=False, eight_bit=eight_bit, seq_len=seq_len)
-            chosen = choose(given, candidates, predict, budget.usable)
+            chosen = predictions.choose(given, candidates, budget.usable)
             if not ckpt_reason and not given.activation_checkpointing:
                 with_checkpointing = candidate_plans(given, allow_checkpointing=True, eight_bit=eight_bit,
                                                      seq_len=seq_len)
@@ -732,7 +749,7 @@ class AutoMode:
                 if chosen is None or max(p.relative_throughput for p in with_checkpointing) > chosen.relative_throughput + THROUGHPUT_TIE:
                     result.forward_backward[True] = probe.forward_backward(sizes, True, limit=budget.usable)
                     candidates = with_checkpointing
-                    chosen = choose(given, candidates, predict, budget.usable)
+                    chosen = predictions.choose(given, candidates, budget.usable)
         self.probe_seconds = time.perf_counter() - started
         if chosen is None:
             best = min(candidates, key=lambda p: p.predicted_peak or 0)
