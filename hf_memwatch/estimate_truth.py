@@ -10,7 +10,6 @@ Usage:
 
 from __future__ import annotations
 
-import gc
 import tempfile
 import warnings
 from typing import Any
@@ -19,7 +18,7 @@ import torch
 
 from .attribution import weight_storages
 from .estimate_step import make_batch
-from .truth import window_peak
+from .truth import cpu_memory_profile, window_peak
 
 
 class ListDataset(torch.utils.data.Dataset):
@@ -61,7 +60,6 @@ def trainer_peak(
     max_grad_norm: float = 1.0, steps: int = 2,
 ) -> int:
     """Peak live CPU bytes of ``steps`` real Trainer optimizer steps, from the profiler's memory events."""
-    from torch.profiler import ProfilerActivity, profile
     from transformers import Trainer, TrainingArguments
 
     config = model.config
@@ -77,8 +75,7 @@ def trainer_peak(
         )
         trainer = Trainer(model=model, args=args, train_dataset=dataset)
         _fresh_bitsandbytes_overrides()
-        gc.collect()  # garbage of earlier runs freed inside the window would lower the running sum
         baseline = sum(weight_storages(model, None).values())
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with cpu_memory_profile() as prof:  # collects earlier runs' garbage first
             trainer.train()
     return window_peak(prof, baseline)

@@ -16,16 +16,8 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
-
-class ListDataset(torch.utils.data.Dataset):
-    def __init__(self, items: list[dict[str, torch.Tensor]]) -> None:
-        self.items = items
-
-    def __len__(self) -> int:
-        return len(self.items)
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        return self.items[index]
+# After the environment: importing it imports transformers and huggingface_hub, which read it.
+from hf_memwatch.estimate_truth import ListDataset  # noqa: E402
 
 
 def token_dataset(n: int, seq_len: int, vocab: int, *, labels: str = "lm", num_labels: int = 2, seed: int = 0):
