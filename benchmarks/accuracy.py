@@ -1,10 +1,10 @@
-"""Accuracy and speed of ``hf_memwatch.estimate`` — the numbers behind docs/estimate.md.
+"""Accuracy and speed of ``hf_memwatch.estimation.estimate`` — the numbers behind docs/estimate.md.
 
 1. Accuracy: a zoo of small real models (random weights) crossed with batch sizes 1-16, sequence
    lengths 64-512, fp32/bf16, checkpointing on/off and adamw_torch / adamw_bnb_8bit / sgd. Truth is
    PyTorch's own CPU allocator accounting of a real ``Trainer.train()`` of 2 optimizer steps
    (profiler memory events: model bytes before ``train()`` + highest running sum of deltas, see
-   :mod:`hf_memwatch.truth`). The bytes-per-parameter rule most calculators apply is shown beside.
+   :mod:`hf_memwatch.testing.truth`). The bytes-per-parameter rule most calculators apply is shown beside.
 2. Scale: a Qwen3-4B-shaped and a Llama-3-8B-shaped config, each in a fresh process (wall time of
    the ``estimate()`` call and of the whole process including imports, peak RSS).
 3. The Transformers memory guide's "4B parameters, batch 16, mixed precision: about 85 GB".
@@ -41,8 +41,8 @@ from transformers import (
     T5Config,
 )
 
-from hf_memwatch.estimate import estimate
-from hf_memwatch.estimate_truth import trainer_peak
+from hf_memwatch.estimation.estimate import estimate
+from hf_memwatch.testing.estimate_truth import trainer_peak
 
 RESULTS = Path(__file__).parent / "results" / "accuracy.md"
 AUTO = {
@@ -149,7 +149,7 @@ SCALE_SCRIPT = """
 import json, resource, sys, time
 start = time.perf_counter()
 from transformers import {cls}
-from hf_memwatch.estimate import estimate
+from hf_memwatch.estimation.estimate import estimate
 imported = time.perf_counter()
 config = {cls}(**json.loads(sys.argv[1]))
 kwargs = json.loads(sys.argv[2])

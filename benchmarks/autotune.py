@@ -4,7 +4,7 @@ Each contender trains in its own subprocess under an address-space limit (``reso
 so going over it raises a real CPU out-of-memory error ("DefaultCPUAllocator: can't allocate
 memory", the message accelerate's ``find_executable_batch_size`` catches). The limit leaves room for
 about half of what the configuration as given needs beyond what is already allocated; the peak it
-needs is measured first, unlimited, with ``torch.profiler`` (:mod:`hf_memwatch.truth`).
+needs is measured first, unlimited, with ``torch.profiler`` (:mod:`hf_memwatch.testing.truth`).
 
 Reported side by side, each measured in one run: OOM exceptions raised, optimizer steps and seconds
 spent before the first step of the configuration that finally trains, the effective batch it ends
@@ -39,7 +39,7 @@ def build_trainer(output_dir: str, mode: str, budget: int | None) -> Any:
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
     from hf_memwatch import MemWatch
-    from hf_memwatch.truth import StepMarker
+    from hf_memwatch.testing.truth import StepMarker
 
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=1000, n_positions=SEQ_LEN))
@@ -79,7 +79,7 @@ def measure_peak(output_dir: str) -> dict[str, int]:
     """Unlimited run of the configuration as given: truth peak per step and the bytes live before."""
     import torch
 
-    from hf_memwatch.truth import cpu_memory_profile, step_peaks
+    from hf_memwatch.testing.truth import cpu_memory_profile, step_peaks
 
     trainer, _ = build_trainer(output_dir, "as_given", None)
     trainer.args.max_steps = 2
@@ -102,11 +102,17 @@ def prediction_accuracy(output_dir: str) -> str:
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
-    from hf_memwatch.auto import PREDICTION_SAFETY, PROBE_SIZES, Probe, ProbeResult, _PreservedState
-    from hf_memwatch.backends import backend_for
-    from hf_memwatch.remedies import Plan
-    from hf_memwatch.truth import StepMarker, cpu_memory_profile, step_peaks
-    from hf_memwatch.units import format_bytes
+    from hf_memwatch.core.units import format_bytes
+    from hf_memwatch.integration.auto import (
+        PREDICTION_SAFETY,
+        PROBE_SIZES,
+        Probe,
+        ProbeResult,
+        _PreservedState,
+    )
+    from hf_memwatch.measure.backends import backend_for
+    from hf_memwatch.planning.remedies import Plan
+    from hf_memwatch.testing.truth import StepMarker, cpu_memory_profile, step_peaks
 
     def trainer_for(micro: int, accum: int, ckpt: bool, optim: str, callbacks: list[Any]) -> Any:
         torch.manual_seed(0)
@@ -216,7 +222,7 @@ def run_child(mode: str, headroom: int, budget: int, workdir: Path) -> dict[str,
 
 
 def table(results: list[dict[str, Any]], calibration: dict[str, int], headroom: int, budget: int) -> str:
-    from hf_memwatch.units import format_bytes
+    from hf_memwatch.core.units import format_bytes
 
     def fmt(value: Any, pattern: str = "{}") -> str:
         return "-" if value is None else pattern.format(value)

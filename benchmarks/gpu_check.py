@@ -7,7 +7,7 @@ Four checks, on real ``Trainer`` runs of models built from configs (random weigh
 * **attribution** — the five live classes sum to ``torch.cuda.memory_allocated()`` at every snapshot,
   read by a callback at the same instants; each step's peak equals ``max_memory_allocated`` over
   that step (read at the same instants, and from an unmonitored twin run reset at every step).
-* **prediction** — ``hf_memwatch.estimate(..., device="cuda")`` against the measured peak
+* **prediction** — ``hf_memwatch.estimation.estimate(..., device="cuda")`` against the measured peak
   (``max_memory_allocated`` and ``max_memory_reserved``), 12 configurations: 3 architectures ×
   checkpointing on/off × AdamW / 8-bit AdamW, bf16, one batch/sequence per architecture. Goal: median
   |error| <= 3 %, worst <= 8 % against allocated; reserved is reported.
@@ -80,8 +80,8 @@ import transformers  # noqa: E402
 from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
 from hf_memwatch import MemWatch  # noqa: E402
-from hf_memwatch.estimate import estimate  # noqa: E402
-from hf_memwatch.timeline import read_timeline  # noqa: E402
+from hf_memwatch.core.timeline import read_timeline  # noqa: E402
+from hf_memwatch.estimation.estimate import estimate  # noqa: E402
 
 GOALS = {"prediction_median": 0.03, "prediction_worst": 0.08, "overhead_ratio": 1.01, "step_peak_rel": 0.01}
 PHASE_EVENTS = ("step_begin", "after_forward", "after_backward", "after_optimizer", "step_end")

@@ -285,7 +285,7 @@ def build_memwatch(args: argparse.Namespace) -> Any:
 
 def timeline_records(output_dir: str) -> list[dict[str, Any]]:
     """Records of the rank-0 timeline under ``output_dir`` (empty before the first run)."""
-    from hf_memwatch.timeline import find_timelines, read_timeline
+    from hf_memwatch.core.timeline import find_timelines, read_timeline
 
     files = find_timelines(Path(output_dir) / "memwatch")
     return list(read_timeline(files[0])) if files else []
@@ -422,7 +422,7 @@ def _has_accelerator() -> bool:
 
 
 def _is_memwatch_error(exc: BaseException) -> bool:
-    from hf_memwatch.errors import MemWatchError
+    from hf_memwatch.core.errors import MemWatchError
 
     return isinstance(exc, MemWatchError)
 

@@ -1,10 +1,18 @@
-"""hf-memwatch: where Hugging Face Trainer memory goes, step by step."""
+"""hf-memwatch: where Hugging Face Trainer memory goes, step by step.
 
-from .callback import MemWatch
-from .categories import LIVE_CLASSES, PHASES, MemClass
-from .errors import MemWatchConfigError, MemWatchError, PlanError, is_oom_error
-from .estimate import MemoryEstimate, estimate, largest_fitting_batch
-from .units import format_bytes, parse_bytes
+Subpackages by concern: :mod:`~hf_memwatch.core` (units, errors, classes, timeline records),
+:mod:`~hf_memwatch.measure` (backends, tracker, attribution, step monitor),
+:mod:`~hf_memwatch.estimation` (the fake-tensor step replay), :mod:`~hf_memwatch.planning` (the one
+planning core), :mod:`~hf_memwatch.integration` (the Trainer callback and auto mode),
+:mod:`~hf_memwatch.reporting` (scalars, picture, summary, OOM post-mortem), :mod:`~hf_memwatch.cli`,
+and :mod:`~hf_memwatch.testing` (the oracles the test suite checks against).
+"""
+
+from .core.categories import LIVE_CLASSES, PHASES, MemClass
+from .core.errors import MemWatchConfigError, MemWatchError, PlanError, is_oom_error
+from .core.units import format_bytes, parse_bytes
+from .estimation import MemoryEstimate, estimate, largest_fitting_batch
+from .integration.callback import MemWatch
 
 __all__ = [
     "LIVE_CLASSES",

@@ -17,7 +17,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 # After the environment: importing it imports transformers and huggingface_hub, which read it.
-from hf_memwatch.estimate_truth import ListDataset  # noqa: E402
+from hf_memwatch.testing.estimate_truth import ListDataset  # noqa: E402
 
 
 def token_dataset(n: int, seq_len: int, vocab: int, *, labels: str = "lm", num_labels: int = 2, seed: int = 0):

@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 from transformers import Trainer
 
 from hf_memwatch import MemWatch, MemWatchConfigError, PlanError
-from hf_memwatch.auto import THROUGHPUT_TIE, candidate_plans, choose
-from hf_memwatch.remedies import Plan, optim_name
-from hf_memwatch.truth import StepMarker, cpu_memory_profile, step_peaks
+from hf_memwatch.integration.auto import THROUGHPUT_TIE, candidate_plans, choose
+from hf_memwatch.planning.remedies import Plan, optim_name
+from hf_memwatch.testing.truth import StepMarker, cpu_memory_profile, step_peaks
 
 SEQ = 64
 LIGHT = {"detail": "light", "report": False, "summary": False}
@@ -187,7 +187,7 @@ class ShortThenLong(torch.utils.data.IterableDataset):
 
 
 def test_checkpointing_is_turned_on_between_steps_when_peaks_near_the_budget(tmp_path: Path, monkeypatch: Any) -> None:
-    import hf_memwatch.auto as auto
+    import hf_memwatch.integration.auto as auto
 
     monkeypatch.setattr(auto, "ITERABLE_SCAN", 8)  # the planner sees only the 8 short samples
     data = ShortThenLong(short=16, n_short=8, long=128, n_long=16)
@@ -221,8 +221,8 @@ def test_checkpointing_is_turned_on_between_steps_when_peaks_near_the_budget(tmp
 def test_planning_leaves_no_memory_rng_or_gradient_behind(tmp_path: Path) -> None:
     import gc
 
-    from hf_memwatch.auto import AutoMode
-    from hf_memwatch.truth import cpu_memory_deltas
+    from hf_memwatch.integration.auto import AutoMode
+    from hf_memwatch.testing.truth import cpu_memory_deltas
 
     model = gpt2_model()
     trainer = Trainer(model=model, args=training_args(tmp_path, per_device_train_batch_size=4),

@@ -9,8 +9,8 @@ import sys
 import pytest
 from transformers import GPT2Config
 
-from hf_memwatch.cli import main
-from hf_memwatch.estimate import estimate
+from hf_memwatch.cli.main import main
+from hf_memwatch.estimation.estimate import estimate
 
 
 @pytest.fixture(scope="module")

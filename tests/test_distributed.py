@@ -20,7 +20,9 @@ import pytest
 import torch
 from conftest import gpt2_model
 
-from hf_memwatch.distributed import (
+from hf_memwatch.estimation.estimate import estimate
+from hf_memwatch.estimation.shard import largest_layer_bytes, shard_classes
+from hf_memwatch.measure.distributed import (
     agree_plan,
     agree_unavailable,
     decide_across_ranks,
@@ -29,8 +31,6 @@ from hf_memwatch.distributed import (
     share_failure,
     world,
 )
-from hf_memwatch.estimate import estimate
-from hf_memwatch.estimate_shard import largest_layer_bytes, shard_classes
 
 SCRIPTS = Path(__file__).parent / "dist_scripts"
 TORCHRUN = Path(sys.executable).parent / "torchrun"
@@ -403,7 +403,7 @@ def test_model_states_against_deepspeed_estimators():
 
 
 def test_deepspeed_storages_without_deepspeed_is_empty():
-    from hf_memwatch.distributed import deepspeed_storages
+    from hf_memwatch.measure.distributed import deepspeed_storages
 
     model = torch.nn.Linear(4, 2)
     optimizer = torch.optim.AdamW(model.parameters())

@@ -1,4 +1,4 @@
-"""hf_memwatch.estimate against PyTorch's own accounting of real Trainer runs (profiler memory events)."""
+"""hf_memwatch.estimation.estimate against PyTorch's own accounting of real Trainer runs (profiler memory events)."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ from transformers import (
     LlamaConfig,
 )
 
-from hf_memwatch.errors import MemWatchConfigError
-from hf_memwatch.estimate import CLASS_NAMES, estimate, largest_fitting_batch
-from hf_memwatch.estimate_truth import trainer_peak
-from hf_memwatch.truth import cpu_memory_profile, window_peak
+from hf_memwatch.core.errors import MemWatchConfigError
+from hf_memwatch.estimation.estimate import CLASS_NAMES, estimate, largest_fitting_batch
+from hf_memwatch.testing.estimate_truth import trainer_peak
+from hf_memwatch.testing.truth import cpu_memory_profile, window_peak
 
 
 def gpt2_config(**overrides) -> GPT2Config:
@@ -202,7 +202,7 @@ def test_hooks_of_other_objects_are_not_copied_or_fired():
 
 def test_a_live_tracker_does_not_see_the_fake_step():
     """Estimating during a monitored step (auto mode) leaves the monitor's figures untouched."""
-    from hf_memwatch.tracker import StorageTracker
+    from hf_memwatch.measure.tracker import StorageTracker
 
     outer = StorageTracker("cpu")
     with outer:

@@ -154,7 +154,7 @@ def test_interleaved_timing_of_tiny_cpu_runs(gpu_check):
 
 def test_the_estimate_call_of_the_prediction_check(gpu_check):
     """``measure_peak``'s estimate arguments, on a tiny Llama (the CPU stands in for CUDA)."""
-    from hf_memwatch.estimate import estimate
+    from hf_memwatch.estimation.estimate import estimate
 
     config = gpu_check.Config("llama", 2, 16, checkpointing=True, optim="adamw_bnb_8bit")
     model = gpu_check.build_model(config.arch, tiny=True)

@@ -17,9 +17,9 @@ from conftest import (
 )
 from transformers import Trainer, TrainerCallback
 
-import hf_memwatch.monitor
+import hf_memwatch.measure.monitor
 from hf_memwatch import LIVE_CLASSES, PHASES, MemWatch, MemWatchConfigError
-from hf_memwatch.truth import StepMarker, cpu_memory_deltas, cpu_memory_profile, step_peaks
+from hf_memwatch.testing.truth import StepMarker, cpu_memory_deltas, cpu_memory_profile, step_peaks
 
 
 def _unique_bytes(tensors) -> int:
@@ -206,7 +206,7 @@ def test_internal_error_leaves_training_intact(tmp_path, monkeypatch, caplog):
     def broken(*args, **kwargs):
         raise RuntimeError("injected attribution failure")
 
-    monkeypatch.setattr(hf_memwatch.monitor, "split_live", broken)
+    monkeypatch.setattr(hf_memwatch.measure.monitor, "split_live", broken)
     with caplog.at_level(logging.WARNING, logger="hf_memwatch"):
         trainer = _train(gpt2_model(), tmp_path / "broken", callbacks=[MemWatch(detail="full")], max_steps=3)
     assert loss_history(trainer) == reference

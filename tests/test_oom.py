@@ -14,7 +14,7 @@ import torch
 from conftest import gpt2_model
 
 from hf_memwatch import is_oom_error
-from hf_memwatch.oom import RunConfig, estimate_remedies, install_oom_guard, requested_bytes
+from hf_memwatch.reporting.oom import RunConfig, estimate_remedies, install_oom_guard, requested_bytes
 
 TESTS = Path(__file__).resolve().parent
 

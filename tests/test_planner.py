@@ -1,4 +1,4 @@
-"""hf_memwatch.planner: properties of the chosen plan, with real (memoised) estimates of a tiny GPT-2."""
+"""hf_memwatch.planning.planner: properties of the chosen plan, with real (memoised) estimates of a tiny GPT-2."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import GPT2Config
 
-from hf_memwatch.errors import MemWatchConfigError
-from hf_memwatch.estimate import estimate
-from hf_memwatch.planner import PlanRequest, choose_plan, divisors, plan_all, relative_throughput
+from hf_memwatch.core.errors import MemWatchConfigError
+from hf_memwatch.estimation.estimate import estimate
+from hf_memwatch.planning.planner import PlanRequest, choose_plan, divisors, plan_all, relative_throughput
 
 CONFIG = GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=128, n_positions=64, bos_token_id=0, eos_token_id=0)
 SEQ_LEN = 32

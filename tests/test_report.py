@@ -12,10 +12,11 @@ import pytest
 from conftest import gpt2_model, read_records, token_dataset, training_args
 from transformers import Trainer
 
-from hf_memwatch import LIVE_CLASSES, MemWatch, cli
-from hf_memwatch.report import choose_unit, draw, load_run
-from hf_memwatch.sinks import composition_at_peak
-from hf_memwatch.summary import load_summary_inputs, summary_rows
+from hf_memwatch import LIVE_CLASSES, MemWatch
+from hf_memwatch.cli import main as cli  # the dispatcher module
+from hf_memwatch.reporting.report import choose_unit, draw, load_run
+from hf_memwatch.reporting.sinks import composition_at_peak
+from hf_memwatch.reporting.summary import load_summary_inputs, summary_rows
 
 BUDGET = 40 * 2**20
 

@@ -15,8 +15,8 @@ from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState
 from transformers.integrations import TensorBoardCallback, WandbCallback
 
 from hf_memwatch import LIVE_CLASSES, MemWatch
-from hf_memwatch.sinks import install_scalar_logging, merge_ranks, route_exact_names, step_scalars
-from hf_memwatch.truth import StepMarker, cpu_memory_profile, step_peaks
+from hf_memwatch.reporting.sinks import install_scalar_logging, merge_ranks, route_exact_names, step_scalars
+from hf_memwatch.testing.truth import StepMarker, cpu_memory_profile, step_peaks
 
 LEVELDB_BLOCK = 32 * 1024
 
@@ -227,7 +227,7 @@ def test_step_scalars_use_the_allocator_figures_where_the_device_keeps_them():
 
 GATHER_SCRIPT = """
 import json, sys, torch
-from hf_memwatch.sinks import gather_over_ranks
+from hf_memwatch.reporting.sinks import gather_over_ranks
 rank = int(sys.argv[1])
 torch.distributed.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=rank, world_size=2)
 mine = {"memory/peak": 1000 * (rank + 1), "memory/headroom": 500 - 100 * rank, "memory/spike": 7 + rank}

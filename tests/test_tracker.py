@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hf_memwatch.saved_tensors import SavedTensorRegistry
-from hf_memwatch.tracker import StorageTracker
-from hf_memwatch.truth import cpu_memory_profile, window_peak
+from hf_memwatch.measure.saved_tensors import SavedTensorRegistry
+from hf_memwatch.measure.tracker import StorageTracker
+from hf_memwatch.testing.truth import cpu_memory_profile, window_peak
 
 
 def _work() -> torch.Tensor:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from hf_memwatch.distributed import (
+from hf_memwatch.measure.distributed import (
     PeerFailure,
     agree_plan,
     agree_unavailable,

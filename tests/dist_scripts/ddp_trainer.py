@@ -7,7 +7,7 @@ Runs, each in its own output dir under OUT_DIR:
 
 * ``plain``: DDP, no MemWatch (the loss history monitoring must not change);
 * ``watch``: DDP as the Trainer configures it (``gradient_as_bucket_view=False``), MemWatch full,
-  under ``torch.profiler`` for the per-rank truth (``hf_memwatch.truth.step_peaks``);
+  under ``torch.profiler`` for the per-rank truth (``hf_memwatch.testing.truth.step_peaks``);
 * ``bucket_view``: the same with ``gradient_as_bucket_view=True`` (gradients are the buckets);
 * ``auto``: ``MemWatch(auto=True)`` with a budget that fits on rank 0 and not on rank 1, under
   ``torch.profiler`` (the planned run's truth);
@@ -28,9 +28,9 @@ from conftest import gpt2_model, loss_history, token_dataset, training_args  # n
 from transformers import Trainer, TrainerCallback  # noqa: E402
 
 from hf_memwatch import MemWatch, PlanError  # noqa: E402
-from hf_memwatch.callback import find_trainer  # noqa: E402
-from hf_memwatch.distributed import ddp_bucket_sizes, find_ddp, max_over_ranks, world  # noqa: E402
-from hf_memwatch.truth import StepMarker, cpu_memory_profile, step_peaks  # noqa: E402
+from hf_memwatch.integration.callback import find_trainer  # noqa: E402
+from hf_memwatch.measure.distributed import ddp_bucket_sizes, find_ddp, max_over_ranks, world  # noqa: E402
+from hf_memwatch.testing.truth import StepMarker, cpu_memory_profile, step_peaks  # noqa: E402
 
 
 def unique_bytes(tensors) -> int:

@@ -85,7 +85,7 @@ class DeepSpeedHoldings(TrainerCallback):
         self.records[point] = record
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        from hf_memwatch.callback import find_trainer
+        from hf_memwatch.integration.callback import find_trainer
 
         self.engine = find_trainer().model_wrapped
 

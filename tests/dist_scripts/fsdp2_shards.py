@@ -1,7 +1,7 @@
 """Launched by ``tests/test_distributed.py`` with ``torchrun --nproc-per-node 2`` (gloo, CPU).
 
 Usage: ``torchrun --nproc-per-node 2 fsdp2_shards.py OUT_DIR``. A model sharded with FSDP2's
-``fully_shard`` trains one step under a :class:`~hf_memwatch.monitor.StepMonitor`; each rank writes
+``fully_shard`` trains one step under a :class:`~hf_memwatch.measure.monitor.StepMonitor`; each rank writes
 ``fsdp2.rank<N>.json`` with the full model's bytes and the monitor's figures after the step.
 """
 
@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
-from hf_memwatch.backends import backend_for
-from hf_memwatch.monitor import StepMonitor
+from hf_memwatch.measure.backends import backend_for
+from hf_memwatch.measure.monitor import StepMonitor
 
 
 def main() -> None:

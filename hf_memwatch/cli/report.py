@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from .units import parse_bytes
+from ..core.units import parse_bytes
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -21,7 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Write the picture; ``MemWatchConfigError`` / ``FileNotFoundError`` become one stderr line (cli)."""
-    from .report import load_run, write_report
+    from ..reporting.report import load_run, write_report
 
     budget = parse_bytes(args.budget, what="--budget") if args.budget is not None else None
     out = write_report(args.path, args.output, budget=budget)

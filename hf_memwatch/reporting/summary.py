@@ -16,9 +16,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from .categories import LIVE_CLASSES
+from ..core.categories import LIVE_CLASSES
+from ..core.units import format_bytes
 from .sinks import composition_at_peak
-from .units import format_bytes
 
 logger = logging.getLogger("hf_memwatch")
 
@@ -59,7 +59,7 @@ def summary_rows(
     """One row per class at ``step``'s peak: bytes, share of the peak, B/param and the guide's rule.
 
     ``snapshots`` are the step's snapshots (for the classes live at the peak moment, see
-    :func:`~hf_memwatch.sinks.composition_at_peak`); shares are of live bytes plus the spike.
+    :func:`~hf_memwatch.reporting.sinks.composition_at_peak`); shares are of live bytes plus the spike.
     """
     live, _ = composition_at_peak(step, list(snapshots or []))
     figures = {name: live.get(name) for name in LIVE_CLASSES}
@@ -151,7 +151,7 @@ def load_summary_inputs(
     path: str | os.PathLike[str],
 ) -> tuple[list[dict[str, Any]], dict[str, Any], dict | None, list[dict[str, Any]]]:
     """(step records, meta, last plan record, snapshots) of rank 0's timeline under ``path``."""
-    from .timeline import find_timelines, read_timeline
+    from ..core.timeline import find_timelines, read_timeline
 
     files = find_timelines(path)
     steps: list[dict[str, Any]] = []

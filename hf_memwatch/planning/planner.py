@@ -4,7 +4,7 @@ No Trainer here: :func:`candidate_plans` enumerates configurations that keep the
 effective batch (``micro_batch_size * gradient_accumulation_steps``) *exactly* — micro-batches are
 divisors of it — crossed with activation checkpointing on/off and the optimizer as given or
 bitsandbytes' 8-bit AdamW (paged on CUDA). Each gets a predicted peak from
-:func:`hf_memwatch.estimate.estimate` and a relative throughput from a simple cost model;
+:func:`hf_memwatch.estimation.estimate.estimate` and a relative throughput from a simple cost model;
 :func:`choose_plan` returns the configuration as given when it fits, else the fitting plan with
 the best predicted throughput (its peak verified by a direct estimate), else ``None``.
 
@@ -33,8 +33,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .errors import MemWatchConfigError
-from .units import format_bytes, parse_bytes
+from ..core.errors import MemWatchConfigError
+from ..core.units import format_bytes, parse_bytes
 
 T_HALF = 2048  # tokens per micro-batch at which the hardware runs at half its best efficiency
 CHECKPOINTING_COST = 1.33  # one extra forward ~ a third of forward + backward
@@ -47,7 +47,7 @@ class PlanRequest:
 
     ``allow_8bit_adam=None`` means: when bitsandbytes is installed.
     ``allow_larger_micro_batch`` adds plans with a larger micro-batch and fewer accumulation
-    steps (for ample headroom). ``estimator`` replaces :func:`~hf_memwatch.estimate.estimate`
+    steps (for ample headroom). ``estimator`` replaces :func:`~hf_memwatch.estimation.estimate.estimate`
     (same keyword signature), e.g. a memoised one.
     """
 
@@ -190,7 +190,7 @@ class _Predictor:
     def estimate(self, micro: int, checkpointing: bool, optim: str) -> Any:
         key = (micro, checkpointing, optim)
         if key not in self.cache:
-            from .estimate import estimate
+            from ..estimation.estimate import estimate
 
             r = self.request
             self.calls += 1

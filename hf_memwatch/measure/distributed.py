@@ -14,10 +14,10 @@ Without an initialized process group every helper degrades to the single-process
   they are gradients.
 * :func:`deepspeed_storages` — what a DeepSpeed ZeRO rank holds outside ``model.parameters()``
   (fp32 master, gradient and reduce-bucket partitions, ZeRO-3 ``ds_tensor`` s).
-* :class:`RankMonitor` — a :class:`~hf_memwatch.monitor.StepMonitor` that counts the above.
+* :class:`RankMonitor` — a :class:`~hf_memwatch.measure.monitor.StepMonitor` that counts the above.
 
 FSDP needs nothing special: FSDP2 parameters, gradients and optimizer states are ``DTensor`` s
-whose local shard is what :func:`~hf_memwatch.storage.plain_tensors` unwraps (measured with
+whose local shard is what :func:`~hf_memwatch.measure.storage.plain_tensors` unwraps (measured with
 ``fully_shard`` on gloo: each of 2 ranks holds half). FSDP1 parameters are views of the rank's flat
 shard (not run here). On the CPU, FSDP2 frees its all-gathered parameters with
 ``UntypedStorage.resize_(0)``, which the storage tracker does not see: ``other`` then keeps them.
@@ -107,7 +107,7 @@ def max_over_ranks(value: int | None) -> int | None:
 class PeerFailure(RuntimeError):
     """Another rank failed while the ranks were agreeing; every rank stops agreeing together.
 
-    ``fatal`` says the failing rank raised a :class:`~hf_memwatch.errors.PlanError` or a
+    ``fatal`` says the failing rank raised a :class:`~hf_memwatch.core.errors.PlanError` or a
     configuration error (every rank should stop with ``message``) rather than an internal fault
     (every rank falls back to training as configured).
     """

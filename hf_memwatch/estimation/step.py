@@ -33,9 +33,9 @@ from typing import Any
 
 import torch
 
-from .estimate_optim import BNB_OPTIMS, build_optimizer
-from .saved_tensors import SavedTensorRegistry
-from .tracker import StorageTracker
+from ..measure.saved_tensors import SavedTensorRegistry
+from ..measure.tracker import StorageTracker
+from .optim import BNB_OPTIMS, build_optimizer
 
 CUDA_BLOCK = 512  # the CUDA caching allocator rounds every block up to a multiple of 512 bytes
 MIXED_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}

@@ -4,7 +4,7 @@
 * :class:`AcceleratorBackend` — ``torch.accelerator``'s device-agnostic API (XPU, MPS, ...) where the
   installed torch has it and the device keeps statistics.
 * :class:`CpuTrackedBackend` — PyTorch keeps no CPU allocator statistics, so live storages are
-  tracked with :class:`~hf_memwatch.tracker.StorageTracker` during fully tracked steps.
+  tracked with :class:`~hf_memwatch.measure.tracker.StorageTracker` during fully tracked steps.
 * :class:`NullBackend` — a device with no readable allocator: allocator fields are ``None``.
 """
 

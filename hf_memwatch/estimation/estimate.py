@@ -6,7 +6,7 @@ really runs — the same loss path (``num_items_in_batch``, accelerate's autocas
 fp32 output conversion), ``loss.backward()``, ``clip_grad_norm_``, the optimizer class and kwargs
 ``Trainer.get_optimizer_cls_and_kwargs`` picks, ``zero_grad(set_to_none=True)`` — twice, so the
 lazily created optimizer state coexists with the second step's activations. A
-:class:`~hf_memwatch.tracker.StorageTracker` counts live storages as the allocator would and
+:class:`~hf_memwatch.measure.tracker.StorageTracker` counts live storages as the allocator would and
 records the class split at the peak.
 
 Usage:
@@ -27,11 +27,11 @@ from typing import Any
 
 import torch
 
-from .errors import MemWatchConfigError
-from .estimate_layers import AUTO_MIN_LAYERS, SHORT_DEPTHS, extrapolate, homogeneous_layers, truncated
-from .estimate_shard import shard_classes
-from .estimate_step import simulate_step
-from .units import parse_bytes
+from ..core.errors import MemWatchConfigError
+from ..core.units import parse_bytes
+from .layers import AUTO_MIN_LAYERS, SHORT_DEPTHS, extrapolate, homogeneous_layers, truncated
+from .shard import shard_classes
+from .step import simulate_step
 
 TASKS = ("causal-lm", "seq-cls", "masked-lm", "seq2seq")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -155,7 +155,7 @@ def validate(
     device: str, world_size: Any, shard: str, seq2seq_target_len: Any,
 ) -> None:
     """Fail fast, with one line, on arguments that cannot work."""
-    from .estimate_optim import SUPPORTED_OPTIMS
+    from .optim import SUPPORTED_OPTIMS
 
     _check_positive("batch_size", batch_size)
     _check_positive("seq_len", seq_len)
@@ -279,7 +279,7 @@ def estimate(
     (``cpu`` or ``cuda``), ``budget`` bytes or a size such as ``"24GiB"``. ``world_size`` and
     ``shard`` (``zero1``/``zero2``/``zero3``/``fsdp``) divide the model states per rank.
     ``extrapolate_layers``: simulate 2 and 3 layers of a homogeneous stack and extend the line
-    (exact, see :mod:`hf_memwatch.estimate_layers`); ``None`` = when the model has 6+ layers.
+    (exact, see :mod:`hf_memwatch.estimation.layers`); ``None`` = when the model has 6+ layers.
 
     Example:
         >>> from transformers import GPT2Config                                   # doctest: +SKIP

@@ -4,7 +4,7 @@
 composes with other wrappers). On an OOM the report is written and the *same* exception object is
 re-raised with a bare ``raise``: the user's traceback is the original one. The report says at which
 step and phase the run died, what was live at the last snapshot, and which remedy would have saved
-how much, from :func:`hf_memwatch.estimate.estimate` when that module is importable.
+how much, from :func:`hf_memwatch.estimation.estimate.estimate` when that module is importable.
 
 On CUDA, ``MemWatch(record_history=True)`` records the allocator's history
 (:func:`start_allocator_history`) and the post-mortem dumps ``oom_snapshot.pickle`` for
@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
-from .categories import LIVE_CLASSES
-from .errors import is_oom_error
-from .units import format_bytes
+from ..core.categories import LIVE_CLASSES
+from ..core.errors import is_oom_error
+from ..core.units import format_bytes
 
 logger = logging.getLogger("hf_memwatch")
 
@@ -115,7 +115,7 @@ def _load_estimator() -> Any:
     global _ESTIMATOR, _ESTIMATOR_ERROR
     if _ESTIMATOR is None and _ESTIMATOR_ERROR is None:
         try:
-            from .estimate import estimate
+            from ..estimation.estimate import estimate
 
             _ESTIMATOR = estimate
         except Exception as exc:  # noqa: BLE001 - another module; absent or broken degrades to a note
@@ -196,7 +196,7 @@ def estimate_command(model: Any, config: RunConfig) -> str:
 def estimate_remedies(model: Any, config: RunConfig) -> tuple[int | None, list[tuple[str, int | None, str]], str]:
     """(predicted peak of ``config``, [(remedy, predicted peak, note)], note on the whole).
 
-    Uses :func:`hf_memwatch.estimate.estimate`; without it, no figures and a note saying why.
+    Uses :func:`hf_memwatch.estimation.estimate.estimate`; without it, no figures and a note saying why.
     """
     estimate = _load_estimator()
     if estimate is None:
@@ -441,7 +441,7 @@ def _remedy_lines(
                              "batch were never measured; a smaller batch or gradient checkpointing is the usual fix")
         return lines
     lines = [
-        f"Predicted peak of this configuration: **{format_bytes(baseline)}** (hf_memwatch.estimate).",
+        f"Predicted peak of this configuration: **{format_bytes(baseline)}** (hf_memwatch.estimation.estimate).",
         "",
         "| remedy | predicted peak | saves |",
         "|---|---:|---:|",

@@ -2,7 +2,7 @@
 
 :class:`StepMonitor` is what the callback drives: ``begin_step`` → ``snapshot(phase)`` … →
 ``end_step``. It owns the allocator backend, the saved-tensor registry and the timeline writer, and
-turns each reading into a timeline record with :func:`~hf_memwatch.attribution.split_live`.
+turns each reading into a timeline record with :func:`~hf_memwatch.measure.attribution.split_live`.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from ..core.categories import LIVE_CLASSES
+from ..core.timeline import TimelineWriter
 from .attribution import (
     dominant_class,
     gradient_storages,
@@ -22,10 +24,8 @@ from .attribution import (
     weight_storages,
 )
 from .backends import AllocatorBackend
-from .categories import LIVE_CLASSES
 from .saved_tensors import SavedTensorRegistry
 from .storage import nested_tensors
-from .timeline import TimelineWriter
 
 
 class StepMonitor:

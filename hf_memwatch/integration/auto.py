@@ -5,7 +5,7 @@ the Trainer instance's ``train`` (:meth:`AutoMode.install`). Before the original
 before a dataloader, optimizer or scheduler exists, before any batch of the configured size was
 ever formed — :meth:`AutoMode.before_train`:
 
-1. resolves the budget (:mod:`hf_memwatch.budget`);
+1. resolves the budget (:mod:`hf_memwatch.planning.budget`);
 2. measures the live model with *probes*: forward + backward of real training samples padded to the
    worst-case sequence length, at micro-batches 1 and 2, with and without activation checkpointing,
    gradients resident (as in every accumulation micro-step after the first); and the optimizer's
@@ -15,7 +15,7 @@ ever formed — :meth:`AutoMode.before_train`:
 3. predicts every candidate plan (micro-batches dividing the per-device effective batch,
    checkpointing on/off, 8-bit AdamW or not), keeps those under the budget and picks the fastest
    by a simple throughput model (:func:`relative_throughput`);
-4. writes it into the Trainer (:func:`~hf_memwatch.remedies.apply_plan`), records it (timeline
+4. writes it into the Trainer (:func:`~hf_memwatch.planning.remedies.apply_plan`), records it (timeline
    ``plan`` event, one log line, the callback's saved state) and calls the original ``train()``.
 
 No restart of the training loop is needed: nothing ran yet. During training,
@@ -42,13 +42,15 @@ from typing import Any
 
 import torch
 
-from . import planner
-from .attribution import weight_storages
-from .backends import AllocatorBackend, backend_for
-from .budget import Budget, BudgetSpec, resolve_budget
-from .distributed import expected_ddp_bucket_bytes
-from .errors import MemWatchConfigError, PlanError
-from .remedies import (
+from ..core.errors import MemWatchConfigError, PlanError
+from ..core.units import format_bytes
+from ..measure.attribution import weight_storages
+from ..measure.backends import AllocatorBackend, backend_for
+from ..measure.distributed import expected_ddp_bucket_bytes
+from ..measure.storage import collect_storages, nested_tensors
+from ..planning import planner
+from ..planning.budget import Budget, BudgetSpec, resolve_budget
+from ..planning.remedies import (
     Plan,
     apply_plan,
     checkpointing_unavailable_reason,
@@ -57,8 +59,6 @@ from .remedies import (
     eight_bit_unavailable_reason,
     enable_checkpointing_now,
 )
-from .storage import collect_storages, nested_tensors
-from .units import format_bytes
 
 logger = logging.getLogger("hf_memwatch")
 
@@ -84,7 +84,7 @@ def relative_throughput(plan: Plan, reference: Plan, seq_len: int) -> float:
     """Predicted samples/s of ``plan`` relative to ``reference`` — the planner's documented cost model.
 
     Smaller micro-batches use the hardware worse, checkpointing recomputes the forward (x 1/1.33),
-    8-bit AdamW is free; see :mod:`hf_memwatch.planner`.
+    8-bit AdamW is free; see :mod:`hf_memwatch.planning.planner`.
 
     Example:
         >>> ref = Plan(8, 1, False, "adamw_torch")
@@ -340,7 +340,7 @@ class Probe:
         """
         if self.device.type == "cpu" and not torch._C._autograd._profiler_enabled():
 
-            from .truth import cpu_memory_deltas, cpu_memory_profile
+            from ..testing.truth import cpu_memory_deltas, cpu_memory_profile
 
             with cpu_memory_profile() as prof:
                 optimizer.step()
@@ -410,7 +410,7 @@ class _PreservedState:
 
 # -- the estimator beside the probes ------------------------------------------------------------
 def _estimator_predictor(trainer: Any, seq_len: int, device_type: str) -> Callable[[Plan], int | None] | None:
-    """Peak of a plan by :func:`hf_memwatch.estimate.estimate` on the live model (nothing allocated).
+    """Peak of a plan by :func:`hf_memwatch.estimation.estimate.estimate` on the live model (nothing allocated).
 
     The probes measure small micro-batches and extrapolate; where the peak moves from the end of
     backward (gradients) to the forward's activations as the micro-batch grows, the line through small
@@ -419,7 +419,7 @@ def _estimator_predictor(trainer: Any, seq_len: int, device_type: str) -> Callab
     takes the larger of both. None when the estimator cannot be used; a plan it fails on gets None.
     """
     try:
-        from .estimate import estimate
+        from ..estimation.estimate import estimate
     except Exception as exc:  # noqa: BLE001 - planning goes on with the probes alone
         logger.warning("hf-memwatch: the estimator is unavailable (%s); planning from probes only.", exc)
         return None
@@ -491,13 +491,13 @@ def _distributed() -> bool:
 def agree(plan: Plan, need_bytes: int) -> Plan:
     """The same plan on every rank: the rank that needs the most memory decides for all.
 
-    Single-process runs (and installs without :mod:`hf_memwatch.distributed`) keep ``plan``.
+    Single-process runs (and installs without :mod:`hf_memwatch.measure.distributed`) keep ``plan``.
     """
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return plan
-    from .distributed import agree_plan  # the distributed module (issue 7)
+    from ..measure.distributed import agree_plan  # the distributed module (issue 7)
 
     agreed = agree_plan(plan.as_dict(), need_bytes)
     return Plan(
@@ -517,7 +517,7 @@ def agree_unavailable_remedies(skipped: dict[str, str]) -> dict[str, str]:
 
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return skipped
-    from .distributed import agree_unavailable
+    from ..measure.distributed import agree_unavailable
 
     return agree_unavailable(skipped)
 
@@ -688,7 +688,7 @@ class AutoMode:
 
     def _decide_with_peers(self, trainer: Any, backend: AllocatorBackend, budget: Budget) -> Plan:
         """:meth:`_decide`; in a distributed run a rank that fails tells the others, so none waits."""
-        from .distributed import PeerFailure, share_failure
+        from ..measure.distributed import PeerFailure, share_failure
 
         try:
             return self._decide(trainer, backend, budget)

@@ -18,10 +18,10 @@ import json
 import sys
 from typing import Any
 
-from .estimate import CLASS_NAMES, DEVICES, PRECISIONS, SHARDS, TASKS, estimate, largest_fitting
-from .estimate_optim import SUPPORTED_OPTIMS
-from .planner import PlanRequest, bnb_available, eight_bit_optim, plan_all
-from .units import format_bytes, parse_bytes
+from ..core.units import format_bytes, parse_bytes
+from ..estimation.estimate import CLASS_NAMES, DEVICES, PRECISIONS, SHARDS, TASKS, estimate, largest_fitting
+from ..estimation.optim import SUPPORTED_OPTIMS
+from ..planning.planner import PlanRequest, bnb_available, eight_bit_optim, plan_all
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -44,7 +44,7 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .categories import LIVE_CLASSES
+from ..core.categories import LIVE_CLASSES
 
 logger = logging.getLogger("hf_memwatch")
 
@@ -157,7 +157,7 @@ def gather_over_ranks(scalars: dict[str, int] | None) -> dict[str, int] | None:
 
     Must be called by every rank at the same point (``Trainer.log`` at a logging step is).
     """
-    from .distributed import gather_objects, is_distributed
+    from ..measure.distributed import gather_objects, is_distributed
 
     if not is_distributed():
         return scalars

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .errors import MemWatchConfigError
+from ..core.errors import MemWatchConfigError
 
 SUPPORTED_OPTIMS: tuple[str, ...] = (
     "adamw_torch",

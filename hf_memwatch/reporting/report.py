@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .categories import LIVE_CLASSES
-from .errors import MemWatchConfigError
-from .timeline import _rank_of, find_timelines, read_timeline
-from .units import format_bytes
+from ..core.categories import LIVE_CLASSES
+from ..core.errors import MemWatchConfigError
+from ..core.timeline import _rank_of, find_timelines, read_timeline
+from ..core.units import format_bytes
 
 SPIKE = "spike"
 COLOURS = {

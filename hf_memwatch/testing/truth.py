@@ -26,7 +26,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from transformers import TrainerCallback
 
-STEP_MARK = "hf_memwatch.truth.step"
+STEP_MARK = "hf_memwatch.testing.truth.step"
 
 
 def cpu_memory_profile() -> profile:

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .categories import MemClass
+from ..core.categories import MemClass
 from .storage import collect_storages, nested_tensors
 
 

@@ -1,4 +1,4 @@
-"""``MemWatch``: the Trainer callback. Thin: Trainer events → :class:`~hf_memwatch.monitor.StepMonitor`.
+"""``MemWatch``: the Trainer callback. Thin: Trainer events → :class:`~hf_memwatch.measure.monitor.StepMonitor`.
 
 Timeline records (``<output_dir>/memwatch/timeline.jsonl``) — see README "Timeline":
 
@@ -24,15 +24,20 @@ import torch
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
-from .auto import AutoMode
-from .backends import backend_for
-from .budget import validate_budget
-from .distributed import make_monitor
-from .errors import MemWatchConfigError
-from .monitor import StepMonitor
-from .oom import install_oom_guard, start_allocator_history, stop_allocator_history, write_oom_report
-from .report import run_meta
-from .sinks import (
+from ..core.errors import MemWatchConfigError
+from ..core.timeline import TIMELINE_DIRNAME, TimelineWriter
+from ..measure.backends import backend_for
+from ..measure.distributed import make_monitor
+from ..measure.monitor import StepMonitor
+from ..planning.budget import validate_budget
+from ..reporting.oom import (
+    install_oom_guard,
+    start_allocator_history,
+    stop_allocator_history,
+    write_oom_report,
+)
+from ..reporting.report import run_meta
+from ..reporting.sinks import (
     install_scalar_logging,
     known_budget,
     known_prediction,
@@ -40,8 +45,8 @@ from .sinks import (
     step_scalars,
     strip_memory_keys,
 )
-from .summary import finish_reports
-from .timeline import TIMELINE_DIRNAME, TimelineWriter
+from ..reporting.summary import finish_reports
+from .auto import AutoMode
 
 logger = logging.getLogger("hf_memwatch")
 
@@ -168,7 +173,7 @@ class MemWatch(TrainerCallback, ExportableState):
     def trainer(self) -> Any:
         return None if self._trainer_ref is None else self._trainer_ref()
 
-    # -- auto mode (logic in hf_memwatch.auto) ----------------------------------------------------
+    # -- auto mode (logic in hf_memwatch.integration.auto) ----------------------------------------------------
     @property
     def auto_plan(self) -> dict[str, Any] | None:
         """The auto mode's ``plan`` record in force (saved with the callback state, kept on resume)."""

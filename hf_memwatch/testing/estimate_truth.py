@@ -2,7 +2,7 @@
 
 Used by ``benchmarks/accuracy.py`` and the tests. The model's parameter and buffer storages live
 before ``train()`` are the baseline; the profiler's CPU allocator events inside ``train()`` give
-the rest (:func:`hf_memwatch.truth.window_peak`).
+the rest (:func:`hf_memwatch.testing.truth.window_peak`).
 
 Usage:
     >>> peak = trainer_peak(model, task="causal-lm", batch_size=8, seq_len=64)   # doctest: +SKIP
@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from .attribution import weight_storages
-from .estimate_step import make_batch
+from ..estimation.step import make_batch
+from ..measure.attribution import weight_storages
 from .truth import cpu_memory_profile, window_peak
 
 
@@ -35,7 +35,7 @@ class ListDataset(torch.utils.data.Dataset):
 
 
 def synthetic_dataset(config: Any, task: str, rows: int, seq_len: int, target_len: int) -> ListDataset:
-    """``rows`` examples shaped as :func:`~hf_memwatch.estimate_step.make_batch` shapes one batch."""
+    """``rows`` examples shaped as :func:`~hf_memwatch.estimation.step.make_batch` shapes one batch."""
     batch = make_batch(config, task, rows, seq_len, target_len, "cpu")
     return ListDataset([{k: v[i] for k, v in batch.items()} for i in range(rows)])
 

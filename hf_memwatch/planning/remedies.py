@@ -19,7 +19,7 @@ import logging
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .units import format_bytes
+from ..core.units import format_bytes
 
 logger = logging.getLogger("hf_memwatch")
 

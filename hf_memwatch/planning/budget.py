@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .backends import AllocatorBackend
-from .errors import MemWatchConfigError
-from .units import format_bytes, parse_bytes
+from ..core.errors import MemWatchConfigError
+from ..core.units import format_bytes, parse_bytes
+from ..measure.backends import AllocatorBackend
 
 DEFAULT_FRACTION = 0.9
 # Share of the budget kept free for allocator fragmentation on caching allocators (CUDA and the
@@ -34,7 +34,7 @@ def validate_budget(budget: BudgetSpec) -> None:
         >>> validate_budget("twenty")
         Traceback (most recent call last):
         ...
-        hf_memwatch.errors.MemWatchConfigError: cannot parse budget 'twenty': expected a number with an optional unit (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. '20GiB'
+        hf_memwatch.core.errors.MemWatchConfigError: cannot parse budget 'twenty': expected a number with an optional unit (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. '20GiB'
     """
     if budget is None:
         return
@@ -63,7 +63,7 @@ def resolve_budget(budget: BudgetSpec, backend: AllocatorBackend) -> Budget:
     """Turn ``MemWatch(budget=...)`` into bytes for the device behind ``backend``.
 
     Example:
-        >>> from hf_memwatch.backends import backend_for
+        >>> from hf_memwatch.measure.backends import backend_for
         >>> import torch
         >>> resolve_budget("1GiB", backend_for(torch.device("cpu"))).usable
         1073741824

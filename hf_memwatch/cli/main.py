@@ -11,11 +11,11 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-from .errors import MemWatchError
+from ..core.errors import MemWatchError
 
 SUBCOMMANDS = {
-    "estimate": ("hf_memwatch.cli_estimate", "predict a training step's peak memory without running it"),
-    "report": ("hf_memwatch.cli_report", "draw a run's memory timeline (PNG or HTML)"),
+    "estimate": ("hf_memwatch.cli.estimate", "predict a training step's peak memory without running it"),
+    "report": ("hf_memwatch.cli.report", "draw a run's memory timeline (PNG or HTML)"),
 }
 
 

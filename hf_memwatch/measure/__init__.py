@@ -1,0 +1,1 @@
+"""Measurement: allocator backends, the CPU storage tracker, attribution to memory classes, the step monitor."""

@@ -1,0 +1,1 @@
+"""Planning: which configuration of a run fits its memory limit, fastest, changing nothing else."""

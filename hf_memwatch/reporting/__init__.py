@@ -1,0 +1,1 @@
+"""Reporting: scalars for TensorBoard/W&B, the picture, the console summary, the OOM post-mortem."""
