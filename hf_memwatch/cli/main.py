@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import sys
 from collections.abc import Sequence
 
@@ -36,6 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # bitsandbytes (imported through peft/transformers) logs that optional CPU kernels are missing:
+    # noise for a command whose stderr is one line on error.
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
