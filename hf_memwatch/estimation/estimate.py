@@ -17,6 +17,7 @@ Usage:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -28,10 +29,12 @@ from typing import Any
 import torch
 
 from ..core.errors import MemWatchConfigError
+from ..core.run_config import RunConfig
 from ..core.units import parse_bytes
 from .layers import AUTO_MIN_LAYERS, SHORT_DEPTHS, extrapolate, homogeneous_layers, truncated
 from .shard import shard_classes
 from .step import simulate_step
+from .trainer_replay import TrainerStateGuard, is_trainer, longest_allowed_length, worst_case_batch
 
 TASKS = ("causal-lm", "seq-cls", "masked-lm", "seq2seq")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -254,25 +257,30 @@ def count_params(model: torch.nn.Module) -> tuple[int, int]:
 def estimate(
     model_or_config: Any,
     *,
-    batch_size: int,
-    seq_len: int,
+    batch_size: int | None = None,
+    seq_len: int | None = None,
     task: str | None = None,
-    precision: str = "fp32",
-    optim: str = "adamw_torch",
-    checkpointing: bool = False,
-    accum: int = 1,
-    device: str = "cpu",
+    precision: str | None = None,
+    optim: str | None = None,
+    checkpointing: bool | None = None,
+    accum: int | None = None,
+    device: str | None = None,
     budget: int | str | None = None,
-    max_grad_norm: float = 1.0,
-    world_size: int = 1,
-    shard: str = "none",
+    max_grad_norm: float | None = None,
+    world_size: int | None = None,
+    shard: str | None = None,
     seq2seq_target_len: int | None = None,
     extrapolate_layers: bool | None = None,
+    sample_index: int | None = None,
 ) -> MemoryEstimate:
     """Predict the peak memory of one Trainer optimizer step (per device), split by class.
 
-    ``model_or_config``: a ``PretrainedConfig``, a model directory / ``config.json`` path, or a
-    built ``nn.Module`` (never copied: a fake twin is made, frozen and tied parameters respected).
+    ``model_or_config``: a ``PretrainedConfig``, a model directory / ``config.json`` path, a built
+    ``nn.Module`` (never copied: a fake twin is made, frozen and tied parameters respected), or a
+    built ``Trainer``. Given a Trainer, its own ``training_step`` is replayed (``compute_loss`` with
+    subclass overrides: TRL's trainers), on batches its collator forms from the longest sample of
+    its dataset (or ``sample_index``); every setting left ``None`` is the Trainer's own
+    (:class:`~hf_memwatch.core.run_config.RunConfig`), and the Trainer is left as it was.
     ``batch_size`` is the per-device micro-batch, ``accum`` the gradient accumulation steps,
     ``precision`` ``fp32``/``bf16``/``fp16`` (mixed precision as the Trainer runs it: fp32
     weights, autocast), ``optim`` a ``TrainingArguments.optim`` name, ``device`` the target
@@ -287,6 +295,28 @@ def estimate(
         >>> estimate(cfg, batch_size=8, seq_len=256, budget="1GiB").fits         # doctest: +SKIP
         True
     """
+    trainer = model_or_config if is_trainer(model_or_config) else None
+    run = _settings(trainer, dict(
+        batch_size=batch_size, seq_len=seq_len, precision=precision, optim=optim, checkpointing=checkpointing,
+        accum=accum, device=device, max_grad_norm=max_grad_norm, world_size=world_size, shard=shard,
+    ))
+    batch_size, seq_len, precision, optim = run["batch_size"], run["seq_len"], run["precision"], run["optim"]
+    checkpointing, accum, device = run["checkpointing"], run["accum"], run["device"]
+    max_grad_norm, world_size, shard = run["max_grad_norm"], run["world_size"], run["shard"]
+    notes: list[str] = []
+    sample = None
+    if trainer is not None:
+        _check_positive("batch_size", batch_size)
+        sample, sample_len, note = worst_case_batch(trainer, batch_size, sample_index)
+        if sample is None:
+            seq_len = seq_len or longest_allowed_length(trainer)
+            if seq_len is None:
+                raise MemWatchConfigError(f"{note}, and the run sets no max_length: pass seq_len")
+            notes.append(f"{note} ({seq_len} tokens)")
+        else:
+            seq_len = sample_len or seq_len or 1
+            notes.append(f"{note} ({seq_len} tokens)")
+        model_or_config = trainer.model
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._python_dispatch import _disable_current_modes
 
@@ -311,14 +341,16 @@ def estimate(
         if trainable == 0:
             raise MemWatchConfigError("the model has no trainable parameter")
 
-        notes: list[str] = []
         run = dict(
             config=config, task=task, batch_size=batch_size, seq_len=seq_len,
             target_len=seq2seq_target_len or seq_len, precision=precision, optim=optim,
             checkpointing=checkpointing, accum=accum, device=device, max_grad_norm=max_grad_norm,
+            trainer=trainer, sample=sample,
         )
+        guard = TrainerStateGuard(trainer, accum) if trainer is not None else contextlib.nullcontext()
         try:
-            phase_classes = _simulate(model, fake_mode, config, extrapolate_layers, notes, run)
+            with guard:
+                phase_classes = _simulate(model, fake_mode, config, extrapolate_layers, notes, run)
         except (MemWatchConfigError, KeyboardInterrupt):
             raise
         except Exception as exc:  # the model cannot run this configuration: say so in one line
@@ -351,6 +383,20 @@ def estimate(
         },
         notes=notes,
     )
+
+
+_DEFAULTS = dict(precision="fp32", optim="adamw_torch", checkpointing=False, accum=1, device="cpu",
+                 max_grad_norm=1.0, world_size=1, shard="none")
+
+
+def _settings(trainer: Any, given: dict[str, Any]) -> dict[str, Any]:
+    """The settings of the estimate: those given, else the Trainer's own, else the defaults."""
+    if trainer is not None:
+        own = RunConfig.from_trainer(trainer).estimate_kwargs()
+        own["seq_len"] = None
+    else:
+        own = dict(_DEFAULTS, batch_size=None, seq_len=None)
+    return {name: (own.get(name) if value is None else value) for name, value in given.items()}
 
 
 def _simulate(model: torch.nn.Module, fake_mode: Any, config: Any, extrapolate_layers: bool | None,

@@ -36,6 +36,7 @@ import torch
 from ..measure.saved_tensors import SavedTensorRegistry
 from ..measure.tracker import StorageTracker
 from .optim import BNB_OPTIMS, build_optimizer
+from .trainer_replay import fake_batch
 
 CUDA_BLOCK = 512  # the CUDA caching allocator rounds every block up to a multiple of 512 bytes
 MIXED_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -88,6 +89,10 @@ class EstimateTracker(StorageTracker):
         self.allocated -= nbytes
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in _READ_BACK_OPS:
+            # A value read back to Python (``.item()``, ``if tensor:``): fake tensors have none. Metrics
+            # code (TRL's token counts, accuracies) only needs *a* number; memory never depends on it.
+            return _read_back_value(func, args)
         if self.kernel_workspaces and func in _SDPA_CPU_OPS:
             out = super().__torch_dispatch__(func, types, args, kwargs)
             self.transient(sdpa_cpu_workspace(func, args))
@@ -99,6 +104,16 @@ class EstimateTracker(StorageTracker):
                     kernel(*args, **(kwargs or {}))
                 return None
         return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+_READ_BACK_OPS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default}
+
+
+def _read_back_value(func: Any, args: tuple) -> Any:
+    if func is torch.ops.aten.is_nonzero.default:
+        return True
+    dtype = args[0].dtype
+    return 1.0 if dtype.is_floating_point else True if dtype == torch.bool else 1
 
 
 class _Transient:
@@ -331,11 +346,15 @@ class _Phases:
 def simulate_step(
     model: torch.nn.Module, fake_mode: Any, *, config: Any, task: str, batch_size: int, seq_len: int,
     target_len: int, precision: str, optim: str, checkpointing: bool, accum: int, device: str,
-    max_grad_norm: float, steps: int = 2,
+    max_grad_norm: float, steps: int = 2, trainer: Any = None, sample: dict[str, Any] | None = None,
 ) -> StepSimulation:
     """Run ``steps`` Trainer optimizer steps on the fake ``model``; the peak and its split.
 
-    All but the last step only prime the optimizer (see :func:`_prime_optimizer`).
+    All but the last step only prime the optimizer (see :func:`_prime_optimizer`). With ``trainer``,
+    each micro-step is that Trainer's own ``training_step`` (its ``compute_loss``, loss scaling and
+    ``num_items_in_batch`` count) — the caller guards the Trainer's state
+    (:class:`~hf_memwatch.estimation.trainer_replay.TrainerStateGuard`); with ``sample`` (a collated
+    batch of real tensors), every micro-batch is a fake copy of it instead of a synthetic batch.
     """
     notes: list[str] = []
     model.train()
@@ -348,6 +367,11 @@ def simulate_step(
     optimizer = build_optimizer(model, optim, target)
     takes_loss_kwargs = accepts_loss_kwargs(model)
     shifts = loss_shifts_labels(model)
+
+    def new_batch() -> dict[str, Any]:
+        if sample is not None:
+            return fake_batch(sample)
+        return make_batch(config, task, batch_size, seq_len, target_len, device)
 
     saved = SavedTensorRegistry()
     tracker = EstimateTracker(
@@ -367,18 +391,20 @@ def simulate_step(
         try:
             tr_loss = torch.tensor(0.0, device=device)
             other.update(_refs(tracker, [tr_loss]))
-            lookahead = make_batch(config, task, batch_size, seq_len, target_len, device)
+            lookahead = new_batch()
             for _ in range(steps - 1):
                 _prime_optimizer(optimizer, params)
             phases.close("after_optimizer")
-            batches = [lookahead] + [
-                make_batch(config, task, batch_size, seq_len, target_len, device) for _ in range(accum - 1)
-            ]
-            lookahead = make_batch(config, task, batch_size, seq_len, target_len, device)
+            batches = [lookahead] + [new_batch() for _ in range(accum - 1)]
+            lookahead = new_batch()
             for b in batches + [lookahead]:
                 other.update(_refs(tracker, b.values()))
             num_items = None
-            if takes_loss_kwargs:
+            if trainer is not None:
+                num_items = trainer._get_num_items_in_batch(batches, torch.device(device))
+                if isinstance(num_items, torch.Tensor):
+                    other.update(_refs(tracker, [num_items]))
+            elif takes_loss_kwargs:
                 labels = [b["labels"][..., 1:] if shifts else b["labels"] for b in batches]
                 num_items = sum(lab.ne(-100).sum() for lab in labels).to(device)
                 other.update(_refs(tracker, [num_items]))
@@ -386,6 +412,19 @@ def simulate_step(
             # Micro-steps after the second are the second again (same live set, gradients
             # accumulating in place), so at most two are replayed; all batches stay prefetched.
             for inputs in batches[:2]:
+                if trainer is not None:
+                    # The Trainer's own micro-step: forward and loss (subclass overrides included), its
+                    # scaling, backward. "after_forward" closes when the model's forward returns.
+                    hook = model.register_forward_hook(lambda *_: phases.close("after_forward"))
+                    try:
+                        loss = trainer.training_step(model, inputs, num_items)
+                    finally:
+                        hook.remove()
+                    del inputs
+                    phases.close("after_backward")
+                    tr_loss += loss
+                    del loss
+                    continue
                 loss = _forward_loss(model, inputs, num_items)
                 del inputs
                 if num_items is None:

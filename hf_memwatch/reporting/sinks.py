@@ -303,14 +303,17 @@ def install_scalar_logging(trainer: Any, scalars_for_step: Callable[[int], dict[
     route_exact_names(getattr(getattr(trainer, "callback_handler", None), "callbacks", None))
     current = trainer.log
     if getattr(current, _WRAPPED_MARK, False):
+        # A callback rebuilt from checkpoint state (restore_callback_states_from_checkpoint) takes over.
+        current._memwatch_source[0] = scalars_for_step
         return False
+    source = [scalars_for_step]
 
     @functools.wraps(current)
     def log(logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         if isinstance(logs, dict) and is_training_log(logs):
             mine = None
             try:
-                mine = scalars_for_step(int(trainer.state.global_step))
+                mine = source[0](int(trainer.state.global_step))
             except Exception as exc:  # noqa: BLE001 - a logging fault of ours must not stop training
                 logger.warning("hf-memwatch: memory scalars not logged (%s: %s)", type(exc).__name__, exc)
             # Every rank joins the gather, with or without figures, so no rank waits forever.
@@ -320,6 +323,7 @@ def install_scalar_logging(trainer: Any, scalars_for_step: Callable[[int], dict[
         return current(logs, *args, **kwargs)
 
     setattr(log, _WRAPPED_MARK, True)
+    log._memwatch_source = source  # type: ignore[attr-defined]
     trainer.log = log
     return True
 
