@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import logging
 from pathlib import Path
 from typing import Any
@@ -219,8 +220,10 @@ def test_chosen_plan_fits_and_keeps_the_effective_batch(micro: int, accum: int, 
         fitting = [p for p in everything if toy.peak(p) <= budget]
         if toy.peak(Plan.of(run_config)) > budget:  # over budget: the fastest plan that fits
             assert chosen.relative_throughput >= max(p.relative_throughput for p in fitting) - THROUGHPUT_TIE
-    # interpolation spares predictions: never more than two a line, plus confirmations
-    assert predictions == result.predictions <= 3 * len({(p.activation_checkpointing, p.optim) for p in everything}) + 4
+    # bisection spares predictions: about log2 of the micro-batch options a line, plus the given plan
+    lines = len({(p.activation_checkpointing, p.optim) for p in everything})
+    options = len({p.micro_batch_size for p in everything})
+    assert predictions == result.predictions <= 1 + lines * (2 + math.ceil(math.log2(options)))
 
 
 class ShortThenLong(torch.utils.data.IterableDataset):

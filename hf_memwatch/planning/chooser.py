@@ -6,13 +6,12 @@
 1. :func:`candidates` crosses the options of every remedy of the catalogue
    (:data:`~hf_memwatch.planning.catalogue.REMEDIES`) that applies to the run; micro-batches are
    divisors of the per-device effective batch, so it is kept *exactly*;
-2. a :class:`Predictor` gives each plan's peak — exactly for the plans it is asked about, and by
-   a line through two exact predictions for the others (activations grow linearly with the
-   micro-batch; the line between the smallest and largest micro-batch lies above the convex peak
-   curve, so an interpolated figure errs on the safe side);
+2. a :class:`Predictor` gives the peak of the plans the choice needs — for each line of plans
+   (one checkpointing setting and optimizer) the largest micro-batch under the limit, by
+   bisection (the peak grows with the micro-batch), lines that cannot beat the plan in hand
+   skipped;
 3. :func:`pick` keeps the plans under the limit and takes the fastest by the cost model of
-   :func:`relative_throughput`, ties going to the fewest changes; a pick whose figure was
-   interpolated is predicted exactly and the choice made again, until the pick is exact.
+   :func:`relative_throughput`, ties going to the fewest changes.
 
 Cost model (samples per second relative to the run as configured):
 
@@ -128,78 +127,65 @@ class PlanResult:
         return min(self.candidates, key=lambda p: p.predicted_peak if p.predicted_peak is not None else 1 << 62)
 
 
-class _Lines:
-    """Plan peaks: exact where predicted, else on the line through two exact predictions of the
-    same (checkpointing, optimizer) at the smallest and largest micro-batch."""
+class _Exact:
+    """The predictor's figures, one call per plan."""
 
     def __init__(self, predictor: Predictor) -> None:
         self.predictor = predictor
-        self.exact: dict[tuple, int] = {}
+        self.peaks: dict[tuple, int] = {}
 
-    def exact_peak(self, plan: Plan) -> int:
-        if plan.key() not in self.exact:
-            self.exact[plan.key()] = int(self.predictor.peak(plan))
-        return self.exact[plan.key()]
+    def __call__(self, plan: Plan) -> int:
+        if plan.key() not in self.peaks:
+            self.peaks[plan.key()] = int(self.predictor.peak(plan))
+        plan.predicted_peak, plan.verified = self.peaks[plan.key()], True
+        return plan.predicted_peak
 
-    def fill(self, plans: list[Plan]) -> None:
-        by_line: dict[tuple[bool, str], list[Plan]] = {}
-        for plan in plans:
-            by_line.setdefault((plan.activation_checkpointing, plan.optim), []).append(plan)
-        for line in by_line.values():
-            missing = [p for p in line if p.key() not in self.exact]
-            if len(missing) == 1 and len(line) == 1:
-                self.exact_peak(line[0])
-            elif missing:
-                low = min(line, key=lambda p: p.micro_batch_size)
-                high = max(line, key=lambda p: p.micro_batch_size)
-                p_low, p_high = self.exact_peak(low), self.exact_peak(high)
-                slope = (p_high - p_low) / (high.micro_batch_size - low.micro_batch_size)
-            for plan in line:
-                plan.verified = plan.key() in self.exact
-                if plan.verified:
-                    plan.predicted_peak = self.exact[plan.key()]
-                else:
-                    plan.predicted_peak = int(round(p_low + slope * (plan.micro_batch_size - low.micro_batch_size)))
 
-    def lines_needed(self, plans: list[Plan], given: Plan, budget: int) -> list[Plan]:
-        """The plans whose lines may hold the pick: cheaper lines are predicted only when needed.
+def _largest_fitting(line: list[Plan], peak: _Exact, limit: float) -> Plan | None:
+    """The plan with the largest micro-batch of ``line`` (sorted by micro-batch) under ``limit``.
 
-        Lines are taken in order of their best throughput; once a line holds a fitting plan, lines
-        that cannot beat it are not predicted.
-        """
-        by_line: dict[tuple[bool, str], list[Plan]] = {}
-        for plan in plans:
-            by_line.setdefault((plan.activation_checkpointing, plan.optim), []).append(plan)
-        order = sorted(by_line.values(), key=lambda line: -max(p.relative_throughput for p in line))
-        taken: list[Plan] = []
-        for line in order:
-            best_here = max(p.relative_throughput for p in line)
-            current = pick(given, taken, budget) if taken else None
-            if current is not None and best_here < current.relative_throughput - THROUGHPUT_TIE:
-                break
-            self.fill(line)
-            taken.extend(line)
-        return taken
+    Along a line (same checkpointing and optimizer) the peak grows with the micro-batch, so a
+    bisection finds it with about log2(len(line)) predictions, the largest tried first.
+    """
+    if peak(line[-1]) <= limit:
+        return line[-1]
+    low, high = -1, len(line) - 1  # line[high] is over the limit; line[low] fits (-1: none known)
+    while high - low > 1:
+        middle = (low + high) // 2
+        if peak(line[middle]) <= limit:
+            low = middle
+        else:
+            high = middle
+    return line[low] if low >= 0 else None
 
 
 def plan_run(run: RunConfig, predictor: Predictor, budget: int, *, larger_micro_batches: bool = True) -> PlanResult:
-    """Choose the plan of ``run`` for ``budget`` (bytes per device) — see the module docstring."""
-    lines = _Lines(predictor)
+    """Choose the plan of ``run`` for ``budget`` (bytes per device) — see the module docstring.
+
+    Each line of plans (one checkpointing setting and optimizer, every micro-batch) contributes
+    its largest micro-batch that fits, found by bisection on exact predictions; lines that cannot
+    beat the plan already in hand are not predicted at all. Every figure the choice rests on is
+    exact (``verified``).
+    """
+    peak = _Exact(predictor)
     given = Plan.of(run)
-    given.predicted_peak = lines.exact_peak(given)
-    given.verified = True
+    given.relative_throughput = 1.0
+    given_fits = peak(given) <= budget
+    limit = budget * UPGRADE_HEADROOM if given_fits else budget
     plans = candidates(run, larger_micro_batches=larger_micro_batches)
     plans[0] = given
-    while True:
-        considered = lines.lines_needed(plans, given, budget)
-        chosen = pick(given, considered, budget)
-        if chosen is None or chosen.key() in lines.exact:
-            break
-        lines.exact_peak(chosen)  # confirm the pick exactly, then choose again
-        lines.fill([chosen])
+    lines: dict[tuple[bool, str], list[Plan]] = {}
     for plan in plans:
-        if plan.key() in lines.exact:
-            plan.predicted_peak, plan.verified = lines.exact[plan.key()], True
+        lines.setdefault((plan.activation_checkpointing, plan.optim), []).append(plan)
+    in_hand = [given] if given_fits else []
+    for line in sorted(lines.values(), key=lambda line: -max(p.relative_throughput for p in line)):
+        current = pick(given, in_hand, budget)
+        if current is not None and max(p.relative_throughput for p in line) < current.relative_throughput - THROUGHPUT_TIE:
+            continue
+        others = sorted((p for p in line if p.key() != given.key()), key=lambda p: p.micro_batch_size)
+        if others and (best := _largest_fitting(others, peak, limit)) is not None:
+            in_hand.append(best)
+    chosen = pick(given, in_hand, budget)
     result = PlanResult(chosen, given, plans, budget, unavailable_remedies(run), predictor.calls)
     if chosen is not None:
         chosen.reason = explain(result, run)
