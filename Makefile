@@ -24,7 +24,7 @@ lint: venv
 	$(VENV)/bin/ruff check hf_memwatch tests examples benchmarks
 
 test: lint
-	$(VENV)/bin/pytest -q -p no:cacheprovider tests
+	$(VENV)/bin/pytest -q -p no:cacheprovider --doctest-modules hf_memwatch tests
 
 demo: venv
 	rm -rf demo-output

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
-import math
 import logging
+import math
 from pathlib import Path
 from typing import Any
 

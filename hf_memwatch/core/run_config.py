@@ -87,10 +87,8 @@ class RunConfig:
 
     # -- from a live Trainer ----------------------------------------------------------------
     @classmethod
-    def from_trainer(cls, trainer: Any, seq_len: int | None = None) -> RunConfig:
-        """The configuration ``trainer`` will train with (arguments + the live model's state)."""
-        args = trainer.args
-        model = trainer.model
+    def from_args(cls, args: Any, model: Any = None, seq_len: int | None = None) -> RunConfig:
+        """The configuration ``TrainingArguments`` ``args`` (and ``model``'s state, when given) describe."""
         return cls(
             micro_batch_size=int(args.per_device_train_batch_size),
             gradient_accumulation_steps=int(args.gradient_accumulation_steps),
@@ -102,14 +100,19 @@ class RunConfig:
             shard=shard_of(args),
             max_grad_norm=float(getattr(args, "max_grad_norm", 0.0) or 0.0),
             seq_len=seq_len,
-            custom_optimizer=bool(getattr(trainer, "optimizer", None) is not None
-                                  or getattr(trainer, "optimizer_cls_and_kwargs", None)),
-            checkpointing_unavailable=checkpointing_unavailable_reason(model),
+            checkpointing_unavailable=None if model is None else checkpointing_unavailable_reason(model),
             eval_batch_size=int(args.per_device_eval_batch_size),
             eval_accumulation_steps=getattr(args, "eval_accumulation_steps", None),
             prediction_loss_only=bool(getattr(args, "prediction_loss_only", False)),
             auto_find_batch_size=bool(getattr(args, "auto_find_batch_size", False)),
         )
+
+    @classmethod
+    def from_trainer(cls, trainer: Any, seq_len: int | None = None) -> RunConfig:
+        """The configuration ``trainer`` will train with (arguments + the live model's state)."""
+        run = cls.from_args(trainer.args, trainer.model, seq_len)
+        custom = getattr(trainer, "optimizer", None) is not None or getattr(trainer, "optimizer_cls_and_kwargs", None)
+        return run.replace(custom_optimizer=bool(custom))
 
 
 # -- readers (one definition each) -----------------------------------------------------------

@@ -30,11 +30,18 @@ import torch
 
 from ..core.errors import MemWatchConfigError
 from ..core.run_config import RunConfig
-from ..core.units import parse_bytes
+from ..core.units import format_bytes, parse_bytes
+from ..measure.attribution import weight_storages
 from .layers import AUTO_MIN_LAYERS, SHORT_DEPTHS, extrapolate, homogeneous_layers, truncated
 from .shard import shard_classes
-from .step import simulate_step
-from .trainer_replay import TrainerStateGuard, is_trainer, longest_allowed_length, worst_case_batch
+from .step import CUDA_BLOCK, simulate_step
+from .trainer_replay import (
+    TrainerStateGuard,
+    held_models,
+    is_trainer,
+    longest_allowed_length,
+    worst_case_batch,
+)
 
 TASKS = ("causal-lm", "seq-cls", "masked-lm", "seq2seq")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -61,6 +68,7 @@ class MemoryEstimate:
     phase_peaks: dict[str, int] = field(default_factory=dict)
     config: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    frozen_models: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain-data form (the CLI's ``--json`` object)."""
@@ -359,6 +367,18 @@ def estimate(
                 f"{type(model).__name__} cannot run a {task} training step with these settings: "
                 f"{type(exc).__name__}: {first}"
             ) from exc
+    frozen_models: dict[str, int] = {}
+    if trainer is not None:
+        # Frozen models the Trainer holds (TRL's reference model, a teacher) are resident weights.
+        trained = set(weight_storages(trainer.model, None))
+        for name, module in held_models(trainer).items():
+            held = {k: v for k, v in weight_storages(module, None).items() if k not in trained}
+            frozen_models[name] = sum(_on_target(nbytes, device) for nbytes in held.values())
+        for classes in phase_classes.values():
+            classes["weights"] += sum(frozen_models.values())
+        if frozen_models:
+            notes.append("weights include models the Trainer holds: " + ", ".join(
+                f"{name} ({format_bytes(nbytes)})" for name, nbytes in frozen_models.items()))
     if device == "cuda":
         notes.append("CUDA: the context (~0.3-1 GiB per process) and the caching allocator's reserve are not included")
     per_phase = {phase: shard_classes(classes, model, world_size, shard, notes, precision)
@@ -382,6 +402,7 @@ def estimate(
             "seq2seq_target_len": seq2seq_target_len,
         },
         notes=notes,
+        frozen_models=frozen_models,
     )
 
 
@@ -397,6 +418,11 @@ def _settings(trainer: Any, given: dict[str, Any]) -> dict[str, Any]:
     else:
         own = dict(_DEFAULTS, batch_size=None, seq_len=None)
     return {name: (own.get(name) if value is None else value) for name, value in given.items()}
+
+
+def _on_target(nbytes: int, device: str) -> int:
+    """One storage's bytes as ``device``'s allocator holds them (CUDA rounds each block up to 512 B)."""
+    return -(-nbytes // CUDA_BLOCK) * CUDA_BLOCK if device == "cuda" else nbytes
 
 
 def _simulate(model: torch.nn.Module, fake_mode: Any, config: Any, extrapolate_layers: bool | None,

@@ -70,7 +70,7 @@ class EstimateTracker(StorageTracker):
 
     def on_new_peak(self) -> None:
         # C-speed shallow copies: the refs keep each storage's size even after it dies
-        self.snapshot = (dict(self._live), set(self.saved._counts))
+        self.snapshot = (dict(self._live), self.saved.keys())
 
     def reset_peak(self) -> None:
         super().reset_peak()
@@ -93,6 +93,20 @@ class EstimateTracker(StorageTracker):
             # A value read back to Python (``.item()``, ``if tensor:``): fake tensors have none. Metrics
             # code (TRL's token counts, accuracies) only needs *a* number; memory never depends on it.
             return _read_back_value(func, args)
+        if func is torch.ops.aten.index.Tensor and _boolean_index(args):
+            # ``tensor[mask]``: the size depends on the mask's values; every element counted as selected.
+            source, mask = args[0], args[1][0]
+            shape = (mask.numel(), *source.shape[mask.dim():])
+            out = torch.empty(shape, dtype=source.dtype, device=source.device)
+            self._track_output(out)
+            return out
+        if func is torch.ops.aten.nonzero.default:
+            # A data-dependent size: every element counted as non-zero, the largest result (masks of
+            # real tokens, as the estimate's unpadded batches are).
+            source = args[0]
+            out = torch.zeros((source.numel(), source.dim()), dtype=torch.long, device=source.device)
+            self._track_output(out)
+            return out
         if self.kernel_workspaces and func in _SDPA_CPU_OPS:
             out = super().__torch_dispatch__(func, types, args, kwargs)
             self.transient(sdpa_cpu_workspace(func, args))
@@ -107,6 +121,15 @@ class EstimateTracker(StorageTracker):
 
 
 _READ_BACK_OPS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default}
+
+
+def _boolean_index(args: tuple) -> bool:
+    """``aten.index.Tensor(source, [mask])`` with one boolean mask over leading dimensions."""
+    indices = args[1] if len(args) > 1 else None
+    if not isinstance(indices, (list, tuple)) or len(indices) != 1:
+        return False
+    mask = indices[0]
+    return isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and mask.dim() <= args[0].dim()
 
 
 def _read_back_value(func: Any, args: tuple) -> Any:
@@ -311,7 +334,8 @@ def _keys(tensors: Any) -> set[int]:
 
 def _refs(tracker: StorageTracker, tensors: Any) -> dict[int, Any]:
     """key -> the tracker's reference object of each tensor's storage (its identity for this lifetime)."""
-    return {key: tracker._live[key] for key in _keys(tensors) if key in tracker._live}
+    live = tracker.live_refs()
+    return {key: live[key] for key in _keys(tensors) if key in live}
 
 
 def _state_tensors(optimizer: Any) -> list[torch.Tensor]:
@@ -336,7 +360,7 @@ class _Phases:
         if tracker.snapshot is not None:
             grads = _keys(p.grad for p in self.model.parameters())
             states = _keys(_state_tensors(self.optimizer))
-            classes = classify(tracker.snapshot, tracker._live, self.weights, grads, states, self.other)
+            classes = classify(tracker.snapshot, tracker.live_refs(), self.weights, grads, states, self.other)
             if sum(classes.values()) > sum(self.best.get(phase, {}).values() or [-1]):
                 self.best[phase] = classes
         tracker.reset_peak()

@@ -206,12 +206,27 @@ def fake_batch(batch: Mapping[str, Any]) -> dict[str, Any]:
     return {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
 
 
+def held_models(trainer: Any) -> dict[str, torch.nn.Module]:
+    """Other models the Trainer holds beside the one it trains (TRL's ``ref_model``, a teacher, a reward
+    model): attribute name -> module, wrappers and the trained model excluded."""
+    trained = {id(m) for m in (getattr(trainer, "model", None), getattr(trainer, "model_wrapped", None),
+                                getattr(getattr(trainer, "model", None), "module", None)) if m is not None}
+    found = {}
+    for name, value in vars(trainer).items():
+        if not isinstance(value, torch.nn.Module) or id(value) in trained:
+            continue
+        inner = getattr(value, "module", None)
+        if inner is None or id(inner) not in trained:
+            found[name] = value
+    return found
+
+
 def plain_counters(trainer: Any) -> dict[str, Any]:
     """The Trainer's plain-data attributes (what :class:`TrainerStateGuard` restores), for tests."""
     return {name: copy.deepcopy(value) for name, value in vars(trainer).items() if _is_plain(value)}
 
 
 __all__ = [
-    "TrainerStateGuard", "collate", "fake_batch", "is_one_pass", "is_trainer", "longest_allowed_length",
+    "TrainerStateGuard", "collate", "fake_batch", "held_models", "is_one_pass", "is_trainer", "longest_allowed_length",
     "longest_index", "plain_counters", "sequence_length", "training_dataset", "worst_case_batch",
 ]

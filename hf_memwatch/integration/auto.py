@@ -124,11 +124,11 @@ class AutoMode:
         reason = (f"planning failed ({type(exc).__name__}: {exc}); training as configured, "
                   "with monitoring but no plan")
         logger.warning("hf-memwatch: auto mode %s", reason)
-        args = trainer.args
+        run = RunConfig.from_args(trainer.args)
         self.record({
             "event": "plan", "status": "failed",
-            "micro_batch_size": int(args.per_device_train_batch_size),
-            "gradient_accumulation_steps": int(args.gradient_accumulation_steps),
+            "micro_batch_size": run.micro_batch_size,
+            "gradient_accumulation_steps": run.gradient_accumulation_steps,
             "activation_checkpointing": None, "optim": None, "predicted_peak": None,
             "budget": None if self.budget is None else int(self.budget.total), "reason": reason,
         })

@@ -25,6 +25,7 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
 from ..core.errors import MemWatchConfigError
+from ..core.run_config import RunConfig
 from ..core.timeline import TIMELINE_DIRNAME, TimelineWriter
 from ..measure.backends import backend_for
 from ..measure.distributed import make_monitor
@@ -189,13 +190,18 @@ class MemWatch(TrainerCallback, ExportableState):
         return self.auto_plan
 
     @property
+    def planning_seconds(self) -> float | None:
+        """Seconds the auto mode spent planning before training (None without a plan)."""
+        return None if self._auto is None else self._auto.planning_seconds
+
+    @property
     def budget_bytes(self) -> int | None:
         budget = None if self._auto is None else self._auto.budget
         return None if budget is None else budget.total
 
     def _record_plan(self, record: dict[str, Any]) -> None:
         """Write a ``plan`` record to this rank's timeline (the monitor's writer once training runs)."""
-        if self.monitor is not None and self.monitor.writer is not None and self.monitor.writer._fh is not None:
+        if self.monitor is not None and self.monitor.writer is not None and self.monitor.writer.is_open:
             self.monitor.writer.write(record)
             self.monitor.writer.flush()
             return
@@ -320,7 +326,7 @@ class MemWatch(TrainerCallback, ExportableState):
         # Under DDP/DeepSpeed the monitor also counts the engine's buckets and partitions.
         self.monitor = make_monitor(backend, writer, rank, self.trainer)
         self.monitor.attach(model, kwargs.get("optimizer"))
-        writer.write(run_meta(model, args))  # model and batch, for the picture's title and the summary
+        writer.write(run_meta(model, RunConfig.from_args(args, model)))  # model and batch, for the picture's title and the summary
         if self.record_history:
             start_allocator_history(self.monitor)
         if model is not None:

@@ -73,6 +73,10 @@ class AllocatorBackend:
     def live_storages(self) -> Mapping[int, int] | None:
         return None
 
+    def live_storage_objects(self) -> dict[int, torch.UntypedStorage] | None:
+        """Tracked devices inside a tracked window: key -> each live storage; else None."""
+        return None
+
 
 class NullBackend(AllocatorBackend):
     """A device whose allocator cannot be read."""
@@ -213,6 +217,9 @@ class CpuTrackedBackend(AllocatorBackend):
 
     def live_storages(self) -> Mapping[int, int] | None:
         return self.tracker.live()
+
+    def live_storage_objects(self) -> dict[int, torch.UntypedStorage] | None:
+        return self.tracker.live_storage_objects() if self.tracking else None
 
     def capacity(self) -> int | None:
         return self._capacity

@@ -8,8 +8,8 @@ turns each reading into a timeline record with :func:`~hf_memwatch.measure.attri
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Protocol
 
 import torch
 
@@ -26,6 +26,22 @@ from .attribution import (
 from .backends import AllocatorBackend
 from .saved_tensors import SavedTensorRegistry
 from .storage import nested_tensors
+
+
+class StorageContributor(Protocol):
+    """What a distributed engine (DDP buckets, DeepSpeed partitions) holds on a rank, for the monitor."""
+
+    def known_tensors(self, monitor: StepMonitor) -> Iterable[torch.Tensor | None]:
+        """Tensors allocated before tracking started, registered at each fully tracked step."""
+        ...
+
+    def class_storages(self, monitor: StepMonitor) -> Mapping[str, Mapping[int, int]]:
+        """Storage key -> bytes held per class (``weights``, ``gradients``, ``optimizer_states``)."""
+        ...
+
+    def adjust(self, record: dict[str, Any], monitor: StepMonitor, phase: str, window_peak: int | None) -> None:
+        """Correct a full snapshot ``record`` for bytes the tracker could not see (may do nothing)."""
+        ...
 
 
 class StepMonitor:
@@ -51,6 +67,7 @@ class StepMonitor:
         self.extra_gradients = extra_gradients
         self.model: torch.nn.Module | None = None
         self.optimizer: Any = None
+        self.attached_optimizer: Any = None
         self.step = 0
         self.micro_step = 0
         self.full = False
@@ -58,11 +75,13 @@ class StepMonitor:
         self.step_snapshots: list[dict[str, Any]] = []
         self.last_step: dict[str, Any] | None = None
         self._previous_allocated: int | None = None
+        self.contributors: list[StorageContributor] = []
         self._last_full: dict[tuple[str, int], dict[str, Any]] = {}
 
     # -- lifecycle --------------------------------------------------------------------------
     def attach(self, model: torch.nn.Module | None, optimizer: Any) -> None:
         self.model = model
+        self.attached_optimizer = optimizer  # as handed over (a ZeRO optimizer under DeepSpeed)
         self.optimizer = unwrap_optimizer(optimizer) if optimizer is not None else None
 
     def begin_step(self, step: int, full: bool) -> dict[str, Any]:
@@ -113,10 +132,19 @@ class StepMonitor:
         if self.backend.tracking:
             self.backend.register(tensors)
 
+    def add_contributor(self, contributor: StorageContributor) -> None:
+        """Count what ``contributor`` (a distributed engine) holds on this rank in every full snapshot."""
+        self.contributors.append(contributor)
+
+    @property
+    def previous_allocated(self) -> int | None:
+        """``allocated`` of the previous snapshot (None before the first)."""
+        return self._previous_allocated
+
     def snapshot(self, phase: str) -> dict[str, Any]:
         micro_step = self.micro_step
         if self.full:
-            record = self._full_snapshot(phase, micro_step)
+            record = self.measure(phase, micro_step)
             self._last_full[(phase, micro_step)] = record
         else:
             record = self._light_snapshot(phase, micro_step)
@@ -127,14 +155,16 @@ class StepMonitor:
         return record
 
     def _register_known(self) -> None:
-        if self.model is None:
-            return
-        tensors: list[torch.Tensor | None] = list(self.model.parameters())
-        tensors.extend(self.model.buffers())
-        tensors.extend(p.grad for p in self.model.parameters())
-        self.backend.register(tensors)
+        tensors: list[torch.Tensor | None] = []
+        if self.model is not None:
+            tensors.extend(self.model.parameters())
+            tensors.extend(self.model.buffers())
+            tensors.extend(p.grad for p in self.model.parameters())
         if self.optimizer is not None:
-            self.backend.register(nested_tensors(list(getattr(self.optimizer, "state", {}).values())))
+            tensors.extend(nested_tensors(list(getattr(self.optimizer, "state", {}).values())))
+        for contributor in self.contributors:
+            tensors.extend(contributor.known_tensors(self))
+        self.backend.register(tensors)
 
     def _class_storages(self) -> tuple[dict[int, int], dict[int, int], dict[int, int], dict[int, int]]:
         device = self.device
@@ -144,9 +174,22 @@ class StepMonitor:
         grads = gradient_storages(model, device, extra) if model is not None else {}
         states = optimizer_state_storages(self.optimizer, device)
         saved = self.saved.storages(device)
+        for contributor in self.contributors:
+            held = contributor.class_storages(self)
+            weights.update(held.get("weights", {}))
+            grads.update(held.get("gradients", {}))
+            states.update(held.get("optimizer_states", {}))
         return weights, grads, states, saved
 
-    def _full_snapshot(self, phase: str, micro_step: int) -> dict[str, Any]:
+    def measure(self, phase: str, micro_step: int) -> dict[str, Any]:
+        """A full snapshot record now (classes from every known storage), without writing it."""
+        window_peak = self.backend.read().peak
+        record = self._measure(phase, micro_step)
+        for contributor in self.contributors:
+            contributor.adjust(record, self, phase, window_peak)
+        return record
+
+    def _measure(self, phase: str, micro_step: int) -> dict[str, Any]:
         weights, grads, states, saved = self._class_storages()
         reading = self.backend.read()
         allocated, peak = reading.allocated, reading.peak

@@ -273,7 +273,7 @@ def split_at_failure(monitor: Any) -> dict[str, Any] | None:
     if not (backend.exact or backend.tracking) or not monitor.in_step:
         return None
     # The monitor's own full snapshot, without recording it: same attribution as every snapshot.
-    return monitor._full_snapshot("oom", monitor.micro_step)
+    return monitor.measure("oom", monitor.micro_step)
 
 
 def _dump_cuda_snapshot(directory: Path) -> Path | None:
