@@ -6,7 +6,7 @@ Timeline records (``<output_dir>/memwatch/timeline.jsonl``) — see README "Time
   ``after_optimizer``, ``step_end``: ``allocated``, ``reserved``, ``peak`` (since the previous
   snapshot), ``live`` (weights, gradients, optimizer_states, activations, other — summing to
   ``allocated``), ``spike``, ``allocator_overhead``, ``fragmentation``, ``num_alloc_retries``,
-  ``num_ooms``, ``device_free``, ``device_total``, ``detail`` (full|light).
+  ``num_ooms``, ``device_free``, ``device_total``, ``host_rss``, ``detail`` (full|light).
 * ``step`` once per optimizer step: ``peak``, ``peak_phase``, ``dominant``.
 """
 
