@@ -321,3 +321,17 @@ def resolve_budget(budget: BudgetSpec, backend: AllocatorBackend) -> Budget:
     margin = int(CUDA_FRAGMENTATION_MARGIN * total) if backend.exact else 0
     return Budget(total=total, margin=margin, source=source, bound_by=bound_by, limits=limits)
 
+
+
+def remaining(backend: AllocatorBackend) -> int | None:
+    """Bytes this process may still take on the memory behind ``backend`` under its tightest limit.
+
+    Host limits already count what is left; CUDA limits count all the allocator may reserve, so
+    what it has reserved is taken off.
+    """
+    binding = tightest(device_limits(backend))
+    if binding is None:
+        return None
+    if backend.kind == "cuda":
+        return max(0, binding.available - torch.cuda.memory_reserved(backend.device))
+    return binding.available
