@@ -81,6 +81,7 @@ def test_an_injected_leak_is_found_within_10_steps_once_with_a_warning_and_a_ten
         records = run(out, [InjectedLeak(2.0), MemWatch(detail="full")], max_steps=10, logging_steps=1,
                       report_to=["tensorboard"])
     leaks = [r for r in records if r["event"] == "leak"]
+    print("leak records:", leaks)
     by_class = {r["class"]: r for r in leaks}
     assert len(leaks) == len(by_class) >= 1  # each class once
     # Every step is tracked in full: the tensors are counted as "other"; the process grows too.
@@ -100,6 +101,7 @@ def test_an_injected_leak_is_found_within_10_steps_once_with_a_warning_and_a_ten
 def test_a_host_side_leak_is_found_from_host_rss_when_steps_are_light(tmp_path):
     records = run(tmp_path / "run", [InjectedLeak(2.0), MemWatch()], max_steps=10, logging_steps=5)
     leak = next(r for r in records if r["event"] == "leak")
+    print("leak record:", leak)
     assert leak["class"] == "host_rss" and leak["step"] <= 10
     assert 1.5 * MiB <= leak["bytes_per_step"] <= 3 * MiB
     ends = [r for r in records if r["event"] == "snapshot"]

@@ -123,3 +123,35 @@ def test_collator_settings_and_padding_free():
     assert (flat.batch_length, flat.batch_tokens) == (135, 135)  # 70 + 65 in one row
     assert any("padding-free" in note for note in flat.notes)
     assert any("group_by_length" in note for note in flat.notes)
+
+
+def test_datasets_without_token_ids_text_images_or_a_transform():
+    import datasets
+
+    text = datasets.Dataset.from_dict({"sentence": ["a b", "c"], "label": [0, 1]})
+    wb = worst_batch(text, max_length=64)
+    assert (wb.source, wb.length, wb.batch_length) == ("max_length", None, 64)
+    assert any("no 'input_ids' column" in note for note in wb.notes)
+
+    # Tokenized on access (set_transform): the items are read, the Arrow column would not tell.
+    lengths = [3, 50, 7]
+    on_the_fly = datasets.Dataset.from_dict({"n": lengths})
+    on_the_fly.set_transform(lambda batch: {"input_ids": [[1] * n for n in batch["n"]]})
+    found = worst_batch(on_the_fly)
+    assert (found.index, found.length, found.source) == (1, 50, "scan")
+
+    images = datasets.Dataset.from_dict({"pixel_values": [[[0.0] * 4] * 4] * 3, "input_ids": [[1] * 5, [1] * 9, [1]]})
+    seen = worst_batch(images)
+    assert seen.pixel_values and (seen.index, seen.length) == (1, 9)
+    assert any("pixel_values" in note for note in seen.notes)
+
+
+def test_the_documented_examples_hold():
+    import doctest
+
+    from hf_memwatch.measure import footprint, leaks
+    from hf_memwatch.planning import budget, lengths
+
+    for module in (footprint, leaks, budget, lengths):
+        result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+        assert result.failed == 0 and result.attempted > 0, module.__name__

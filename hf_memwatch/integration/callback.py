@@ -410,12 +410,13 @@ class MemWatch(TrainerCallback, ExportableState):
         monitor = self.monitor
         if monitor is None:
             return None
-        if name == HOST_RSS:
-            return remaining(backend_for(torch.device("cpu")))
         budget, peak = known_budget(self), (monitor.last_step or {}).get("peak")
-        if budget is not None and peak is not None:
+        if name != HOST_RSS and budget is not None and peak is not None:
             return int(budget) - int(peak)
-        return remaining(monitor.backend)
+        try:  # a prediction only: an unreadable limit must not stop the monitoring
+            return remaining(backend_for(torch.device("cpu")) if name == HOST_RSS else monitor.backend)
+        except (OSError, RuntimeError, ValueError):
+            return None
 
     @_guarded
     def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:

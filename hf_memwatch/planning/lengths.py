@@ -161,21 +161,32 @@ def is_iterable_only(dataset: Any) -> bool:
 
 
 def arrow_lengths(dataset: Any, k: int) -> _Lengths | None:
-    """Lengths of a ``datasets.Dataset``'s token column from Arrow; ``None`` without a token list column."""
+    """Lengths of a ``datasets.Dataset``'s token column from Arrow.
+
+    ``None`` when the items must be read one by one instead: no ``input_ids`` column but other
+    list columns, or a transform that builds the items on access. A dataset of plain columns only
+    (text not yet tokenized) gives no length, with a note.
+    """
     import pyarrow as pa
     import pyarrow.compute as pc
 
     found = _Lengths()
     columns = dataset.column_names
     found.pixel_values = any(name in IMAGE_KEYS for name in columns)
+    table = dataset.data.table if hasattr(dataset.data, "table") else dataset.data
+    transformed = (dataset.format or {}).get("type") == "custom"
     column = TOKEN_COLUMN if TOKEN_COLUMN in columns else None
     if column is None:
-        found.notes.append(f"no '{TOKEN_COLUMN}' column (columns: {', '.join(columns)})")
-        return found if found.pixel_values else None
-    table = dataset.data.table if hasattr(dataset.data, "table") else dataset.data
+        if transformed:
+            return None  # set_transform/with_transform: the items are made on access
+        lists = [name for name in columns if name not in IMAGE_KEYS and _is_list_type(table.column(name).type)]
+        if lists:
+            return None
+        found.notes.append(f"no '{TOKEN_COLUMN}' column (columns: {', '.join(columns)}): lengths unknown "
+                           "before the collator tokenizes")
+        return found
     chunked = table.column(column)
-    if not (pa.types.is_list(chunked.type) or pa.types.is_large_list(chunked.type)
-            or pa.types.is_fixed_size_list(chunked.type)):
+    if not _is_list_type(chunked.type):
         found.notes.append(f"column '{column}' is {chunked.type}, not token lists")
         return None
     if pa.types.is_list(chunked.type.value_type) or pa.types.is_large_list(chunked.type.value_type):
@@ -196,9 +207,16 @@ def arrow_lengths(dataset: Any, k: int) -> _Lengths | None:
         found.length = int(values[found.index])
         top = min(k, values.size)
         found.top = [int(v) for v in np.partition(values, values.size - top)[values.size - top:]]
-    if (dataset.format or {}).get("type") == "custom":
+    if transformed:
         found.notes.append("a transform is set on the dataset: lengths are those of the stored column, before it")
     return found
+
+
+def _is_list_type(arrow_type: Any) -> bool:
+    import pyarrow as pa
+
+    return bool(pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type)
+                or pa.types.is_fixed_size_list(arrow_type))
 
 
 def scan_lengths(dataset: Any, k: int, seconds: float) -> _Lengths:
