@@ -111,6 +111,56 @@ def test_cgroup_parsers_on_this_machines_real_files():
     assert found is None or found.available >= 0
 
 
+CGROUP_SCRIPT = """
+import json, os, sys, torch
+from hf_memwatch.planning.budget import resolve_budget
+from hf_memwatch.measure.backends import backend_for
+group = sys.argv[1]
+with open(os.path.join(group, "cgroup.procs"), "w") as fh:  # join the group after the imports
+    fh.write(str(os.getpid()))
+budget = resolve_budget(None, backend_for(torch.device("cpu")))
+usage = int(open(os.path.join(group, "memory.usage_in_bytes")).read())
+print(json.dumps({"total": budget.total, "bound_by": budget.bound_by, "limits": budget.limits_record(),
+                  "usage": usage, "source": budget.source}))
+"""
+
+
+def own_v1_memory_group() -> Path | None:
+    text = Path(PROC_CGROUP).read_text() if Path(PROC_CGROUP).exists() else ""
+    v1 = parse_proc_cgroup(text)[1]
+    folder = None if v1 is None else Path(CGROUP_ROOT, "memory") / v1.lstrip("/")
+    return folder if folder is not None and (folder / "memory.limit_in_bytes").exists() else None
+
+
+def test_default_budget_is_bound_by_a_real_cgroup_v1_limit_where_the_machine_allows(tmp_path):
+    parent = own_v1_memory_group()
+    if parent is None:
+        pytest.skip("no cgroup v1 memory group of this process")
+    group = parent / f"hf_memwatch_test_{os.getpid()}"
+    try:
+        group.mkdir()
+        (group / "memory.limit_in_bytes").write_text(str(1 << 30))
+    except OSError as exc:
+        if group.exists():
+            group.rmdir()
+        pytest.skip(f"cannot create a cgroup here: {exc}")
+    try:
+        env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        out = subprocess.run([sys.executable, "-c", CGROUP_SCRIPT, str(group)], env=env,
+                             capture_output=True, text=True, timeout=120, check=True)
+    finally:
+        group.rmdir()
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    print(result)
+    name = "cgroup v1 memory.limit_in_bytes"
+    assert result["bound_by"] == name
+    available = result["limits"][name]
+    # limit - usage, usage read a moment later by the process itself
+    assert abs(available - ((1 << 30) - result["usage"])) <= 16 * MiB
+    assert result["total"] == int(DEFAULT_FRACTION * available)
+    assert str(group) in result["source"]
+
+
 def write_group(folder: Path, files: dict[str, str]) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     for name, value in files.items():
