@@ -60,6 +60,11 @@ def test_the_scan_stops_at_its_time_budget_and_says_so():
     wb = worst_batch(SlowDataset(), scan_seconds=0.05)
     assert wb.source == "scan-partial" and wb.scanned < 1_000_000
     assert any("stopped after 0.05 s" in note for note in wb.notes)
+    assert wb.batch_length == wb.length == 50  # nothing better known
+    # With a truncation length, the unread rest is planned for at that length.
+    capped = worst_batch(SlowDataset(), scan_seconds=0.05, max_length=128)
+    assert capped.length == 50 and capped.batch_length == 128
+    assert any("the unread samples may be longer" in note for note in capped.notes)
 
 
 def test_an_iterable_dataset_is_never_read():
@@ -118,6 +123,9 @@ def test_collator_settings_and_padding_free():
     padded = worst_batch(ListDataset(items), DataCollatorWithPadding(tokenizer, pad_to_multiple_of=32),
                          micro_batch_size=2)
     assert (padded.index, padded.batch_length, padded.batch_tokens) == (1, 96, 192)
+    fixed = worst_batch(ListDataset(items), DataCollatorWithPadding(tokenizer, padding="max_length", max_length=256),
+                        micro_batch_size=2)
+    assert (fixed.length, fixed.batch_length) == (70, 256)
     flat = worst_batch(ListDataset(items), DataCollatorWithFlattening(), micro_batch_size=2,
                        group_by_length=True)
     assert (flat.batch_length, flat.batch_tokens) == (135, 135)  # 70 + 65 in one row

@@ -271,6 +271,12 @@ def is_padding_free(collator: Any) -> bool:
     return bool(_collator_value(collator, "padding_free")) or type(collator).__name__ == "DataCollatorWithFlattening"
 
 
+def pads_to_max_length(collator: Any) -> bool:
+    """A collator configured with ``padding="max_length"`` (every batch has the same length)."""
+    padding = _collator_value(collator, "padding")
+    return str(getattr(padding, "value", padding)) == "max_length"
+
+
 def worst_batch(
     dataset: Any,
     collator: Any = None,
@@ -366,9 +372,19 @@ def worst_batch(
         batch_length = sum(effective(n) for n in found.top)
         batch_tokens = batch_length
         notes.append(f"padding-free: the {len(found.top)} longest samples in one row")
+    elif pads_to_max_length(collator) and max_length is not None:
+        batch_length = round_up(max_length, pad_to_multiple_of)  # every batch padded to max_length
+        batch_tokens = batch_length * k
+        notes.append(f"the collator pads every batch to max_length {max_length}")
     else:
         batch_length = round_up(effective(found.length), pad_to_multiple_of)
         batch_tokens = batch_length * k
+    if not found.complete and cap is not None and not padding_free and round_up(cap, pad_to_multiple_of) > batch_length:
+        # The unread rest may hold a longer sample: plan for the truncation length instead.
+        batch_length = round_up(cap, pad_to_multiple_of)
+        batch_tokens = batch_length * k
+        notes.append(f"planned for {'max_length' if max_length is not None else 'model_max_length'} {cap}: "
+                     "the unread samples may be longer")
     if packing:
         notes.append("packing: each packed row counts as one sample")
     if group_by_length:
