@@ -53,6 +53,7 @@ class SnapshotRecord(TypedDict):
     device_free: Bytes | None
     device_total: Bytes | None
     detail: str
+    host_rss: Bytes | None
 
 
 class StepRecord(TypedDict):
@@ -123,12 +124,25 @@ class OomRecord(TypedDict):
     error: str
 
 
+LeakRecord = TypedDict("LeakRecord", {
+    "event": Literal["leak"],
+    "class": str,  # a live class or "host_rss"
+    "bytes_per_step": float,
+    "since_step": int,
+    "step": int,
+    "predicted_oom_step": "int | None",
+    "rank": int,
+})
+LeakRecord.__doc__ = "A class that grows step after step (:mod:`hf_memwatch.measure.leaks`)."
+
+
 RECORDS: dict[str, type] = {
     "snapshot": SnapshotRecord,
     "step": StepRecord,
     "plan": PlanRecord,
     "meta": MetaRecord,
     "oom": OomRecord,
+    "leak": LeakRecord,
 }
 
 

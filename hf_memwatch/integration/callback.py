@@ -6,8 +6,9 @@ Timeline records (``<output_dir>/memwatch/timeline.jsonl``) — see README "Time
   ``after_optimizer``, ``step_end``: ``allocated``, ``reserved``, ``peak`` (since the previous
   snapshot), ``live`` (weights, gradients, optimizer_states, activations, other — summing to
   ``allocated``), ``spike``, ``allocator_overhead``, ``fragmentation``, ``num_alloc_retries``,
-  ``num_ooms``, ``device_free``, ``device_total``, ``detail`` (full|light).
+  ``num_ooms``, ``device_free``, ``device_total``, ``host_rss``, ``detail`` (full|light).
 * ``step`` once per optimizer step: ``peak``, ``peak_phase``, ``dominant``.
+* ``leak`` once per class found growing step after step at ``step_end`` (``measure/leaks.py``).
 """
 
 from __future__ import annotations
@@ -27,10 +28,12 @@ from transformers.trainer_callback import ExportableState
 from ..core.errors import MemWatchConfigError
 from ..core.run_config import RunConfig
 from ..core.timeline import TIMELINE_DIRNAME, TimelineWriter
+from ..core.units import format_bytes
 from ..measure.backends import backend_for
 from ..measure.distributed import make_monitor
+from ..measure.leaks import HOST_RSS, LeakWatch
 from ..measure.monitor import StepMonitor
-from ..planning.budget import validate_budget
+from ..planning.budget import remaining, validate_budget
 from ..reporting.oom import (
     install_oom_guard,
     start_allocator_history,
@@ -163,6 +166,7 @@ class MemWatch(TrainerCallback, ExportableState):
         self._first_step: int | None = None
         self._logging_steps = 0
         self.last_seq_len: int | None = None
+        self.leaks = LeakWatch()
         if not isinstance(auto, bool):
             raise MemWatchConfigError(f"MemWatch(auto=...) must be True or False; got {auto!r}")
         validate_budget(budget)
@@ -259,6 +263,7 @@ class MemWatch(TrainerCallback, ExportableState):
             monitor.step_snapshots,
             budget=known_budget(self),
             predicted_peak=known_prediction(self),
+            leak_bytes_per_step=self.leaks.rate,
         )
 
     def _on_oom(self, exc: BaseException) -> None:
@@ -314,6 +319,7 @@ class MemWatch(TrainerCallback, ExportableState):
         self._teardown()
         self._failed = False
         self._first_step = None
+        self.leaks = LeakWatch()
         self._logging_steps = _logging_interval(args, state)
         rank = int(getattr(args, "process_index", 0))
         backend = backend_for(torch.device(args.device))
@@ -384,8 +390,39 @@ class MemWatch(TrainerCallback, ExportableState):
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.monitor is not None and self.monitor.in_step:
             self.monitor.end_step()
+            self._watch_leaks()
             if self._auto is not None:
                 self._auto.after_step(self.trainer, self.monitor.last_step)
+
+    def _watch_leaks(self) -> None:
+        """After each step end: a class growing step after step is written once and warned about once."""
+        monitor = self.monitor
+        if monitor is None or not monitor.step_snapshots:
+            return
+        for finding in self.leaks.observe(monitor.step, monitor.step_snapshots[-1], self._leak_headroom):
+            if monitor.writer is not None:
+                monitor.writer.write({**finding, "rank": monitor.rank})
+                monitor.writer.flush()
+            when = (f"; at this rate out of memory near step {finding['predicted_oom_step']}"
+                    if finding["predicted_oom_step"] is not None else "")
+            logger.warning(
+                "hf-memwatch: %s grows %s per step at step end since step %d (a leak: tensors or objects kept "
+                "across steps?)%s",
+                finding["class"], format_bytes(finding["bytes_per_step"]), finding["since_step"], when,
+            )
+
+    def _leak_headroom(self, name: str) -> int | None:
+        """Bytes left before the limit for ``name``: the budget above the last peak, else the real limit."""
+        monitor = self.monitor
+        if monitor is None:
+            return None
+        budget, peak = known_budget(self), (monitor.last_step or {}).get("peak")
+        if name != HOST_RSS and budget is not None and peak is not None:
+            return int(budget) - int(peak)
+        try:  # a prediction only: an unreadable limit must not stop the monitoring
+            return remaining(backend_for(torch.device("cpu")) if name == HOST_RSS else monitor.backend)
+        except (OSError, RuntimeError, ValueError):
+            return None
 
     @_guarded
     def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:

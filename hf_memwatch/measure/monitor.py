@@ -24,6 +24,7 @@ from .attribution import (
     weight_storages,
 )
 from .backends import AllocatorBackend
+from .footprint import host_rss
 from .saved_tensors import SavedTensorRegistry
 from .storage import nested_tensors
 
@@ -254,6 +255,7 @@ class StepMonitor:
             "num_ooms": reading.num_ooms,
             "device_free": reading.device_free,
             "device_total": reading.device_total,
+            "host_rss": host_rss(),  # the process's resident bytes: host-side growth shows too
             "detail": detail,
         }
 

@@ -59,6 +59,7 @@ def step_scalars(
     *,
     budget: int | None = None,
     predicted_peak: int | None = None,
+    leak_bytes_per_step: int | None = None,
 ) -> dict[str, int]:
     """``memory/*`` figures (bytes) of one optimizer step.
 
@@ -88,6 +89,7 @@ def step_scalars(
     if budget is not None and peak is not None:
         _put(scalars, "headroom", int(budget) - int(peak))
     _put(scalars, "predicted_peak", predicted_peak)
+    _put(scalars, "leak_bytes_per_step", leak_bytes_per_step)  # once a leak was found (measure/leaks.py)
     return scalars
 
 
