@@ -86,9 +86,11 @@ class _PlanRequired(TypedDict):
 class PlanRecord(_PlanRequired, total=False):
     """The auto mode's plan (also the callback's saved state). ``status`` is ``"failed"`` when planning
     failed and the run goes on as configured; ``configured`` is the configuration it was made for;
-    ``sample`` the sample it planned for; ``resumed`` marks a plan kept from a checkpoint."""
+    ``sample`` the sample it planned for (the longest batch of the whole dataset: its index, length,
+    how it was found); ``budget_bound_by`` the real limit the default budget was taken from; ``resumed`` marks a plan kept from a checkpoint."""
 
     budget_source: str
+    budget_bound_by: str | None
     configured: dict[str, int]
     sample: dict[str, Any] | None
     resumed: bool

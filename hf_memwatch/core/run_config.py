@@ -53,6 +53,10 @@ class RunConfig:
     eval_accumulation_steps: int | None = None
     prediction_loss_only: bool = False
     auto_find_batch_size: bool = False
+    max_length: int | None = None  # samples truncated to it (TRL's max_length), None: not truncated by the run
+    group_by_length: bool = False
+    padding_free: bool | None = None  # None: as the collator says
+    packing: bool = False
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "gradient_accumulation_steps", "world_size"):
@@ -105,6 +109,10 @@ class RunConfig:
             eval_accumulation_steps=getattr(args, "eval_accumulation_steps", None),
             prediction_loss_only=bool(getattr(args, "prediction_loss_only", False)),
             auto_find_batch_size=bool(getattr(args, "auto_find_batch_size", False)),
+            max_length=_positive_int(getattr(args, "max_length", None) or getattr(args, "max_seq_length", None)),
+            group_by_length=bool(getattr(args, "group_by_length", False)),
+            padding_free=getattr(args, "padding_free", None),
+            packing=bool(getattr(args, "packing", False)),
         )
 
     @classmethod
@@ -116,6 +124,10 @@ class RunConfig:
 
 
 # -- readers (one definition each) -----------------------------------------------------------
+def _positive_int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
 def optim_name(args: Any) -> str:
     """``args.optim`` as its string name (``TrainingArguments`` turns it into an enum)."""
     value = args.optim

@@ -38,11 +38,12 @@ import torch
 from ..core.errors import MemWatchConfigError, PlanError
 from ..core.run_config import RunConfig
 from ..core.units import format_bytes
-from ..estimation.trainer_replay import is_one_pass, longest_index, training_dataset
+from ..estimation.trainer_replay import training_dataset
 from ..measure.attribution import weight_storages
 from ..measure.backends import backend_for
 from ..planning.budget import Budget, BudgetSpec, resolve_budget
 from ..planning.chooser import PlanResult, no_fit_message, plan_run
+from ..planning.lengths import WorstBatch, worst_batch
 from ..planning.plan import Plan
 from ..planning.predict import EstimatorPredictor
 from .apply import apply_plan, enable_checkpointing_now
@@ -68,6 +69,7 @@ def plan_record(result: PlanResult, run: RunConfig, budget: Budget, sample: dict
         "predicted_peak": int(chosen.predicted_peak or 0),
         "budget": int(budget.total),
         "budget_source": budget.source,
+        "budget_bound_by": budget.bound_by,
         "reason": chosen.reason,
         "configured": {name: getattr(run, name) for name in CONFIGURED_FIELDS},
         "sample": sample,
@@ -206,13 +208,10 @@ class AutoMode:
                 "(accumulation, activation checkpointing, 8-bit AdamW) reduces weight memory; raise the budget, "
                 "use a smaller model, lower precision or sharding."
             )
-        dataset = training_dataset(trainer)
-        sample_index = sample_len = None
-        if dataset is not None and not is_one_pass(dataset) and len(dataset) > 0:
-            sample_index, sample_len = longest_index(dataset)
-        predictor = EstimatorPredictor(trainer, run, sample_index=sample_index)
+        worst = worst_batch_of(trainer, run)
+        predictor = EstimatorPredictor(trainer, run, sample_index=worst.index if worst is not None else None)
         given_estimate = predictor.estimate(Plan.of(run))
-        run = run.replace(seq_len=int(given_estimate.config.get("seq_len") or sample_len or 1))
+        run = run.replace(seq_len=int(given_estimate.config.get("seq_len") or 1))
         predictor.run = run
         result = plan_run(run, predictor, budget.usable)
         self.planning_seconds = time.perf_counter() - started
@@ -221,7 +220,9 @@ class AutoMode:
         if result.chosen.key() != result.given.key():
             for name, why in result.unavailable.items():
                 logger.warning("hf-memwatch: remedy %s unavailable: %s", name, why)
-        sample = {"index": sample_index, "seq_len": run.seq_len, "notes": list(given_estimate.notes)}
+        sample = {"index": None if worst is None else worst.index, "seq_len": run.seq_len,
+                  "source": None if worst is None else worst.source,
+                  "notes": [*(worst.notes if worst is not None else ()), *given_estimate.notes]}
         record = plan_record(result, run, budget, sample)
         # The rank that must cut the most from the configured run decides (issue 7): its plan fits
         # every rank with a larger budget. A chosen plan's own peak would pick the laxest rank.
@@ -262,6 +263,21 @@ class AutoMode:
         logger.warning("hf-memwatch plan: %s", record["reason"])
         self.record(record)
         return record
+
+
+def worst_batch_of(trainer: Any, run: RunConfig) -> WorstBatch | None:
+    """The longest batch the sampler can form over the whole train dataset (None: no dataset)."""
+    dataset = training_dataset(trainer)
+    if dataset is None:
+        return None
+    tokenizer = getattr(trainer, "processing_class", None)
+    model_max_length = getattr(tokenizer, "model_max_length", None)
+    return worst_batch(
+        dataset, trainer.data_collator, micro_batch_size=run.micro_batch_size, max_length=run.max_length,
+        truncation=run.max_length is not None, group_by_length=run.group_by_length, padding_free=run.padding_free,
+        packing=run.packing,
+        model_max_length=model_max_length if isinstance(model_max_length, int) and model_max_length < 10**9 else None,
+    )
 
 
 # -- distributed agreement -----------------------------------------------------------------------

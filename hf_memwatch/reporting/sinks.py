@@ -296,7 +296,8 @@ def install_scalar_logging(trainer: Any, scalars_for_step: Callable[[int], dict[
 
     ``scalars_for_step(global_step)`` returns this rank's figures for that step, or None when the
     step was not measured. Composes with other wrappers (wraps whatever ``trainer.log`` is now);
-    installs once per trainer. A fault in ours is logged and the log goes on without memory keys.
+    installs once per trainer (a later call — a callback rebuilt from checkpoint state — takes over the
+    figures). A fault in ours is logged and the log goes on without memory keys.
     Each call also routes the TensorBoard and W&B callbacks present now (:func:`route_exact_names`),
     so that integrations added between two calls are covered too.
 
