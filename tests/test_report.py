@@ -27,11 +27,12 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("report") / "run"
     model = gpt2_model()
     args = training_args(out, max_steps=2, per_device_train_batch_size=4, gradient_accumulation_steps=2)
-    trainer = Trainer(model=model, args=args, train_dataset=token_dataset(16, 32, 1000),
-                      callbacks=[MemWatch(auto=True, budget=BUDGET)])
+    watch = MemWatch(auto=True, budget=BUDGET)
+    trainer = Trainer(model=model, args=args, train_dataset=token_dataset(16, 32, 1000), callbacks=[watch])
     console = io.StringIO()
     with contextlib.redirect_stdout(console):
         trainer.train()
+    assert watch.wait_for_reports() is not None  # drawn by a background process
     return {"out": out, "console": console.getvalue(), "model": model, "records": read_records(out)}
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import subprocess
 import sys
 import weakref
 from collections.abc import Callable
@@ -30,6 +31,7 @@ from ..measure.backends import backend_for
 from ..measure.distributed import make_monitor
 from ..measure.monitor import StepMonitor
 from ..planning.budget import validate_budget
+from ..reporting.background import wait_for_report
 from ..reporting.oom import (
     install_oom_guard,
     start_allocator_history,
@@ -45,7 +47,7 @@ from ..reporting.sinks import (
     step_scalars,
     strip_memory_keys,
 )
-from ..reporting.summary import finish_reports
+from ..reporting.summary import PICTURE_NAME, finish_reports
 from .auto import AutoMode
 
 logger = logging.getLogger("hf_memwatch")
@@ -107,7 +109,9 @@ class MemWatch(TrainerCallback, ExportableState):
         full_steps: optimizer steps tracked in full at the start of each ``train()`` call (>= 1).
         output_dir: where ``timeline.jsonl`` goes; default ``<args.output_dir>/memwatch``.
         scalars: log ``memory/*`` scalars to the integrations of ``args.report_to`` at logging steps.
-        report: draw ``memory.png`` from the timeline at train end (rank 0).
+        report: draw ``memory.png`` from the timeline at train end (rank 0): ``True`` in a detached
+            background process (``train()`` does not wait; :meth:`wait_for_reports` does), ``"sync"``
+            before ``train()`` returns, ``False`` not at all (``hf-memwatch report`` draws it later).
         summary: print a table of the peak step's memory classes at train end (rank 0).
         oom_report: write ``oom_report.md`` when training dies of out-of-memory.
         record_history: on CUDA, record the allocator's history (costs time) and dump a snapshot
@@ -129,7 +133,7 @@ class MemWatch(TrainerCallback, ExportableState):
         full_steps: int = 3,
         output_dir: str | None = None,
         scalars: bool = True,
-        report: bool = True,
+        report: bool | Literal["sync"] = True,
         summary: bool = True,
         oom_report: bool = True,
         record_history: bool = False,
@@ -145,7 +149,9 @@ class MemWatch(TrainerCallback, ExportableState):
             )
         if output_dir is not None and not isinstance(output_dir, (str, Path)):
             raise MemWatchConfigError(f"MemWatch(output_dir=...) must be a path; got {output_dir!r}")
-        flags = {"scalars": scalars, "report": report, "summary": summary, "oom_report": oom_report,
+        if report not in (True, False, "sync"):
+            raise MemWatchConfigError(f"MemWatch(report=...) must be True, False or 'sync'; got {report!r}")
+        flags = {"scalars": scalars, "summary": summary, "oom_report": oom_report,
                  "record_history": record_history}
         for name, value in flags.items():
             if not isinstance(value, bool):
@@ -158,6 +164,7 @@ class MemWatch(TrainerCallback, ExportableState):
         self.monitor: StepMonitor | None = None
         self._trainer_ref: weakref.ReferenceType[Any] | None = None
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self._report_process: subprocess.Popen | None = None
         self._failed = False
         self._first_step: int | None = None
         self._logging_steps = 0
@@ -392,4 +399,21 @@ class MemWatch(TrainerCallback, ExportableState):
         if self.record_history:
             stop_allocator_history()
         if state.is_world_process_zero and self.monitor is not None:
-            finish_reports(self, args, state)
+            self._report_process = finish_reports(self, args, state)
+
+    def wait_for_reports(self, timeout: float | None = 120.0) -> Path | None:
+        """Wait for the picture being drawn in the background; its path once written, else None.
+
+        ``train()`` returns before ``memory.png`` exists (``report=True``); call this when the next
+        thing needs the file (a test, a notebook cell showing it). Immediate with ``report="sync"``.
+        """
+        process = self._report_process
+        if process is not None:
+            if not wait_for_report(process, timeout):
+                return None  # still drawing (kept: a later call waits again) or failed (memory.png.log)
+            self._report_process = None
+        trainer = self.trainer
+        if trainer is None:
+            return None
+        path = self.memwatch_dir(trainer.args) / PICTURE_NAME
+        return path if path.exists() else None
