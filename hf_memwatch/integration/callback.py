@@ -49,6 +49,7 @@ from ..reporting.sinks import (
 )
 from ..reporting.summary import PICTURE_NAME, finish_reports
 from .auto import AutoMode
+from .compiled import hook_target, runs_compiled, tracing
 
 logger = logging.getLogger("hf_memwatch")
 
@@ -330,9 +331,20 @@ class MemWatch(TrainerCallback, ExportableState):
         writer.write(run_meta(model, args))  # model and batch, for the picture's title and the summary
         if self.record_history:
             start_allocator_history(self.monitor)
+        self.monitor.compiled = runs_compiled(self.trainer, model)
         if model is not None:
-            self._hooks.append(model.register_forward_pre_hook(self._before_forward, with_kwargs=True))
-            self._hooks.append(model.register_forward_hook(self._after_forward))
+            # On the compiled wrapper when there is one: its hooks run outside the compiled code.
+            target = hook_target(model, getattr(self.trainer, "model_wrapped", None))
+            self._hooks.append(target.register_forward_pre_hook(self._before_forward_hook, with_kwargs=True))
+            self._hooks.append(target.register_forward_hook(self._after_forward_hook))
+
+    def _before_forward_hook(self, module: Any, args: Any, kwargs: Any) -> None:
+        if not tracing():  # traced by Dynamo (a module compiled in place): add nothing to its graph
+            self._before_forward(module, args, kwargs)
+
+    def _after_forward_hook(self, module: Any, args: Any, output: Any) -> None:
+        if not tracing():
+            self._after_forward(module, args, output)
 
     @_guarded
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
