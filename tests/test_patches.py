@@ -11,9 +11,10 @@ from __future__ import annotations
 import logging
 
 import pytest
-from conftest import gpt2_model, token_dataset, training_args
+from conftest import gpt2_model, read_records, token_dataset, training_args
 from transformers import Trainer, TrainerCallback
 
+from hf_memwatch import MemWatch
 from hf_memwatch.integration.patches import keep_effective_batch, largest_divisor_at_most
 
 
@@ -52,11 +53,12 @@ class SamplesPerStep(TrainerCallback):
 
 
 def run_with_simulated_oom(out_dir, *, keep: bool):
+    """A 2-step run (micro-batch 8 x accumulation 2) whose batches above 6 "run out of memory", with MemWatch."""
     oom, samples = OutOfMemoryWhileLarge(limit=6), SamplesPerStep()
     args = training_args(out_dir, per_device_train_batch_size=8, gradient_accumulation_steps=2, max_steps=2,
                          auto_find_batch_size=True)
     trainer = Trainer(model=gpt2_model(n_embd=32), args=args, train_dataset=token_dataset(64, 16, 1000),
-                      callbacks=[oom, samples])
+                      callbacks=[oom, samples, MemWatch(report=False, summary=False)])
     undo = keep_effective_batch(trainer) if keep else None
     trainer.train()
     return trainer, oom, samples, undo
@@ -74,6 +76,9 @@ def test_retry_after_oom_keeps_the_effective_batch(tmp_path, caplog):
     assert trainer.state.global_step == 2
     warning = " ".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
     assert "micro-batch 7" in warning and "micro-batch 4" in warning and "stays 16" in warning
+    assert "internal error" not in warning  # MemWatch followed the retry (a new loop, a new monitor)
+    steps = [r for r in read_records(tmp_path / "kept") if r["event"] == "step"]
+    assert [s["step"] for s in steps] == [1, 2]
 
     undo()
     assert "_inner_training_loop" not in vars(trainer)  # the class's method again
