@@ -26,15 +26,19 @@ def tiny_llama() -> LlamaForCausalLM:
     return LlamaForCausalLM(config)
 
 
-def compiled_run(out_dir, watch: MemWatch | None, *, user_compiled: bool = False) -> tuple[dict, list[float]]:
-    """Dynamo's counters and the losses of a 3-step run compiled by the Trainer (or by the user)."""
+def compiled_run(out_dir, watch: MemWatch | None, *, compiled_by: str = "trainer") -> tuple[dict, list[float]]:
+    """Dynamo's counters and the losses of a 3-step run compiled by the Trainer (``torch_compile``),
+    by the user wrapping the model (``torch.compile(model)``) or compiling it in place (``model.compile()``)."""
     torch._dynamo.reset()
     counters.clear()
     model = tiny_llama()
-    if user_compiled:
+    if compiled_by == "wrapper":
         model = torch.compile(model, backend=BACKEND)
         # The wrapper's forward takes (*args, **kwargs): the Trainer cannot tell which columns it uses.
         args = training_args(out_dir, per_device_train_batch_size=2, remove_unused_columns=False)
+    elif compiled_by == "in_place":
+        model.compile(backend=BACKEND)
+        args = training_args(out_dir, per_device_train_batch_size=2)
     else:
         args = training_args(out_dir, per_device_train_batch_size=2, torch_compile=True,
                              torch_compile_backend=BACKEND)
@@ -78,8 +82,11 @@ def test_memwatch_compiles_the_same_graphs_in_every_mode(without_memwatch, detai
         assert not any(s["detail"] == "full" for s in snapshots)
 
 
-def test_a_model_compiled_by_the_user_keeps_its_graph(without_memwatch, tmp_path):
+@pytest.mark.parametrize("compiled_by", ["wrapper", "in_place"])
+def test_a_model_compiled_by_the_user_keeps_its_graph(without_memwatch, compiled_by, tmp_path):
     expected, expected_losses = without_memwatch
-    seen, losses = compiled_run(tmp_path, MemWatch(report=False, summary=False), user_compiled=True)
+    seen, losses = compiled_run(tmp_path, MemWatch(report=False, summary=False), compiled_by=compiled_by)
     assert seen == expected
     assert losses == expected_losses
+    snapshots = [r for r in read_records(tmp_path) if r["event"] == "snapshot"]
+    assert sum(s["phase"] == "after_forward" for s in snapshots) == 3  # the hooks ran, outside Dynamo

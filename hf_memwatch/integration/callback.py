@@ -49,7 +49,7 @@ from ..reporting.sinks import (
 )
 from ..reporting.summary import PICTURE_NAME, finish_reports
 from .auto import AutoMode
-from .compiled import hook_target, runs_compiled, tracing
+from .compiled import hook_target, hooks_for, runs_compiled, tracing
 
 logger = logging.getLogger("hf_memwatch")
 
@@ -335,8 +335,9 @@ class MemWatch(TrainerCallback, ExportableState):
         if model is not None:
             # On the compiled wrapper when there is one: its hooks run outside the compiled code.
             target = hook_target(model, getattr(self.trainer, "model_wrapped", None))
-            self._hooks.append(target.register_forward_pre_hook(self._before_forward_hook, with_kwargs=True))
-            self._hooks.append(target.register_forward_hook(self._after_forward_hook))
+            before, after = hooks_for(target, self._before_forward_hook, self._after_forward_hook)
+            self._hooks.append(target.register_forward_pre_hook(before, with_kwargs=True))
+            self._hooks.append(target.register_forward_hook(after))
 
     def _before_forward_hook(self, module: Any, args: Any, kwargs: Any) -> None:
         if not tracing():  # traced by Dynamo (a module compiled in place): add nothing to its graph

@@ -4,12 +4,16 @@ Dynamo traces a module's forward hooks together with its forward when the module
 compiled, so Python-side work in a hook (reading the allocator, writing the timeline) would break
 the graph. The Trainer compiles by wrapping (``torch.compile(model)`` → ``OptimizedModule``, which
 ``trainer.model_wrapped`` holds); hooks on that wrapper run in plain Python around the compiled call.
-A module compiled in place (``module.compile()``) traces its own hooks: MemWatch's hooks return at
-once while Dynamo traces (:func:`torch.compiler.is_compiling`), so they add nothing to the graph.
+A module compiled in place (``module.compile()``) runs its ``_call_impl`` under Dynamo, which
+skips that frame but would convert each hook called from it into a frame of its own: MemWatch's hooks
+are then wrapped in :func:`torch.compiler.disable` (:func:`hooks_for`) and run as plain Python. Where
+Dynamo inlines a hook instead (a compiled parent module), the hook returns at once while Dynamo traces
+(:func:`torch.compiler.is_compiling`, a constant to Dynamo), adding nothing to the graph.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -47,6 +51,18 @@ def hook_target(model: Any, wrapped: Any) -> Any:
     if optimized is not None and isinstance(wrapped, optimized):
         return wrapped
     return model
+
+
+def compiled_in_place(module: Any) -> bool:
+    """Whether ``module`` itself was compiled in place (``module.compile()``)."""
+    return getattr(module, "_compiled_call_impl", None) is not None
+
+
+def hooks_for(target: Any, before: Callable[..., Any], after: Callable[..., Any]) -> tuple[Callable, Callable]:
+    """The (pre, post) forward hooks to register on ``target``: run outside Dynamo where it is compiled in place."""
+    if compiled_in_place(target):
+        return torch.compiler.disable(before), torch.compiler.disable(after)
+    return before, after
 
 
 def runs_compiled(trainer: Any, model: Any) -> bool:
