@@ -151,7 +151,7 @@ class MemWatch(TrainerCallback, ExportableState):
         if output_dir is not None and not isinstance(output_dir, (str, Path)):
             raise MemWatchConfigError(f"MemWatch(output_dir=...) must be a path; got {output_dir!r}")
         if report not in (True, False, "sync"):
-            raise MemWatchConfigError(f"MemWatch(report=...) must be True, False or 'sync'; got {report!r}")
+            raise MemWatchConfigError(f"MemWatch(report=...) must be True or False (or 'sync'); got {report!r}")
         flags = {"scalars": scalars, "summary": summary, "oom_report": oom_report,
                  "record_history": record_history}
         for name, value in flags.items():
