@@ -15,8 +15,10 @@ batch at or below the retry's batch size (a WARNING says which).
 
 Usage:
     >>> undo = keep_effective_batch(trainer)   # doctest: +SKIP
-    >>> trainer.train()                        # an OOM: micro-batch 16 → 8, accumulation 2 → 4
+    >>> trainer.train()                        # doctest: +SKIP
     >>> undo()                                 # doctest: +SKIP
+
+An OOM at micro-batch 16 × accumulation 2: accelerate offers 14, the run goes on at 8 × 4.
 """
 
 from __future__ import annotations
