@@ -32,6 +32,7 @@ demo: venv
 
 bench: venv
 	$(PY) benchmarks/overhead.py --out benchmarks/results/overhead.md
+	$(PY) benchmarks/fixed_cost.py --out benchmarks/results/fixed_cost.md
 	$(PY) benchmarks/accuracy.py
 	$(PY) benchmarks/autotune.py
 	$(PY) benchmarks/lengths.py --out benchmarks/results/lengths.md

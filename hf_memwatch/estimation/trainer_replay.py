@@ -65,6 +65,10 @@ def _restore_in_place(current: Any, saved: Any) -> Any:
     return saved
 
 
+def _already_placed(data: Any) -> Any:
+    return data
+
+
 class TrainerStateGuard:
     """Everything a replayed step may change in a Trainer, restored on exit.
 
@@ -84,6 +88,9 @@ class TrainerStateGuard:
         state = getattr(self.trainer, "state", None)
         self.state = copy.deepcopy(vars(state)) if state is not None else None
         self.trainer.current_gradient_accumulation_steps = self.accumulation
+        # The replay's batches are already fake tensors on the simulated device (the CPU, for every
+        # target): the Trainer's move to ``args.device`` ("cpu:0" under DDP, "cuda:0") would mismatch.
+        self.trainer._prepare_input = _already_placed
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -47,6 +47,7 @@ from ..planning.lengths import WorstBatch, worst_batch
 from ..planning.plan import Plan
 from ..planning.predict import EstimatorPredictor
 from .apply import apply_plan, enable_checkpointing_now
+from .patches import keep_effective_batch
 
 logger = logging.getLogger("hf_memwatch")
 
@@ -137,7 +138,17 @@ class AutoMode:
 
     # -- before train -------------------------------------------------------------------------
     def before_train(self, trainer: Any, resume_from_checkpoint: Any = None) -> dict[str, Any]:
-        """Decide, apply and record the plan. Raises :class:`PlanError` when nothing fits."""
+        """Decide, apply and record the plan. Raises :class:`PlanError` when nothing fits.
+
+        With ``auto_find_batch_size`` set by the user, the Trainer's retry stays the last resort for an
+        OOM the plan did not prevent, and each retry keeps the plan's effective batch.
+        """
+        record = self._plan_and_apply(trainer, resume_from_checkpoint)
+        if RunConfig.from_args(trainer.args).auto_find_batch_size:
+            keep_effective_batch(trainer, record["micro_batch_size"] * record["gradient_accumulation_steps"])
+        return record
+
+    def _plan_and_apply(self, trainer: Any, resume_from_checkpoint: Any) -> dict[str, Any]:
         backend = backend_for(torch.device(trainer.args.device))
         self.budget = resolve_budget(self.budget_spec, backend)
         run = RunConfig.from_trainer(trainer)

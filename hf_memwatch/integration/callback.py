@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import subprocess
 import sys
 import weakref
 from collections.abc import Callable
@@ -34,6 +35,7 @@ from ..measure.distributed import make_monitor
 from ..measure.leaks import HOST_RSS, LeakWatch
 from ..measure.monitor import StepMonitor
 from ..planning.budget import remaining, validate_budget
+from ..reporting.background import wait_for_report
 from ..reporting.oom import (
     install_oom_guard,
     start_allocator_history,
@@ -49,8 +51,9 @@ from ..reporting.sinks import (
     step_scalars,
     strip_memory_keys,
 )
-from ..reporting.summary import finish_reports
+from ..reporting.summary import PICTURE_NAME, finish_reports
 from .auto import AutoMode
+from .compiled import hook_target, hooks_for, runs_compiled, tracing
 
 logger = logging.getLogger("hf_memwatch")
 
@@ -111,7 +114,9 @@ class MemWatch(TrainerCallback, ExportableState):
         full_steps: optimizer steps tracked in full at the start of each ``train()`` call (>= 1).
         output_dir: where ``timeline.jsonl`` goes; default ``<args.output_dir>/memwatch``.
         scalars: log ``memory/*`` scalars to the integrations of ``args.report_to`` at logging steps.
-        report: draw ``memory.png`` from the timeline at train end (rank 0).
+        report: draw ``memory.png`` from the timeline at train end (rank 0): ``True`` in a detached
+            background process (``train()`` does not wait; :meth:`wait_for_reports` does), ``"sync"``
+            before ``train()`` returns, ``False`` not at all (``hf-memwatch report`` draws it later).
         summary: print a table of the peak step's memory classes at train end (rank 0).
         oom_report: write ``oom_report.md`` when training dies of out-of-memory.
         record_history: on CUDA, record the allocator's history (costs time) and dump a snapshot
@@ -133,7 +138,7 @@ class MemWatch(TrainerCallback, ExportableState):
         full_steps: int = 3,
         output_dir: str | None = None,
         scalars: bool = True,
-        report: bool = True,
+        report: bool | Literal["sync"] = True,
         summary: bool = True,
         oom_report: bool = True,
         record_history: bool = False,
@@ -149,7 +154,9 @@ class MemWatch(TrainerCallback, ExportableState):
             )
         if output_dir is not None and not isinstance(output_dir, (str, Path)):
             raise MemWatchConfigError(f"MemWatch(output_dir=...) must be a path; got {output_dir!r}")
-        flags = {"scalars": scalars, "report": report, "summary": summary, "oom_report": oom_report,
+        if report not in (True, False, "sync"):
+            raise MemWatchConfigError(f"MemWatch(report=...) must be True or False (or 'sync'); got {report!r}")
+        flags = {"scalars": scalars, "summary": summary, "oom_report": oom_report,
                  "record_history": record_history}
         for name, value in flags.items():
             if not isinstance(value, bool):
@@ -162,6 +169,7 @@ class MemWatch(TrainerCallback, ExportableState):
         self.monitor: StepMonitor | None = None
         self._trainer_ref: weakref.ReferenceType[Any] | None = None
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self._report_process: subprocess.Popen | None = None
         self._failed = False
         self._first_step: int | None = None
         self._logging_steps = 0
@@ -335,9 +343,21 @@ class MemWatch(TrainerCallback, ExportableState):
         writer.write(run_meta(model, RunConfig.from_args(args, model)))  # model and batch, for the picture's title and the summary
         if self.record_history:
             start_allocator_history(self.monitor)
+        self.monitor.compiled = runs_compiled(self.trainer, model)
         if model is not None:
-            self._hooks.append(model.register_forward_pre_hook(self._before_forward, with_kwargs=True))
-            self._hooks.append(model.register_forward_hook(self._after_forward))
+            # On the compiled wrapper when there is one: its hooks run outside the compiled code.
+            target = hook_target(model, getattr(self.trainer, "model_wrapped", None))
+            before, after = hooks_for(target, self._before_forward_hook, self._after_forward_hook)
+            self._hooks.append(target.register_forward_pre_hook(before, with_kwargs=True))
+            self._hooks.append(target.register_forward_hook(after))
+
+    def _before_forward_hook(self, module: Any, args: Any, kwargs: Any) -> None:
+        if not tracing():  # traced by Dynamo (a module compiled in place): add nothing to its graph
+            self._before_forward(module, args, kwargs)
+
+    def _after_forward_hook(self, module: Any, args: Any, output: Any) -> None:
+        if not tracing():
+            self._after_forward(module, args, output)
 
     @_guarded
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -435,4 +455,21 @@ class MemWatch(TrainerCallback, ExportableState):
         if self.record_history:
             stop_allocator_history()
         if state.is_world_process_zero and self.monitor is not None:
-            finish_reports(self, args, state)
+            self._report_process = finish_reports(self, args, state)
+
+    def wait_for_reports(self, timeout: float | None = 120.0) -> Path | None:
+        """Wait for the picture being drawn in the background; its path once written, else None.
+
+        ``train()`` returns before ``memory.png`` exists (``report=True``); call this when the next
+        thing needs the file (a test, a notebook cell showing it). Immediate with ``report="sync"``.
+        """
+        process = self._report_process
+        if process is not None:
+            if not wait_for_report(process, timeout):
+                return None  # still drawing (kept: a later call waits again) or failed (memory.png.log)
+            self._report_process = None
+        trainer = self.trainer
+        if trainer is None:
+            return None
+        path = self.memwatch_dir(trainer.args) / PICTURE_NAME
+        return path if path.exists() else None

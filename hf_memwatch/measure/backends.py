@@ -38,6 +38,7 @@ class AllocatorBackend:
 
     kind = "none"
     exact = False
+    observes_operators = False  # counts through a TorchDispatchMode (incompatible with torch.compile)
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -179,6 +180,7 @@ class CpuTrackedBackend(AllocatorBackend):
 
     kind = "cpu"
     exact = False
+    observes_operators = True
 
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)

@@ -51,6 +51,13 @@ class StepMonitor:
     ``full`` steps track everything (on the CPU every operator is observed, on every device the
     saved-for-backward tensors are counted); other steps are ``light``: the allocator's own figures
     where it keeps them, and the class split of the last full step at the same phase.
+
+    ``compiled`` (set by the callback when the model runs under ``torch.compile``): a backend that
+    observes operators through a dispatch mode (the CPU) must not enter it, because Dynamo runs no
+    compiled frame while a ``TorchDispatchMode`` is active — tracking would switch compilation off.
+    Its full steps then count what is visible from outside the compiled code (weights, gradients,
+    optimizer states, tensors saved for backward) and are marked ``detail: "compiled"``, with
+    ``allocated``, ``peak`` and ``other`` unknown (null).
     """
 
     def __init__(
@@ -73,6 +80,7 @@ class StepMonitor:
         self.micro_step = 0
         self.full = False
         self.in_step = False
+        self.compiled = False
         self.step_snapshots: list[dict[str, Any]] = []
         self.last_step: dict[str, Any] | None = None
         self._previous_allocated: int | None = None
@@ -90,7 +98,8 @@ class StepMonitor:
         self.step_snapshots = []
         if full:
             self._register_known()
-            self.backend.start_tracking()
+            if not self._untracked_compiled_step():
+                self.backend.start_tracking()
             self.saved.start()
         return self.snapshot("step_begin")
 
@@ -107,7 +116,7 @@ class StepMonitor:
             "peak_phase": peak_snapshot["phase"],
             "peak_micro_step": peak_snapshot["micro_step"],
             "dominant": dominant_class(peak_snapshot["live"], peak_snapshot["spike"]),
-            "detail": "full" if self.full else "light",
+            "detail": self._detail(),
             "live_at_peak": peak_snapshot["live"],
             "spike_at_peak": peak_snapshot["spike"],
             "reserved": last["reserved"],
@@ -142,9 +151,21 @@ class StepMonitor:
         """``allocated`` of the previous snapshot (None before the first)."""
         return self._previous_allocated
 
+    def _untracked_compiled_step(self) -> bool:
+        """A full step of a compiled model on a backend that would need its dispatch mode."""
+        return self.full and self.compiled and self.backend.observes_operators
+
+    def _detail(self) -> str:
+        if self._untracked_compiled_step():
+            return "compiled"
+        return "full" if self.full else "light"
+
     def snapshot(self, phase: str) -> dict[str, Any]:
         micro_step = self.micro_step
-        if self.full:
+        if self._untracked_compiled_step():
+            record = self._compiled_snapshot(phase, micro_step)
+            self._last_full[(phase, micro_step)] = record
+        elif self.full:
             record = self.measure(phase, micro_step)
             self._last_full[(phase, micro_step)] = record
         else:
@@ -204,6 +225,12 @@ class StepMonitor:
             peak = max(peak or 0, allocated)
         live = split_live(allocated, weights, grads, states, saved)
         return self._record(phase, micro_step, reading, allocated, peak, live, "full")
+
+    def _compiled_snapshot(self, phase: str, micro_step: int) -> dict[str, Any]:
+        """What a compiled step shows from outside: the classes we can walk; totals unknown."""
+        weights, grads, states, saved = self._class_storages()
+        live = split_live(None, weights, grads, states, saved)
+        return self._record(phase, micro_step, self.backend.read(), None, None, live, "compiled")
 
     def _light_snapshot(self, phase: str, micro_step: int) -> dict[str, Any]:
         reading = self.backend.read()
