@@ -61,4 +61,5 @@ def test_default_run_prints_only_its_summary(tmp_path, capfd, caplog):
 
 def test_auto_run_prints_only_its_plan_line_and_summary(tmp_path, capfd, caplog):
     unexplained, new_warnings, ours, _ = extra_output(tmp_path, MemWatch(auto=True), capfd, caplog)
-    assert (unexplained, new_warnings, ours) == ([], set(), [])
+    assert (unexplained, new_warnings) == ([], set())
+    assert len(ours) == 1 and ours[0].startswith("hf-memwatch plan: ")  # the plan line, nothing else
