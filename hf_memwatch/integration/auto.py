@@ -77,6 +77,10 @@ def plan_record(result: PlanResult, run: RunConfig, budget: Budget, sample: dict
     }
 
 
+class EstimatorUnavailable(RuntimeError):
+    """The estimator cannot replay this Trainer's step: the run trains as configured, with a warning."""
+
+
 class AutoMode:
     """Plans before ``train()`` and keeps the run under budget between steps.
 
@@ -128,13 +132,16 @@ class AutoMode:
                   "with monitoring but no plan")
         logger.warning("hf-memwatch: auto mode %s", reason)
         run = RunConfig.from_args(trainer.args)
-        self.record({
+        # Kept as the plan in force (status "failed": nothing applied), so the timeline started at
+        # train begin carries it too.
+        self.plan = {
             "event": "plan", "status": "failed",
             "micro_batch_size": run.micro_batch_size,
             "gradient_accumulation_steps": run.gradient_accumulation_steps,
             "activation_checkpointing": None, "optim": None, "predicted_peak": None,
             "budget": None if self.budget is None else int(self.budget.total), "reason": reason,
-        })
+        }
+        self.record(self.plan)
 
     # -- before train -------------------------------------------------------------------------
     def before_train(self, trainer: Any, resume_from_checkpoint: Any = None) -> dict[str, Any]:
@@ -221,10 +228,13 @@ class AutoMode:
             )
         worst = worst_batch_of(trainer, run)
         predictor = EstimatorPredictor(trainer, run, sample_index=worst.index if worst is not None else None)
-        given_estimate = predictor.estimate(Plan.of(run))
-        run = run.replace(seq_len=int(given_estimate.config.get("seq_len") or 1))
-        predictor.run = run
-        result = plan_run(run, predictor, budget.usable)
+        try:
+            given_estimate = predictor.estimate(Plan.of(run))
+            run = run.replace(seq_len=int(given_estimate.config.get("seq_len") or 1))
+            predictor.run = run
+            result = plan_run(run, predictor, budget.usable)
+        except MemWatchConfigError as exc:  # the model, not the user's configuration: not fatal
+            raise EstimatorUnavailable(f"the estimator cannot replay this run: {exc}") from exc
         self.planning_seconds = time.perf_counter() - started
         if result.chosen is None:
             raise PlanError(no_fit_message(result, budget.describe()))
