@@ -342,6 +342,7 @@ def simulate_step(
     if checkpointing:
         enable_checkpointing(model)
     saved_forward = model.__dict__.get("forward")
+    saved_use_cache = _disable_kv_cache(model)
     target, device = device, "cpu"  # a CUDA target is simulated on fake CPU tensors (see module doc)
     if precision in MIXED_DTYPES:
         wrap_autocast(model, device, precision)
@@ -406,7 +407,32 @@ def simulate_step(
         finally:
             saved.stop()
             _restore_forward(model, saved_forward)
+            _restore_kv_cache(model, saved_use_cache)
     return StepSimulation(dict(phases.best), notes)
+
+
+_NO_CONFIG = object()
+
+
+def _disable_kv_cache(model: torch.nn.Module) -> Any:
+    """``config.use_cache = False``, as ``Trainer.__init__`` sets it (``args.use_cache``, default False).
+
+    With the cache on, a training forward builds a ``DynamicCache`` whose update copies strided
+    key/value views (GPT-NeoX, Phi-3: slices of a fused QKV projection) into fresh storages, so
+    autograd saves the copies instead of views of the fused output. Returns the previous value.
+    """
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "use_cache"):
+        return _NO_CONFIG
+    previous = config.use_cache
+    config.use_cache = False
+    return previous
+
+
+def _restore_kv_cache(model: torch.nn.Module, previous: Any) -> None:
+    """Undo :func:`_disable_kv_cache`."""
+    if previous is not _NO_CONFIG:
+        model.config.use_cache = previous
 
 
 def _restore_forward(model: torch.nn.Module, saved_forward: Any) -> None:
