@@ -92,6 +92,8 @@ class EstimateTracker(StorageTracker):
             out = super().__torch_dispatch__(func, types, args, kwargs)
             self.transient(sdpa_cpu_workspace(func, args))
             return out
+        if func in _GROUPED_MM_OPS and _meta_rejects_dtype(args):
+            return super().__torch_dispatch__(_grouped_mm_via_bf16(func), types, args, kwargs)
         if self.bnb_cpu_kernels and func.namespace == "bitsandbytes" and "optimizer_update" in func.__name__:
             kernel = _bnb_cpu_kernel(func.__name__)
             if kernel is not None:
@@ -114,6 +116,32 @@ _SDPA_CPU_OPS = {
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
 }
+
+
+_GROUPED_MM_OPS = {torch.ops.aten._grouped_mm.default}
+
+
+def _meta_rejects_dtype(args: tuple) -> bool:
+    """torch's shape function for ``_grouped_mm`` accepts only bf16 (the CUDA kernel's rule)."""
+    return any(isinstance(a, torch.Tensor) and a.is_floating_point() and a.dtype != torch.bfloat16 for a in args[:2])
+
+
+def _grouped_mm_via_bf16(func: Any) -> Any:
+    """``_grouped_mm`` of fp32/fp16 operands, shaped through the bf16 shape function.
+
+    The CPU kernel (mixture-of-experts layers: Mixtral, Qwen2-MoE, ... through transformers'
+    ``grouped_mm`` experts) computes in any floating dtype, but the fake-tensor shape function
+    rejects all but bf16. The output has the same shape in the operands' dtype; the casts in
+    between are fake and untracked (only the returned tensor is counted).
+    """
+
+    def run(*args: Any, **kwargs: Any) -> torch.Tensor:
+        dtype = args[0].dtype
+        cast = [a.to(torch.bfloat16) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                for a in args]
+        return func(*cast, **kwargs).to(kwargs.get("out_dtype") or dtype)
+
+    return run
 
 
 def sdpa_cpu_workspace(func: Any, args: tuple) -> int:
