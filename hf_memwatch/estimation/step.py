@@ -32,6 +32,7 @@ from types import MethodType
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from ..measure.saved_tensors import SavedTensorRegistry
 from ..measure.tracker import StorageTracker
@@ -92,6 +93,8 @@ class EstimateTracker(StorageTracker):
             out = super().__torch_dispatch__(func, types, args, kwargs)
             self.transient(sdpa_cpu_workspace(func, args))
             return out
+        if func is torch.ops.aten.nonzero.default and is_fake(args[0]):
+            return super().__torch_dispatch__(_nonzero_of_all_true, types, args, kwargs)
         if func in _GROUPED_MM_OPS and _meta_rejects_dtype(args):
             return super().__torch_dispatch__(_grouped_mm_via_bf16(func), types, args, kwargs)
         if self.bnb_cpu_kernels and func.namespace == "bitsandbytes" and "optimizer_update" in func.__name__:
@@ -116,6 +119,17 @@ _SDPA_CPU_OPS = {
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
 }
+
+
+def _nonzero_of_all_true(tensor: torch.Tensor) -> torch.Tensor:
+    """``nonzero`` as the estimate's batches answer it: every element true.
+
+    Its output size depends on values, which fake tensors do not have (``DynamicOutputShapeException``).
+    The estimate's batches are full rows with valid labels (no padding, no ``-100``), so masks
+    and label filters built from them are all true — DeBERTa-v2's classification loss indexes the
+    labelled rows with ``(labels >= 0).nonzero()``.
+    """
+    return torch.empty((tensor.numel(), tensor.dim()), dtype=torch.long, device=tensor.device)
 
 
 _GROUPED_MM_OPS = {torch.ops.aten._grouped_mm.default}
