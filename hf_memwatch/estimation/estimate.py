@@ -123,7 +123,8 @@ def infer_task(config: Any) -> str:
     return "causal-lm"
 
 
-def _auto_class(task: str) -> Any:
+def auto_class(task: str) -> Any:
+    """The ``AutoModelFor...`` class of ``task``."""
     import transformers
 
     return {
@@ -225,7 +226,7 @@ def build_fake_model(config: Any, task: str, fake_mode: Any, device: str) -> tor
     """Instantiate the task's model class from ``config`` under ``fake_mode`` (nothing allocated)."""
     from transformers.initialization import no_init_weights
 
-    auto = _auto_class(task)
+    auto = auto_class(task)
     try:
         with fake_mode, torch.device(device):
             with no_init_weights():  # values are irrelevant, and initialising costs seconds
