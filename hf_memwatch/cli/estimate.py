@@ -138,6 +138,9 @@ def _print_table(payload: dict[str, Any]) -> None:
     for name in CLASS_NAMES:
         value = payload["classes"][name]
         table.add_row(name, f"{value:,}", format_bytes(value), f"{100 * value / peak:.1f}%" if peak else "-")
+        for detail, part in payload.get("details", {}).get(name, {}).items():  # e.g. the logits, inside
+            table.add_row(f"  of which {detail}", f"{part:,}", format_bytes(part),
+                          f"{100 * part / peak:.1f}%" if peak else "-", style="dim")
     table.add_row("peak", f"{peak:,}", format_bytes(peak), "100%", style="bold")
     console.print(table)
     console.print(f"peak phase: {payload['peak_phase']} · params {payload['params']:,} "

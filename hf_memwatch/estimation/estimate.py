@@ -45,7 +45,11 @@ class MemoryEstimate:
     """Predicted peak of one Trainer optimizer step (per rank), with its split by class.
 
     ``classes`` is the split *at the moment of the peak* and sums to ``peak_bytes``.
-    ``phase_peaks`` gives the highest live bytes inside each phase of the step.
+    ``phase_peaks`` gives the highest live bytes inside each phase of the step. ``details``
+    names the biggest single tensors of a language-model step inside the class that holds them at
+    the peak: ``logits`` (every storage shaped tokens x vocabulary: the LM head's output, the
+    loss's log-softmax, their gradients) and ``logits_fp32_upcast`` (the fp32 ones under mixed
+    precision). A breakdown, not an addition: they are already in ``classes``.
     """
 
     peak_bytes: int
@@ -58,6 +62,8 @@ class MemoryEstimate:
     phase_peaks: dict[str, int] = field(default_factory=dict)
     config: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    # inside a class at the peak, the bytes of named tensors: {"activations": {"logits": ...}, ...}
+    details: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain-data form (the CLI's ``--json`` object)."""
@@ -319,7 +325,7 @@ def estimate(
             checkpointing=checkpointing, accum=accum, device=device, max_grad_norm=max_grad_norm,
         )
         try:
-            phase_classes = _simulate(model, fake_mode, config, extrapolate_layers, notes, run)
+            phase_classes, phase_details = _simulate(model, fake_mode, config, extrapolate_layers, notes, run)
         except (MemWatchConfigError, KeyboardInterrupt):
             raise
         except Exception as exc:  # the model cannot run this configuration: say so in one line
@@ -351,24 +357,30 @@ def estimate(
             "seq2seq_target_len": seq2seq_target_len,
         },
         notes=notes,
+        details=phase_details.get(peak_phase, {}),
     )
 
 
 def _simulate(model: torch.nn.Module, fake_mode: Any, config: Any, extrapolate_layers: bool | None,
-              notes: list[str], run: dict[str, Any]) -> dict[str, dict[str, int]]:
-    """Per-phase class splits of the step: by depth extrapolation where exact and wanted, else in full."""
+              notes: list[str], run: dict[str, Any]) -> tuple[dict[str, dict[str, int]], dict[str, Any]]:
+    """Per-phase class splits and details of the step: by depth extrapolation where exact and wanted.
+
+    The details (logits) do not depend on depth: the deeper short simulation's are kept.
+    """
     stack = homogeneous_layers(model, config) if extrapolate_layers is not False else None
     depth = getattr(config, "num_hidden_layers", 0) or 0
     if stack is not None and (extrapolate_layers or depth >= AUTO_MIN_LAYERS):
-        short = {}
+        short, details = {}, {}
         for layers in SHORT_DEPTHS:
             with truncated(stack, config, layers):
-                short[layers] = simulate_step(model, fake_mode, **run).phase_classes
+                simulation = simulate_step(model, fake_mode, **run)
+            short[layers], details = simulation.phase_classes, simulation.phase_details
         extended = extrapolate(short, depth)
         if extended is not None:
             notes.append(f"depth extrapolated from {SHORT_DEPTHS[0]} and {SHORT_DEPTHS[1]} simulated layers")
-            return extended
-    return simulate_step(model, fake_mode, **run).phase_classes
+            return extended, details
+    simulation = simulate_step(model, fake_mode, **run)
+    return simulation.phase_classes, simulation.phase_details
 
 
 def largest_fitting_batch(

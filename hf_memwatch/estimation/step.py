@@ -48,6 +48,12 @@ class StepSimulation:
 
     phase_classes: dict[str, dict[str, int]]
     notes: list[str] = field(default_factory=list)
+    # per phase, inside each class, the bytes of named tensors at that high (see LOGITS)
+    phase_details: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict)
+
+
+LOGITS = "logits"
+LOGITS_FP32 = "logits_fp32_upcast"
 
 
 class EstimateTracker(StorageTracker):
@@ -67,6 +73,32 @@ class EstimateTracker(StorageTracker):
         self.bnb_cpu_kernels = bnb_cpu_kernels
         self.snapshot: tuple[dict[int, Any], set[int]] | None = None
         self.kernel_workspaces = device_type == "cpu" and round_to == 1
+        self.named: dict[int, tuple[Any, str]] = {}  # storage key -> (its ref, detail name)
+        self._logits_shape: tuple[int, int] | None = None
+        self._mixed = False
+
+    def name_logits(self, vocab: int, rows: int, mixed: bool) -> None:
+        """Name every new storage shaped (>= ``rows`` rows) x ``vocab``: the logits and their kin.
+
+        That is the LM head's output, its fp32 copy in the loss (``logits_fp32_upcast`` under
+        mixed precision), the loss's log-softmax and the gradients of each: the largest single
+        tensors of a language-model step.
+        """
+        self._logits_shape = (vocab, rows)
+        self._mixed = mixed
+
+    def _track_plain(self, tensor: torch.Tensor) -> None:
+        shape = self._logits_shape
+        if shape is None or tensor.dim() < 2 or tensor.shape[-1] != shape[0] or tensor.numel() < shape[0] * shape[1]:
+            super()._track_plain(tensor)
+            return
+        key = tensor.untyped_storage()._cdata
+        before = self._live.get(key)
+        super()._track_plain(tensor)
+        ref = self._live.get(key)
+        if ref is not None and ref is not before:
+            upcast = self._mixed and tensor.dtype == torch.float32
+            self.named[key] = (ref, LOGITS_FP32 if upcast else LOGITS)
 
     def on_new_peak(self) -> None:
         # C-speed shallow copies: the refs keep each storage's size even after it dies
@@ -229,7 +261,7 @@ def _probe_gemm(func: Any, args: tuple, kwargs: dict[str, Any]) -> int:
     with _disable_current_modes():
         real = [torch.empty_strided(a.shape, a.stride(), dtype=a.dtype).zero_() if isinstance(a, torch.Tensor) else a
                 for a in args]
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _quiet_stderr():
             warnings.simplefilter("ignore")
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
                                         profile_memory=True) as prof:
@@ -242,6 +274,28 @@ def _probe_gemm(func: Any, args: tuple, kwargs: dict[str, Any]) -> int:
                 peak = max(peak, running)
         del out
     return max(0, peak - running)
+
+
+@contextlib.contextmanager
+def _quiet_stderr() -> Any:
+    """Silence file descriptor 2 (kineto prints a line at every profiler start and stop)."""
+    import os
+    import sys
+
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):  # no real descriptor (embedded interpreters): leave it
+        yield
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
 
 
 def _bnb_cpu_kernel(op_name: str) -> Any:
@@ -360,13 +414,16 @@ def real_batch_masks() -> Any:
 
 # -- classification --------------------------------------------------------------------------
 def classify(snapshot: tuple[dict[int, Any], set[int]], live_now: dict[int, Any], weights: dict[int, Any],
-             gradients: set[int], states: set[int], other: dict[int, Any]) -> dict[str, int]:
+             gradients: set[int], states: set[int], other: dict[int, Any],
+             named: dict[int, tuple[Any, str]] | None = None,
+             details: dict[str, dict[str, int]] | None = None) -> dict[str, int]:
     """Split a live-set snapshot into the six classes (each storage once, first class wins).
 
     Storage keys are addresses and get reused once a storage dies, so a snapshot entry belongs to
     a class only when it is the *same* storage: the tracker's reference object (one per storage
     lifetime) must match the one recorded for the class (``weights``/``other``: key -> ref) or
-    the one live now (``gradients``/``states``: keys read now).
+    the one live now (``gradients``/``states``: keys read now). Entries of ``named`` (key -> (ref,
+    name)) are also added to ``details[class][name]`` when given.
     """
     live, saved = snapshot
     classes = dict.fromkeys(("weights", "gradients", "optimizer_states", "activations", "temporaries", "other"), 0)
@@ -384,6 +441,11 @@ def classify(snapshot: tuple[dict[int, Any], set[int]], live_now: dict[int, Any]
         else:
             name = "temporaries"
         classes[name] += ref.nbytes
+        if named is not None and details is not None:
+            label = named.get(key)
+            if label is not None and label[0] is ref:
+                inner = details.setdefault(name, {})
+                inner[label[1]] = inner.get(label[1], 0) + ref.nbytes
     return classes
 
 
@@ -416,15 +478,19 @@ class _Phases:
         self.tracker, self.model, self.optimizer = tracker, model, optimizer
         self.weights, self.other = weights, other
         self.best: dict[str, dict[str, int]] = {}
+        self.details: dict[str, dict[str, dict[str, int]]] = {}
 
     def close(self, phase: str) -> None:
         tracker = self.tracker
         if tracker.snapshot is not None:
             grads = _keys(p.grad for p in self.model.parameters())
             states = _keys(_state_tensors(self.optimizer))
-            classes = classify(tracker.snapshot, tracker._live, self.weights, grads, states, self.other)
+            details: dict[str, dict[str, int]] = {}
+            classes = classify(tracker.snapshot, tracker._live, self.weights, grads, states, self.other,
+                               tracker.named, details)
             if sum(classes.values()) > sum(self.best.get(phase, {}).values() or [-1]):
                 self.best[phase] = classes
+                self.details[phase] = details
         tracker.reset_peak()
 
 
@@ -458,6 +524,9 @@ def simulate_step(
     )
     weight_tensors = list(model.parameters()) + list(model.buffers())
     tracker.register(weight_tensors)
+    vocab = getattr(config, "vocab_size", None)
+    if task != "seq-cls" and isinstance(vocab, int) and vocab > 1:  # after the weights: never named
+        tracker.name_logits(vocab, batch_size, precision in MIXED_DTYPES)
     weights = _refs(tracker, weight_tensors)
     other: dict[int, Any] = {}
     phases = _Phases(tracker, model, optimizer, weights, other)
@@ -509,7 +578,7 @@ def simulate_step(
             saved.stop()
             _restore_forward(model, saved_forward)
             _restore_kv_cache(model, saved_use_cache)
-    return StepSimulation(dict(phases.best), notes)
+    return StepSimulation(dict(phases.best), notes, dict(phases.details))
 
 
 _NO_CONFIG = object()
