@@ -17,6 +17,7 @@ Usage:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -30,6 +31,7 @@ import torch
 from ..core.errors import MemWatchConfigError
 from ..core.units import parse_bytes
 from .layers import AUTO_MIN_LAYERS, SHORT_DEPTHS, extrapolate, homogeneous_layers, truncated
+from .peft import LoraSpec, apply_peft, is_adapter_dir, load_adapter, meta_copy
 from .shard import shard_classes
 from .step import simulate_step
 
@@ -229,7 +231,10 @@ def _drop_foreign_hooks(model: torch.nn.Module, memo: dict[int, Any]) -> None:
 
 
 def build_fake_model(config: Any, task: str, fake_mode: Any, device: str) -> torch.nn.Module:
-    """Instantiate the task's model class from ``config`` under ``fake_mode`` (nothing allocated)."""
+    """Instantiate the task's model class from ``config`` under ``fake_mode`` (nothing allocated).
+
+    ``device="meta"`` with a null context for ``fake_mode`` gives a meta-device model (for PEFT).
+    """
     from transformers.initialization import no_init_weights
 
     auto = auto_class(task)
@@ -257,6 +262,27 @@ def count_params(model: torch.nn.Module) -> tuple[int, int]:
     return total, trainable
 
 
+def _resolve_adapter(model_or_config: Any, lora: LoraSpec | None,
+                     adapter: str | os.PathLike | None) -> tuple[Any, Any]:
+    """(the base model or config, the saved adapter's ``PeftConfig`` or None)."""
+    if adapter is None and is_adapter_dir(model_or_config):
+        adapter, model_or_config = model_or_config, None
+    peft_config = None
+    if adapter is not None:
+        if lora is not None:
+            raise MemWatchConfigError("give either a LoRA spec or an adapter folder, not both")
+        peft_config, base = load_adapter(adapter)
+        if model_or_config is None:
+            if base is None:
+                raise MemWatchConfigError(f"{os.fspath(adapter)}: the adapter names no base model; give MODEL")
+            model_or_config = base
+    if lora is not None and not isinstance(lora, LoraSpec):
+        raise MemWatchConfigError(f"lora must be a LoraSpec; got {type(lora).__name__}")
+    if model_or_config is None:
+        raise MemWatchConfigError("no model: give a model, a config or an adapter folder")
+    return model_or_config, peft_config
+
+
 # -- the estimate ----------------------------------------------------------------------------
 def estimate(
     model_or_config: Any,
@@ -275,6 +301,8 @@ def estimate(
     shard: str = "none",
     seq2seq_target_len: int | None = None,
     extrapolate_layers: bool | None = None,
+    lora: LoraSpec | None = None,
+    adapter: str | os.PathLike | None = None,
 ) -> MemoryEstimate:
     """Predict the peak memory of one Trainer optimizer step (per device), split by class.
 
@@ -287,6 +315,10 @@ def estimate(
     ``shard`` (``zero1``/``zero2``/``zero3``/``fsdp``) divide the model states per rank.
     ``extrapolate_layers``: simulate 2 and 3 layers of a homogeneous stack and extend the line
     (exact, see :mod:`hf_memwatch.estimation.layers`); ``None`` = when the model has 6+ layers.
+    ``lora`` (a :class:`~hf_memwatch.estimation.peft.LoraSpec`) or ``adapter`` (a folder PEFT's
+    ``save_pretrained`` wrote; ``model_or_config`` None = its ``base_model_name_or_path``) applies
+    PEFT's ``get_peft_model`` to the fake base: frozen base, trainable adapters. A model path that
+    is itself an adapter folder is taken as ``adapter``.
 
     Example:
         >>> from transformers import GPT2Config                                   # doctest: +SKIP
@@ -302,17 +334,25 @@ def estimate(
         device=device, world_size=world_size, shard=shard, seq2seq_target_len=seq2seq_target_len,
     )
     budget_bytes = None if budget is None else parse_bytes(budget)
+    model_or_config, peft_config = _resolve_adapter(model_or_config, lora, adapter)
     # Outer dispatch modes (a live MemWatch tracker, a profiler's) must not see the fake step.
     with _disable_current_modes():
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        wants_peft = peft_config is not None or lora is not None
         if isinstance(model_or_config, torch.nn.Module):
+            task = task or _task_of_module(model_or_config)
+            if wants_peft:
+                model_or_config = apply_peft(meta_copy(model_or_config), peft_config or lora.peft_config(task))
             model = fake_copy(model_or_config, fake_mode, "cpu")  # every target is simulated on CPU
             config = getattr(model, "config", None)
-            task = task or _task_of_module(model)
         else:
             config = load_config(model_or_config)
             task = task or infer_task(config)
-            model = build_fake_model(config, task, fake_mode, "cpu")
+            if wants_peft:
+                meta = build_fake_model(config, task, contextlib.nullcontext(), "meta")
+                model = fake_copy(apply_peft(meta, peft_config or lora.peft_config(task)), fake_mode, "cpu")
+            else:
+                model = build_fake_model(config, task, fake_mode, "cpu")
             config = model.config
         params, trainable = count_params(model)
         if trainable == 0:

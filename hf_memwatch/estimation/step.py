@@ -524,6 +524,7 @@ def simulate_step(
     )
     weight_tensors = list(model.parameters()) + list(model.buffers())
     tracker.register(weight_tensors)
+    _name_frozen_weights(tracker, model)
     vocab = getattr(config, "vocab_size", None)
     if task != "seq-cls" and isinstance(vocab, int) and vocab > 1:  # after the weights: never named
         tracker.name_logits(vocab, batch_size, precision in MIXED_DTYPES)
@@ -579,6 +580,22 @@ def simulate_step(
             _restore_forward(model, saved_forward)
             _restore_kv_cache(model, saved_use_cache)
     return StepSimulation(dict(phases.best), notes, dict(phases.details))
+
+
+def _name_frozen_weights(tracker: EstimateTracker, model: torch.nn.Module) -> None:
+    """With frozen parameters (PEFT, a frozen backbone), split weights into ``frozen``/``trainable``.
+
+    Buffers count as frozen. A full fine-tune gets no split (everything is trainable).
+    """
+    params = list(model.parameters())
+    if all(p.requires_grad for p in params):
+        return
+    for tensor in params + list(model.buffers()):
+        key = tensor.untyped_storage()._cdata
+        ref = tracker._live.get(key)
+        if ref is not None:
+            trainable = isinstance(tensor, torch.nn.Parameter) and tensor.requires_grad
+            tracker.named[key] = (ref, "trainable" if trainable else "frozen")
 
 
 _NO_CONFIG = object()
