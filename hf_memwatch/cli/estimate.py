@@ -8,6 +8,8 @@ effective batch). ``--json`` prints one object instead.
 
 Usage:
     hf-memwatch estimate ./my-model --batch-size 16 --seq-len 512 --precision bf16 --budget 24GiB
+    hf-memwatch estimate ./my-model --lora-r 16 --lora-targets all-linear --precision bf16
+    hf-memwatch estimate --adapter ./my-adapter --batch-size 8 --json
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ from ..planning.planner import PlanRequest, bnb_available, eight_bit_optim, plan
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``hf-memwatch estimate``."""
-    parser.add_argument("model", metavar="MODEL", help="local model directory or config.json (or a hub id)")
+    parser.add_argument("model", metavar="MODEL", nargs="?", default=None,
+                        help="local model directory or config.json (or a hub id); with --adapter, the base "
+                             "(default: the adapter's base_model_name_or_path)")
     parser.add_argument("--task", choices=TASKS, default=None, help="default: from the config's architectures")
     parser.add_argument("--batch-size", type=int, default=8, help="per-device micro-batch (default 8)")
     parser.add_argument("--seq-len", type=int, default=512, help="tokens per sample (default 512)")
@@ -42,12 +46,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--world-size", type=int, default=1, help="data-parallel ranks (default 1)")
     parser.add_argument("--shard", choices=SHARDS, default="none", help="ZeRO stage or FSDP full shard")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_peft_arguments(parser)
+
+
+def add_peft_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--lora-*`` (a new LoRA adapter on MODEL) and ``--adapter DIR`` (a saved PEFT adapter)."""
+    group = parser.add_argument_group("PEFT (LoRA)")
+    group.add_argument("--lora-r", type=int, default=None, help="train a LoRA adapter of this rank (base frozen)")
+    group.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default: PEFT's, 8)")
+    group.add_argument("--lora-targets", default=None,
+                       help="comma-separated module names (q_proj,v_proj) or all-linear (default: PEFT's)")
+    group.add_argument("--lora-dropout", type=float, default=0.0, help="LoRA dropout (default 0)")
+    group.add_argument("--adapter", default=None, metavar="DIR",
+                       help="a saved PEFT adapter folder (adapter_config.json), trained further")
+
+
+def peft_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``lora``/``adapter`` keywords of :func:`estimate` from the CLI options (one-line errors)."""
+    from ..core.errors import MemWatchConfigError
+    from ..estimation.peft import LoraSpec
+
+    lora_options = (args.lora_alpha, args.lora_targets) != (None, None) or args.lora_dropout
+    if args.lora_r is None:
+        if lora_options:
+            raise MemWatchConfigError("--lora-alpha/--lora-targets/--lora-dropout need --lora-r")
+        lora = None
+    else:
+        lora = LoraSpec.from_targets_text(args.lora_r, args.lora_alpha, args.lora_targets, args.lora_dropout)
+    if args.model is None and args.adapter is None:
+        raise MemWatchConfigError("give MODEL (or --adapter DIR)")
+    return dict(lora=lora, adapter=args.adapter)
 
 
 def _common(args: argparse.Namespace) -> dict[str, Any]:
     return dict(
         seq_len=args.seq_len, task=args.task, precision=args.precision, accum=args.accum, device=args.device,
-        world_size=args.world_size, shard=args.shard, seq2seq_target_len=args.target_len,
+        world_size=args.world_size, shard=args.shard, seq2seq_target_len=args.target_len, **peft_kwargs(args),
     )
 
 

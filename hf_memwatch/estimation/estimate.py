@@ -395,6 +395,8 @@ def estimate(
             "precision": precision, "optim": optim, "checkpointing": checkpointing, "accum": accum,
             "device": device, "world_size": world_size, "shard": shard,
             "seq2seq_target_len": seq2seq_target_len,
+            "lora": None if lora is None else asdict(lora),
+            "adapter": None if adapter is None else os.fspath(adapter),
         },
         notes=notes,
         details=phase_details.get(peak_phase, {}),
