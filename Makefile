@@ -33,6 +33,7 @@ demo: venv
 bench: venv
 	$(PY) benchmarks/overhead.py --out benchmarks/results/overhead.md
 	$(PY) benchmarks/accuracy.py
+	$(PY) benchmarks/peft_accuracy.py
 	$(PY) benchmarks/autotune.py
 
 gpu-check: venv
