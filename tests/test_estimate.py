@@ -252,3 +252,19 @@ def test_logits_are_named_inside_their_class():
     assert sum(part for inner in full.details.values() for part in inner.values()) >= fp32_logits
     assert json.loads(full.to_json())["details"] == full.details
     assert estimate(bert_config(), task="seq-cls", batch_size=2, seq_len=64).details == {}
+
+
+def test_lora_on_a_built_model_leaves_it_untouched_and_equals_the_config_path():
+    from hf_memwatch.estimation import LoraSpec
+
+    model = build(llama_config, "causal-lm")
+    names = [name for name, _ in model.named_modules()]
+    spec = LoraSpec(r=4, targets=("q_proj", "v_proj"))
+    on_module = estimate(model, batch_size=2, seq_len=64, lora=spec)
+    on_config = estimate(llama_config(), batch_size=2, seq_len=64, lora=spec)
+    assert on_module.peak_bytes == on_config.peak_bytes
+    assert on_module.trainable_params == 2 * (4 * 128 + 128 * 4) + 2 * (4 * 128 + 64 * 4)  # 2 layers, q and v
+    assert [name for name, _ in model.named_modules()] == names  # PEFT never touched the user's model
+    assert all(p.requires_grad for p in model.parameters())
+    with pytest.raises(MemWatchConfigError, match="not both"):
+        estimate(model, batch_size=2, seq_len=64, lora=spec, adapter="somewhere")
