@@ -67,8 +67,9 @@ def train(out: Path, callbacks: list[Any], **overrides: Any) -> tuple[Trainer, t
     return trainer, rng_states()
 
 
-@pytest.mark.parametrize("optim", ["sgd", "adamw_torch"])
-@pytest.mark.parametrize("accumulation", [1, 2, 4])
+# SGD (scale-sensitive: a gradient divided twice halves its step and its logged norm) at every
+# accumulation; AdamW (the common optimizer, where 8-bit AdamW is a candidate) at one.
+@pytest.mark.parametrize(("optim", "accumulation"), [("sgd", 1), ("sgd", 2), ("sgd", 4), ("adamw_torch", 2)])
 def test_planned_run_is_the_hand_configured_run(tmp_path: Path, optim: str, accumulation: int) -> None:
     budget, expected = budget_for_accumulation(optim, accumulation)
     auto, auto_rng = train(tmp_path / "auto", [MemWatch(auto=True, budget=budget, **LIGHT)], optim=optim)
