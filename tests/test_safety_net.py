@@ -26,10 +26,10 @@ from conftest import gpt2_model, loss_history, token_dataset, training_args
 from transformers import Trainer
 from hf_memwatch import MemWatch
 
-out = sys.argv[1]
+out, budget = sys.argv[1], (None if sys.argv[3] == "default" else sys.argv[3])
 args = training_args(out, per_device_train_batch_size=32, max_steps=2)
 trainer = Trainer(model=gpt2_model(), args=args, train_dataset=token_dataset(64, 256, 1000),
-                  callbacks=[MemWatch(auto=True, budget="4GiB", detail="light", report=False, summary=False)])
+                  callbacks=[MemWatch(auto=True, budget=budget, detail="light", report=False, summary=False)])
 with open("/proc/self/status") as fh:
     vm = next(int(line.split()[1]) * 1024 for line in fh if line.startswith("VmSize:"))
 resource.setrlimit(resource.RLIMIT_AS, (vm + (300 << 20), resource.getrlimit(resource.RLIMIT_AS)[1]))
@@ -41,18 +41,32 @@ print("RESULT " + json.dumps({"losses": loss_history(trainer), "steps": trainer.
 """
 
 
-def test_an_oom_in_the_first_step_is_recovered_with_the_effective_batch_kept(tmp_path: Path) -> None:
+def run_limited(tmp_path: Path, budget: str) -> tuple[dict, list[dict]]:
+    """Train under an address-space limit 300 MiB above the process (the unassisted step needs ~740)."""
     out = tmp_path / "run"
     env_script = tmp_path / "run.py"
     env_script.write_text(SCRIPT)
-    proc = subprocess.run([sys.executable, str(env_script), str(out), str(TESTS)], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, str(env_script), str(out), str(TESTS), budget], capture_output=True, text=True,
                           timeout=600, env={"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": "131072",
                                             "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline",
                                             "PATH": "/usr/bin:/bin"})
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    result = json.loads(lines[0][len("RESULT "):])
     records = [json.loads(line) for line in (out / "memwatch" / "timeline.jsonl").read_text().splitlines()]
+    return json.loads(lines[0][len("RESULT "):]), records
+
+
+def test_the_default_budget_is_the_real_limit_and_the_run_fits(tmp_path: Path) -> None:
+    result, records = run_limited(tmp_path, "default")
+    [plan] = [r for r in records if r["event"] == "plan"]
+    assert plan["budget_bound_by"] == "RLIMIT_AS" and "RLIMIT_AS" in plan["budget_source"]
+    assert not [r for r in records if r["event"] in ("oom_recovered", "oom")]  # 0 OOMs
+    assert result["steps"] == 2 and result["micro"] * result["accum"] == 32  # the effective batch kept
+
+
+def test_an_oom_in_the_first_step_is_recovered_with_the_effective_batch_kept(tmp_path: Path) -> None:
+    # A budget above the real limit: the plan "fits" 4 GiB and runs out of memory in its first step.
+    result, records = run_limited(tmp_path, "4GiB")
     recovered = [r for r in records if r["event"] == "oom_recovered"]
     plans = [r for r in records if r["event"] == "plan"]
     assert 1 <= len(recovered) <= 3 and result["steps"] == 2
