@@ -178,22 +178,24 @@ def plan_run(run: RunConfig, predictor: Predictor, budget: int, *, larger_micro_
     for plan in plans:
         lines.setdefault((plan.activation_checkpointing, plan.optim), []).append(plan)
     in_hand = [given] if given_fits else []
-    largest_micro = max(p.micro_batch_size for p in plans)
+    # Per optimizer, the checkpointing line needs the least memory at each micro-batch: its largest
+    # fitting micro-batch bounds the line without checkpointing (which needs at least as much).
+    # (No such bound between optimizers: 8-bit AdamW's CPU kernels can peak above fused AdamW's.)
+    bound: dict[str, int] = {}
     if not given_fits:
-        # The line with every remedy needs the least memory at each micro-batch: its largest fitting
-        # micro-batch bounds every other line's (a plan with fewer remedies needs at least as much).
-        saving = max(lines.values(), key=lambda line: (line[0].activation_checkpointing, line[0].optim != given.optim))
-        best_saving = _largest_fitting(sorted(saving, key=lambda p: p.micro_batch_size), peak, limit)
-        if best_saving is None:
-            return _result(None, given, plans, budget, run, predictor)
-        in_hand.append(best_saving)
-        largest_micro = best_saving.micro_batch_size
+        for (checkpointing, optim), line in lines.items():
+            if checkpointing and run.checkpointing is False and (False, optim) in lines:
+                best = _largest_fitting(sorted(line, key=lambda p: p.micro_batch_size), peak, limit)
+                bound[optim] = 0 if best is None else best.micro_batch_size
+                if best is not None:
+                    in_hand.append(best)
     for line in sorted(lines.values(), key=lambda line: -max(p.relative_throughput for p in line)):
         current = pick(given, in_hand, budget)
         # Only plans that could beat (or tie) the plan in hand, and could fit, are worth a prediction.
         floor = -1.0 if current is None else current.relative_throughput - THROUGHPUT_TIE
+        ceiling = bound.get(line[0].optim, max(p.micro_batch_size for p in line))
         others = sorted((p for p in line if p.key() != given.key() and p.relative_throughput >= floor
-                         and p.micro_batch_size <= largest_micro and p.key() not in peak.peaks),
+                         and p.micro_batch_size <= ceiling and p.key() not in peak.peaks),
                         key=lambda p: p.micro_batch_size)
         if others and (best := _largest_fitting(others, peak, limit)) is not None:
             in_hand.append(best)
