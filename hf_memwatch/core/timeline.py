@@ -1,7 +1,7 @@
 """The timeline: ``<output_dir>/memwatch/timeline.jsonl`` (``timeline.rank<N>.jsonl`` on other ranks).
 
 One JSON object per line; a contract read by the report, the auto mode and users' scripts.
-Event kinds: ``snapshot``, ``step``, ``plan``, ``remedy``, ``oom``, ``meta``. All figures in bytes.
+Event kinds: ``snapshot``, ``step``, ``eval``, ``plan``, ``remedy``, ``oom``, ``meta``. All figures in bytes.
 """
 
 from __future__ import annotations
@@ -34,6 +34,11 @@ class TimelineWriter:
         self.directory.mkdir(parents=True, exist_ok=True)
         self.path = self.directory / timeline_filename(rank)
         self._fh: TextIO | None = open(self.path, "w" if fresh else "a", encoding="utf-8")  # noqa: SIM115
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` ran (nothing more is written)."""
+        return self._fh is None
 
     def write(self, record: dict[str, Any]) -> None:
         if self._fh is not None:

@@ -1,0 +1,120 @@
+"""Evaluation and prediction loops: watched (profiler truth), predicted (estimator), post-mortem."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import gpt2_model, read_records, token_dataset, training_args
+from transformers import Trainer
+
+from hf_memwatch import MemWatch
+from hf_memwatch.core.categories import EVAL_LIVE_CLASSES
+from hf_memwatch.measure.attribution import optimizer_state_storages, weight_storages
+from hf_memwatch.testing.truth import cpu_memory_profile, window_peak
+
+
+def accuracy(prediction) -> dict[str, float]:
+    """A user's compute_metrics: next-token accuracy from the full logits (numpy, as the Trainer hands them)."""
+    predicted = prediction.predictions.argmax(-1)[:, :-1]
+    labels = prediction.label_ids[:, 1:]
+    return {"accuracy": float((predicted == labels).mean())}
+
+
+def _scenario_trainer(out_dir, **overrides):
+    """The issue's scenario, scaled: tiny causal LM (vocab 1000), eval batch large, compute_metrics set."""
+    model = gpt2_model(n_layer=2, n_embd=32, vocab=1000)
+    values = dict(max_steps=2, per_device_train_batch_size=4, per_device_eval_batch_size=64)
+    values.update(overrides)
+    args = training_args(out_dir, **values)
+    return Trainer(model=model, args=args, train_dataset=token_dataset(16, 32, 1000),
+                   eval_dataset=token_dataset(256, 32, 1000, seed=1), compute_metrics=accuracy,
+                   callbacks=[MemWatch(detail="full", report=False, summary=False)])
+
+
+def _live_before(trainer) -> int:
+    """Bytes PyTorch holds before a profiled window: weights and optimizer state (grads are None)."""
+    model = trainer.model
+    storages = weight_storages(model, None)
+    storages.update(optimizer_state_storages(trainer.optimizer, None))
+    return sum(storages.values())
+
+
+def test_evaluate_is_watched_and_its_peak_matches_the_profiler(out_dir):
+    trainer = _scenario_trainer(out_dir)
+    trainer.train()
+    baseline = _live_before(trainer)
+    with cpu_memory_profile() as prof:
+        metrics = trainer.evaluate()
+    truth = window_peak(prof, baseline)
+    records = read_records(out_dir)
+    (loop,) = [r for r in records if r["event"] == "eval"]
+    train_peak = max(r["peak"] for r in records if r["event"] == "step")
+
+    assert loop["stage"] == "eval" and loop["step"] == 2 and loop["batches"] == 4
+    assert abs(loop["peak"] - truth) / truth <= 0.02, (loop["peak"], truth)
+    assert loop["peak"] > 3 * train_peak  # the eval loop, not training, is the run's highest moment
+    # The accumulated logits (256 x 32 x 1000 fp32) and labels are the outputs class at the end.
+    logits, labels = 256 * 32 * 1000 * 4, 256 * 32 * 8
+    assert loop["outputs"] >= logits + labels
+    assert loop["live"]["outputs"] >= logits * 3 // 4  # at the peak: the last concatenation
+    snaps = [r for r in records if r["event"] == "snapshot" and r.get("stage") == "eval"]
+    assert {s["phase"] for s in snaps} == {"eval_begin", "eval_forward", "eval_accumulated", "eval_end"}
+    assert [s["batch"] for s in snaps if s["phase"] == "eval_forward"] == [0, 1, 2]  # the first batches
+    for snap in snaps:
+        assert set(snap["live"]) == set(EVAL_LIVE_CLASSES)
+        assert sum(snap["live"].values()) == snap["allocated"]
+    growing = [s["outputs"] for s in snaps if s["phase"] == "eval_accumulated"]
+    assert growing == sorted(growing) and growing[0] > 0
+    assert metrics["eval_accuracy"] >= 0 and "memory/eval_peak" not in metrics
+
+
+def test_predict_is_recorded_as_its_own_stage(out_dir):
+    trainer = _scenario_trainer(out_dir, per_device_eval_batch_size=32)
+    output = trainer.predict(token_dataset(64, 32, 1000, seed=2))
+    (loop,) = [r for r in read_records(out_dir) if r["event"] == "eval"]
+    assert loop["stage"] == "predict" and loop["step"] == 0 and loop["batches"] == 2
+    # Trainer.predict hands the predictions back: on the CPU they are views of torch storage.
+    assert loop["outputs"] >= output.predictions.nbytes
+    assert isinstance(output.predictions, np.ndarray)
+
+
+def test_eval_during_training_keeps_training_figures_apart(out_dir):
+    trainer = _scenario_trainer(out_dir, max_steps=4, eval_strategy="steps", eval_steps=2,
+                                per_device_eval_batch_size=128)
+    trainer.train()
+    records = read_records(out_dir)
+    loops = [r for r in records if r["event"] == "eval"]
+    steps = [r for r in records if r["event"] == "step"]
+    assert [r["step"] for r in loops] == [2, 4]
+    assert len(steps) == 4
+    # The eval loop's peak (≈ 2 × 16 MiB of logits) never shows in a training step's figures.
+    assert max(s["peak"] for s in steps) * 3 < min(r["peak"] for r in loops)
+    train_snaps = [r for r in records if r["event"] == "snapshot" and "stage" not in r]
+    assert max(s["peak"] for s in train_snaps) * 3 < min(r["peak"] for r in loops)
+    eval_logs = [e for e in trainer.state.log_history if "eval_loss" in e]
+    assert [e["memory/eval_peak"] for e in eval_logs] == [r["peak"] for r in loops]
+    for entry, loop in zip(eval_logs, loops, strict=True):
+        classes = sum(entry[f"memory/eval_{name}"] for name in EVAL_LIVE_CLASSES)
+        assert classes + entry["memory/eval_spike"] == loop["peak"]
+
+
+def test_monitoring_does_not_change_eval_metrics(tmp_path):
+    def run(callbacks):
+        torch.manual_seed(0)
+        trainer = _scenario_trainer(tmp_path / str(len(callbacks)), max_steps=2)
+        trainer.remove_callback(MemWatch)
+        for cb in callbacks:
+            trainer.add_callback(cb)
+        trainer.train()
+        return trainer.evaluate()
+
+    with_watch = run([MemWatch(report=False, summary=False)])
+    without = run([])
+    for key in ("eval_loss", "eval_accuracy"):
+        assert with_watch[key] == without[key]
+
+
+@pytest.fixture(autouse=True)
+def _threads():
+    torch.set_num_threads(min(2, torch.get_num_threads()))
