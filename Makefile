@@ -34,6 +34,7 @@ bench: venv
 	$(PY) benchmarks/overhead.py --out benchmarks/results/overhead.md
 	$(PY) benchmarks/accuracy.py
 	$(PY) benchmarks/autotune.py
+	$(PY) benchmarks/eval_accuracy.py
 
 gpu-check: venv
 	$(PY) benchmarks/gpu_check.py --out benchmarks/results/gpu

@@ -180,15 +180,22 @@ def simulate_eval(
     model: torch.nn.Module, fake_mode: Any, *, config: Any, task: str, batch_size: int, samples: int,
     seq_len: int, target_len: int, accumulation_steps: int | None, prediction_loss_only: bool,
     precision: str, device: str, optimizer_state_bytes: int = 0, preprocess_argmax: bool = False,
+    use_cache: bool = False,
 ) -> EvalSimulation:
     """Replay ``Trainer.evaluation_loop`` over ``samples`` examples in batches of ``batch_size``.
 
     ``optimizer_state_bytes``: optimizer state live during the loop (an eval inside ``train()``).
     ``preprocess_argmax``: ``preprocess_logits_for_metrics`` returns ``logits.argmax(-1)``.
+    ``use_cache``: ``TrainingArguments.use_cache`` (the Trainer sets ``config.use_cache`` from it,
+    default False: no KV cache in the eval forward).
     """
     target, device = device, "cpu"  # a CUDA target is simulated on fake CPU tensors (see step.py)
     was_training = model.training
     model.eval()
+    model_config = getattr(model, "config", None)
+    saved_use_cache = getattr(model_config, "use_cache", None)
+    if model_config is not None and saved_use_cache is not None:
+        model_config.use_cache = use_cache
     saved_forward = model.__dict__.get("forward")
     if precision in MIXED_DTYPES:
         wrap_autocast(model, device, precision)
@@ -269,6 +276,8 @@ def simulate_eval(
         finally:
             _restore_forward(model, saved_forward)
             model.train(was_training)
+            if model_config is not None and saved_use_cache is not None:
+                model_config.use_cache = saved_use_cache
 
     classes = dict(best["classes"])
     classes["optimizer_states"] = optimizer_state_bytes
