@@ -26,7 +26,7 @@ import torch
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
-from ..core.errors import MemWatchConfigError
+from ..core.errors import MemWatchConfigError, is_oom_error
 from ..core.timeline import TIMELINE_DIRNAME, TimelineWriter
 from ..measure.backends import backend_for
 from ..measure.distributed import make_monitor
@@ -50,7 +50,7 @@ from ..reporting.sinks import (
 )
 from ..reporting.summary import finish_reports
 from .auto import AutoMode
-from .eval_watch import accumulated_outputs, held_tensors, install_eval_watch
+from .eval_watch import accumulated_outputs, failed_loop_outputs, held_tensors, install_eval_watch
 
 logger = logging.getLogger("hf_memwatch")
 
@@ -426,6 +426,9 @@ class MemWatch(TrainerCallback, ExportableState):
 
     @_guarded
     def _eval_inputs(self, module: Any, args: Any, kwargs: Any) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if isinstance(ids, torch.Tensor) and ids.dim() >= 2:
+            self.last_seq_len = int(ids.shape[-1])  # for the OOM post-mortem's estimates
         monitor = self.monitor
         if monitor is not None and monitor.eval is not None:
             tensors = [a for a in args if isinstance(a, torch.Tensor)]
@@ -458,15 +461,20 @@ class MemWatch(TrainerCallback, ExportableState):
         loop = monitor.eval
         if output is not None:
             held = list(held_tensors((getattr(output, "predictions", None), getattr(output, "label_ids", None))))
+        elif error is not None:
+            held = failed_loop_outputs(error, self.trainer)
         else:
-            held = accumulated_outputs(self.trainer)
+            held = []
         record = monitor.end_eval(held, batches=loop.batch)
-        if error is not None and record is not None and self.oom_report and self.trainer is not None:
-            from ..reporting.oom import is_oom_error, write_eval_oom_report
+        del held  # the post-mortem's estimator may need the memory
+        trainer = self.trainer
+        if error is None or record is None or not self.oom_report or trainer is None or not is_oom_error(error):
+            return
+        from ..reporting.eval_oom import write_eval_oom_report
 
-            if is_oom_error(error):
-                write_eval_oom_report(self.memwatch_dir(self.trainer.args), error, record, self.trainer)
-                self._eval_oom_reported = error
+        self._eval_oom_reported = error
+        write_eval_oom_report(self.memwatch_dir(trainer.args), error, record, loop.last, trainer,
+                              seq_len=self.last_seq_len, writer=monitor.writer)
 
     def eval_scalars(self) -> dict[str, int] | None:
         """``memory/eval_*`` figures of the eval loop that just ended (once per loop)."""

@@ -83,6 +83,17 @@ def accumulated_outputs(trainer: Any) -> list[torch.Tensor]:
     return []
 
 
+def failed_loop_outputs(exc: BaseException, trainer: Any) -> list[torch.Tensor]:
+    """Tensors held by the containers of ``trainer``'s ``evaluation_loop`` that ``exc`` came out of."""
+    tb = exc.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code.co_name == "evaluation_loop" and frame.f_locals.get("self") is trainer:
+            return [t for name in CONTAINER_NAMES for t in held_tensors(frame.f_locals.get(name))]
+        tb = tb.tb_next
+    return []
+
+
 def install_eval_watch(trainer: Any, watcher: Any) -> bool:
     """Wrap ``trainer.evaluation_loop`` and ``trainer.prediction_step`` (this instance) for ``watcher``.
 
