@@ -98,6 +98,22 @@ def test_eval_during_training_keeps_training_figures_apart(out_dir):
         classes = sum(entry[f"memory/eval_{name}"] for name in EVAL_LIVE_CLASSES)
         assert classes + entry["memory/eval_spike"] == loop["peak"]
 
+    # The picture marks each loop at its peak; the summary names the eval loop as the run's highest moment.
+    from hf_memwatch.reporting.report import draw, load_run
+    from hf_memwatch.reporting.summary import highest_moment, load_eval_records, load_summary_inputs
+
+    (run,) = load_run(out_dir)
+    assert run.evals == loops and all("stage" not in s for s in run.snapshots)
+    figure = draw([run])
+    labels = figure.axes[0].get_legend_handles_labels()[1]
+    assert "eval / predict loop (its peak)" in labels
+    assert max(figure.axes[0].get_ylim()) * 2**20 >= max(r["peak"] for r in loops)
+    step_records = load_summary_inputs(out_dir)[0]
+    top = max(loops, key=lambda r: r["peak"])
+    line = highest_moment(step_records, load_eval_records(out_dir))
+    assert line.startswith(f"highest moment of the run: the eval loop after step {top['step']}, batch "
+                           f"{top['peak_batch']} — {top['peak'] / 2**20:.2f} MiB"), line
+
 
 def test_monitoring_does_not_change_eval_metrics(tmp_path):
     def run(callbacks):
