@@ -210,3 +210,71 @@ def test_a_real_cpu_oom_in_evaluate_names_the_loop_the_batch_the_outputs_and_the
     # argmax keeps 8 bytes a token instead of 4000: it saves nearly the whole 1 GiB of logits.
     row = next(line for line in section.splitlines() if "argmax" in line)
     assert "GiB" in row.split("|")[3] or float(row.split("|")[3].split()[0]) > 900, row
+
+
+# -- predicted: the estimator's eval loop against real Trainer.evaluate() runs ------------------------
+
+
+@pytest.mark.parametrize(
+    ("builder", "task", "batch", "samples", "seq_len", "steps", "loss_only"),
+    [
+        ("gpt2", "causal-lm", 32, 96, 32, None, False),
+        ("gpt2", "causal-lm", 8, 200, 16, 4, False),  # 25 batches: fast-forwarded between the replayed ones
+        ("bert", "seq-cls", 16, 48, 32, None, False),
+        ("gpt2", "causal-lm", 16, 48, 32, None, True),
+    ],
+)
+def test_eval_estimate_within_1_percent_of_a_real_evaluate(builder, task, batch, samples, seq_len, steps, loss_only):
+    from conftest import bert_model
+
+    from hf_memwatch.estimation import estimate_eval
+    from hf_memwatch.testing.estimate_truth import evaluate_peak
+
+    model = gpt2_model(n_layer=2, n_embd=32) if builder == "gpt2" else bert_model(hidden=32)
+    predicted = estimate_eval(model, eval_batch_size=batch, eval_samples=samples, seq_len=seq_len,
+                              eval_accumulation_steps=steps, prediction_loss_only=loss_only)
+    truth = evaluate_peak(model, task=task, batch_size=batch, samples=samples, seq_len=seq_len,
+                          accumulation_steps=steps, prediction_loss_only=loss_only)
+    assert abs(predicted.peak_bytes - truth) / truth <= 0.01, (predicted, truth)
+    assert sum(predicted.classes.values()) == predicted.peak_bytes
+    if not loss_only and task == "causal-lm":
+        assert predicted.classes["outputs"] > predicted.classes["weights"]
+
+
+def test_estimate_gains_eval_fields_and_the_cli_flags(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from transformers import GPT2Config
+
+    from hf_memwatch.estimation import estimate
+
+    config = GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=1000, n_positions=256,
+                        architectures=["GPT2LMHeadModel"], bos_token_id=0, eos_token_id=0)
+    plain = estimate(config, batch_size=4, seq_len=32)
+    assert plain.eval_peak_bytes is None and plain.eval_classes is None and plain.eval_peak_phase is None
+    both = estimate(config, batch_size=4, seq_len=32, eval_batch_size=64, eval_samples=256)
+    assert both.peak_bytes == plain.peak_bytes
+    assert both.eval_peak_bytes > 10 * both.peak_bytes and both.eval_peak_phase == "eval_accumulate"
+    assert sum(both.eval_classes.values()) == both.eval_peak_bytes
+    # Inside train() the optimizer state is live beside the loop.
+    assert both.eval_classes["optimizer_states"] == plain.classes["optimizer_states"] > 0
+    standalone = estimate(config, batch_size=4, seq_len=32, eval_batch_size=64, eval_samples=256,
+                          eval_in_training=False)
+    assert standalone.eval_peak_bytes == both.eval_peak_bytes - plain.classes["optimizer_states"]
+
+    config.save_pretrained(tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-m", "hf_memwatch.cli", "estimate", str(tmp_path), "--batch-size", "4", "--seq-len", "32",
+         "--eval-batch-size", "64", "--eval-samples", "256", "--eval-accumulation-steps", "2", "--json"],
+        capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    payload = json.loads(proc.stdout)
+    with_steps = estimate(config, batch_size=4, seq_len=32, eval_batch_size=64, eval_samples=256,
+                          eval_accumulation_steps=2)
+    assert payload["eval_peak_bytes"] == with_steps.eval_peak_bytes
+    assert payload["eval_classes"] == with_steps.eval_classes and payload["eval_peak_phase"]
+    bad = subprocess.run([sys.executable, "-m", "hf_memwatch.cli", "estimate", str(tmp_path), "--eval-batch-size", "8"],
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "eval_samples" in bad.stderr

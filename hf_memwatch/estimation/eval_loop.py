@@ -22,7 +22,8 @@ memory (not a torch allocation, so invisible to PyTorch's accounting and not cou
 reported in ``notes``) and the torch storages die. Without ``eval_accumulation_steps`` everything
 stays on the device until the end.
 
-Only a few batches are replayed: the first two, the last two, and the two before the last flush;
+Only a few batches are replayed: the first two, the last two, the two before the second and the
+last flush;
 between them the containers are fast-forwarded to the sizes they would have (fresh tensors of the
 same shapes: the same bytes).
 """
@@ -163,16 +164,19 @@ def _resized(spec: Any, rows: int, fp32_for_bf16: bool = False) -> Any:
 
 
 def replayed_batches(batches: int, accumulation_steps: int | None) -> list[int]:
-    """Batch indices worth replaying: first two, last two, and the two before the last flush.
+    """Batch indices worth replaying: first two, last two, the two before the second and the last flush.
 
     Example:
         >>> replayed_batches(100, None), replayed_batches(100, 8)
-        ([0, 1, 98, 99], [0, 1, 94, 95, 98, 99])
+        ([0, 1, 98, 99], [0, 1, 14, 15, 94, 95, 98, 99])
     """
     picked = {0, 1, batches - 2, batches - 1}
     if accumulation_steps:
-        last_flush = (batches // accumulation_steps) * accumulation_steps - 1  # index of the last flush batch
-        picked |= {last_flush - 1, last_flush}
+        k = accumulation_steps
+        last_flush = (batches // k) * k - 1  # index of the last flush batch
+        # On the CPU the first flushed chunk stays torch memory until the second flush: the window
+        # before the second flush holds it beside a full window of outputs.
+        picked |= {last_flush - 1, last_flush, 2 * k - 2, 2 * k - 1}
     return sorted(i for i in picked if 0 <= i < batches)
 
 
