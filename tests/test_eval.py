@@ -77,6 +77,11 @@ def test_predict_is_recorded_as_its_own_stage(out_dir):
     # Trainer.predict hands the predictions back: on the CPU they are views of torch storage.
     assert loop["outputs"] >= output.predictions.nbytes
     assert isinstance(output.predictions, np.ndarray)
+    # A train() after it continues the timeline the prediction opened instead of wiping it.
+    trainer.train()
+    records = read_records(out_dir)
+    assert [r["stage"] for r in records if r["event"] == "eval"] == ["predict"]
+    assert [r["step"] for r in records if r["event"] == "step"] == [1, 2]
 
 
 def test_eval_during_training_keeps_training_figures_apart(out_dir):
