@@ -287,6 +287,10 @@ def simulate_eval(
     classes["optimizer_states"] = optimizer_state_bytes
     host = sum(c.host_bytes for c in containers.values())
     notes = []
+    if task == "seq2seq" and not prediction_loss_only:
+        notes.append("eval: the loop modelled is the forward with labels (Seq2SeqTrainer without "
+                     "predict_with_generate); generation (generated tokens, the KV cache of generation_max_length "
+                     "x beams) is not modelled")
     if host:
         notes.append(f"eval: {host} bytes of outputs copied into numpy memory on the host (not torch allocations)")
     return EvalSimulation(sum(classes.values()), best["phase"], classes, host, notes)
