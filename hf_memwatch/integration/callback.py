@@ -50,7 +50,7 @@ from ..reporting.sinks import (
 )
 from ..reporting.summary import finish_reports
 from .auto import AutoMode
-from .eval_watch import accumulated_outputs, failed_loop_outputs, held_tensors, install_eval_watch
+from .eval_watch import container_tensors, held_tensors, install_eval_watch
 
 logger = logging.getLogger("hf_memwatch")
 
@@ -167,6 +167,7 @@ class MemWatch(TrainerCallback, ExportableState):
         self._logging_steps = 0
         self.last_seq_len: int | None = None
         self._eval_hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self._eval_containers: list[Any] = []  # the running eval loop's EvalLoopContainers
         self._eval_only_timeline = False  # an eval before train() opened the timeline: train appends
         self._eval_logged: dict[str, Any] | None = None  # the eval record whose scalars went out
         self._eval_oom_reported: BaseException | None = None  # an OOM an eval loop already reported
@@ -399,8 +400,12 @@ class MemWatch(TrainerCallback, ExportableState):
 
     # -- evaluation loops (driven by hf_memwatch.integration.eval_watch) -----------------------
     @_guarded
-    def eval_loop_begin(self, stage: str) -> None:
-        """An ``evaluate()``/``predict()`` loop starts: open its peak window (and a monitor if none)."""
+    def eval_loop_begin(self, stage: str, containers: list[Any]) -> None:
+        """An ``evaluate()``/``predict()`` loop starts: open its peak window (and a monitor if none).
+
+        ``containers`` fills with the loop's ``EvalLoopContainer``s as the Trainer creates them.
+        """
+        self._eval_containers = containers
         trainer = self.trainer
         if trainer is None:
             return
@@ -440,13 +445,13 @@ class MemWatch(TrainerCallback, ExportableState):
         """After each batch's no-grad forward (``prediction_step`` returned)."""
         monitor = self.monitor
         if monitor is not None and monitor.eval is not None:
-            monitor.eval_snapshot("eval_forward", accumulated_outputs(self.trainer))
+            monitor.eval_snapshot("eval_forward", container_tensors(self._eval_containers))
 
     @_guarded
     def on_prediction_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         monitor = self.monitor
         if monitor is not None and monitor.eval is not None:  # the containers hold the batch now
-            monitor.eval_snapshot("eval_accumulated", accumulated_outputs(self.trainer))
+            monitor.eval_snapshot("eval_accumulated", container_tensors(self._eval_containers))
             monitor.eval.batch += 1
 
     @_guarded
@@ -462,9 +467,10 @@ class MemWatch(TrainerCallback, ExportableState):
         if output is not None:
             held = list(held_tensors((getattr(output, "predictions", None), getattr(output, "label_ids", None))))
         elif error is not None:
-            held = failed_loop_outputs(error, self.trainer)
+            held = container_tensors(self._eval_containers)
         else:
             held = []
+        del self._eval_containers[:]  # the loop's own list: nothing of ours keeps its outputs
         record = monitor.end_eval(held, batches=loop.batch)
         del held  # the post-mortem's estimator may need the memory
         trainer = self.trainer

@@ -12,16 +12,15 @@ Trainer *instance* (the class is untouched):
   forward; the callback's ``on_prediction_step`` takes ``eval_accumulated`` once the containers
   hold the batch.
 
-The accumulated tensors are read from the ``evaluation_loop`` frame on the call stack (the same
-introspection :func:`~hf_memwatch.integration.callback.find_trainer` uses; read-only): the
-containers' public ``tensors`` (on the device) and ``arrays`` (numpy, which on the CPU may still be
-views of torch storages, counted through their ``base``).
+The accumulated tensors are those of the loop's containers, registered as the Trainer creates them
+(:func:`registering_containers`): their public ``tensors`` (on the device) and ``arrays`` (numpy,
+which on the CPU may still be views of torch storages, counted through their ``base``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -72,32 +71,50 @@ def held_tensors(value: Any) -> Iterator[torch.Tensor]:
             yield base
 
 
-def accumulated_outputs(trainer: Any) -> list[torch.Tensor]:
-    """Tensors held by the containers of ``trainer``'s ``evaluation_loop`` running on this thread's stack."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_name == "evaluation_loop" and frame.f_locals.get("self") is trainer:
-            local = frame.f_locals
-            return [t for name in CONTAINER_NAMES for t in held_tensors(local.get(name))]
-        frame = frame.f_back
-    return []
+def container_tensors(containers: list[Any]) -> list[torch.Tensor]:
+    """Tensors held by the eval loop's containers (device tensors and numpy views of torch storage)."""
+    return [t for container in containers for t in held_tensors(container)]
 
 
-def failed_loop_outputs(exc: BaseException, trainer: Any) -> list[torch.Tensor]:
-    """Tensors held by the containers of ``trainer``'s ``evaluation_loop`` that ``exc`` came out of."""
-    tb = exc.__traceback__
-    while tb is not None:
-        frame = tb.tb_frame
-        if frame.f_code.co_name == "evaluation_loop" and frame.f_locals.get("self") is trainer:
-            return [t for name in CONTAINER_NAMES for t in held_tensors(frame.f_locals.get(name))]
-        tb = tb.tb_next
-    return []
+@contextlib.contextmanager
+def registering_containers(found: list[Any]) -> Iterator[None]:
+    """While the loop runs, every ``EvalLoopContainer`` the Trainer creates is appended to ``found``.
+
+    ``Trainer.evaluation_loop`` builds its four containers through the name ``EvalLoopContainer`` of
+    the ``transformers.trainer`` module; for the loop's duration that name is a subclass whose only
+    addition is to register each instance (the containers behave exactly as before). Reading them
+    from the loop's frame instead would not do: on Python < 3.13, ``frame.f_locals`` caches a dict
+    holding every local of the running frame — the previous batch's logits among them — until the
+    next read, which would keep a batch of logits alive that the Trainer has already dropped.
+    """
+    try:
+        from transformers import trainer as trainer_module
+    except ImportError:  # pragma: no cover - no transformers, no containers
+        yield
+        return
+    base = getattr(trainer_module, "EvalLoopContainer", None)
+    if not isinstance(base, type):  # another transformers layout: outputs are then counted as other
+        yield
+        return
+
+    class RegisteredContainer(base):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            found.append(self)
+
+    RegisteredContainer.__name__ = RegisteredContainer.__qualname__ = base.__name__
+    trainer_module.EvalLoopContainer = RegisteredContainer
+    try:
+        yield
+    finally:
+        trainer_module.EvalLoopContainer = base
 
 
 def install_eval_watch(trainer: Any, watcher: Any) -> bool:
     """Wrap ``trainer.evaluation_loop`` and ``trainer.prediction_step`` (this instance) for ``watcher``.
 
-    ``watcher`` (the ``MemWatch`` callback) provides ``eval_loop_begin(stage)``,
+    ``watcher`` (the ``MemWatch`` callback) provides ``eval_loop_begin(stage, containers)`` (the list
+    the loop's containers are registered in while it runs),
     ``eval_loop_end(output, error)`` and ``eval_forward_done()``; its faults are its own to
     contain (they must never stop the loop). Returns False when already installed.
     """
@@ -111,12 +128,16 @@ def install_eval_watch(trainer: Any, watcher: Any) -> bool:
 def _wrap_loop(original: Callable[..., Any], watcher: Any) -> Callable[..., Any]:
     @functools.wraps(original)
     def evaluation_loop(dataloader: Any, description: str, *args: Any, **kwargs: Any) -> Any:
-        watcher.eval_loop_begin(loop_stage(description))
+        containers: list[Any] = []
+        watcher.eval_loop_begin(loop_stage(description), containers)
         try:
-            output = original(dataloader, description, *args, **kwargs)
+            with registering_containers(containers):
+                output = original(dataloader, description, *args, **kwargs)
         except BaseException as exc:
             watcher.eval_loop_end(None, exc)
             raise
+        finally:
+            del containers[:]  # never keep the loop's outputs beyond it
         watcher.eval_loop_end(output, None)
         return output
 
