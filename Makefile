@@ -24,7 +24,7 @@ lint: venv
 	$(VENV)/bin/ruff check hf_memwatch tests examples benchmarks
 
 test: lint
-	$(VENV)/bin/pytest -q -p no:cacheprovider tests
+	$(VENV)/bin/pytest -q -p no:cacheprovider --doctest-modules hf_memwatch tests
 
 demo: venv
 	rm -rf demo-output
@@ -32,8 +32,10 @@ demo: venv
 
 bench: venv
 	$(PY) benchmarks/overhead.py --out benchmarks/results/overhead.md
+	$(PY) benchmarks/fixed_cost.py --out benchmarks/results/fixed_cost.md
 	$(PY) benchmarks/accuracy.py
 	$(PY) benchmarks/autotune.py
+	$(PY) benchmarks/lengths.py --out benchmarks/results/lengths.md
 	$(PY) benchmarks/eval_accuracy.py
 
 gpu-check: venv

@@ -87,8 +87,14 @@ def measure_peak(output_dir: str) -> dict[str, int]:
     baseline = sum(t.untyped_storage().nbytes() for t in [*model.parameters(), *model.buffers()])
     with cpu_memory_profile() as prof:
         trainer.train()
+    # An unassisted optimizer step of the configuration as given, unprofiled (the unit of planning cost).
+    trainer, clock = build_trainer(output_dir, "as_given", None)
+    trainer.args.max_steps = 4
+    trainer.train()
+    ends = clock.attempts[-1]["step_ends"]
+    step_seconds = (ends[-1] - ends[0]) / (len(ends) - 1)
     del torch
-    return {"peak": max(step_peaks(prof, baseline)), "baseline": baseline}
+    return {"peak": max(step_peaks(prof, baseline)), "baseline": baseline, "step_seconds": step_seconds}
 
 
 ACCURACY_PLANS = (
@@ -98,20 +104,15 @@ ACCURACY_PLANS = (
 
 
 def prediction_accuracy(output_dir: str) -> str:
-    """The auto mode's probe predictions against the profiler truth of the very plans, one run each."""
+    """The auto mode's predictions (the estimator replaying the Trainer's own step) against the
+    profiler truth of the very plans, one run each."""
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
+    from hf_memwatch.core.run_config import RunConfig
     from hf_memwatch.core.units import format_bytes
-    from hf_memwatch.integration.auto import (
-        PREDICTION_SAFETY,
-        PROBE_SIZES,
-        Probe,
-        ProbeResult,
-        _PreservedState,
-    )
-    from hf_memwatch.measure.backends import backend_for
-    from hf_memwatch.planning.remedies import Plan
+    from hf_memwatch.planning.plan import Plan
+    from hf_memwatch.planning.predict import ESTIMATE_MARGIN, EstimatorPredictor
     from hf_memwatch.testing.truth import StepMarker, cpu_memory_profile, step_peaks
 
     def trainer_for(micro: int, accum: int, ckpt: bool, optim: str, callbacks: list[Any]) -> Any:
@@ -128,33 +129,26 @@ def prediction_accuracy(output_dir: str) -> str:
         return Trainer(model=model, args=args, train_dataset=data, callbacks=callbacks)
 
     trainer = trainer_for(8, 1, False, "adamw_torch_fused", [])
-    model = trainer.model
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    probe = Probe(trainer, backend_for(torch.device("cpu")))
-    result = ProbeResult(weights=weights, gradients=weights)
-    with _PreservedState(model):
-        for ckpt in (False, True):
-            result.forward_backward[ckpt] = probe.forward_backward(PROBE_SIZES, ckpt)
-        for optim in {plan[3] for plan in ACCURACY_PLANS}:
-            result.optimizer_states[optim], result.optimizer_temporaries[optim] = probe.optimizer(optim)
+    weights = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
+    predictor = EstimatorPredictor(trainer, RunConfig.from_trainer(trainer))
     lines = [
-        "Prediction accuracy: GPT-2 (2 layers, 128 wide), sequence 64, effective batch 8, CPU; probes at "
-        f"micro-batches {PROBE_SIZES} (8 is extrapolated); truth = highest step peak of a 2-step run "
+        "Prediction accuracy: GPT-2 (2 layers, 128 wide), sequence 64, effective batch 8, CPU; predicted by the "
+        "estimator replaying this Trainer's own step on fake tensors; truth = highest step peak of a 2-step run "
         "(torch.profiler memory events).",
         "",
-        f"| plan | predicted raw | predicted (x{PREDICTION_SAFETY} margin above the weights) | truth | truth / raw |",
+        f"| plan | predicted raw | planned (x{1 + ESTIMATE_MARGIN} margin) | truth | planned / truth |",
         "|---|---|---|---|---|",
     ]
     for micro, accum, ckpt, optim in ACCURACY_PLANS:
-        predicted = result.predict(Plan(micro, accum, ckpt, optim))
-        raw = int(weights + (predicted - weights) / PREDICTION_SAFETY)
+        plan = Plan(micro, accum, ckpt, optim)
+        raw, planned = predictor.estimate(plan).peak_bytes, predictor.peak(plan)
         run = trainer_for(micro, accum, ckpt, optim, [StepMarker()])
         with cpu_memory_profile() as prof:
             run.train()
         truth = max(step_peaks(prof, weights))
         lines.append(
             f"| {micro}x{accum}{', checkpointing' if ckpt else ''}, {optim} | {format_bytes(raw)} | "
-            f"{format_bytes(predicted)} | {format_bytes(truth)} | {truth / raw:.4f} |"
+            f"{format_bytes(planned)} | {format_bytes(truth)} | {planned / truth:.4f} |"
         )
     return "\n".join(lines)
 
@@ -200,8 +194,8 @@ def child(mode: str, headroom: int, budget: int, output_dir: str) -> dict[str, A
         "steps_per_attempt": [len(a["step_ends"]) for a in attempts],
         "predicted_peak": next((cb.auto_plan or {} for cb in trainer.callback_handler.callbacks
                                 if hasattr(cb, "auto_plan") and cb.auto_plan), {}).get("predicted_peak"),
-        "planning_seconds": next((cb._auto.probe_seconds for cb in trainer.callback_handler.callbacks
-                                  if getattr(cb, "_auto", None) is not None), None),
+        "planning_seconds": next((cb.planning_seconds for cb in trainer.callback_handler.callbacks
+                                  if getattr(cb, "planning_seconds", None) is not None), None),
         "samples_per_second": (effective * (len(ends) - 1) / (ends[-1] - ends[0])) if useful and len(ends) > 1 else None,
     }
 
@@ -233,17 +227,24 @@ def table(results: list[dict[str, Any]], calibration: dict[str, int], headroom: 
         f"{format_bytes(calibration['peak'])} (model {format_bytes(calibration['baseline'])}); address-space "
         f"headroom {format_bytes(headroom)} above the process at train(); MemWatch budget {format_bytes(budget)}. "
         f"Load average at start: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (shared machine: timings are "
-        "indicative).",
+        "indicative). One unassisted optimizer step of the configuration as given (unlimited): "
+        f"{calibration['step_seconds']:.2f} s.",
         "",
         "| contender | OOM exceptions | steps wasted | seconds before first useful step (of which planning) | final micro-batch x accum (ckpt, optim) | effective batch | samples/s | outcome |",
         "|---|---|---|---|---|---|---|---|",
     ]
+    def planning(r: dict[str, Any]) -> str:
+        seconds = r.get("planning_seconds")
+        if not seconds:
+            return ""
+        return f" ({seconds:.2f} = {seconds / calibration['step_seconds']:.1f} unassisted steps)"
+
     for r in results:
         plan = f"{r.get('micro_batch')} x {r.get('accumulation')} ({'ckpt' if r.get('checkpointing') else 'no ckpt'}, {r.get('optim')})"
         lines.append(
             f"| {r['mode']} | {fmt(r.get('ooms'))} | {fmt(r.get('wasted_steps'))} | "
             f"{fmt(r.get('seconds_before_first_useful_step'), '{:.2f}')}"
-            f"{fmt(r.get('planning_seconds'), ' ({:.2f})') if r.get('planning_seconds') else ''} | {plan} | {fmt(r.get('effective_batch'))} | "
+            f"{planning(r)} | {plan} | {fmt(r.get('effective_batch'))} | "
             f"{fmt(r.get('samples_per_second'), '{:.1f}')} | {r.get('error') or 'trained ' + str(r.get('steps')) + ' steps'} |"
         )
     return "\n".join(lines)

@@ -362,6 +362,7 @@ def train_and_evaluate(args: argparse.Namespace) -> dict[str, Any]:
     }
     if callbacks:
         summary["memwatch"] = memwatch_summary(timeline_records(args.output_dir)[earlier_records:])
+        callbacks[0].wait_for_reports()  # memory.png is drawn in the background during evaluation
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     (Path(args.output_dir) / "glue_results.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary

@@ -21,22 +21,25 @@ if TYPE_CHECKING:
     from .estimation import MemoryEstimate, estimate, largest_fitting_batch
     from .integration.callback import MemWatch
 
-# Imported on first use: transformers' Trainer (and through it peft, bitsandbytes) takes seconds to
-# import, which the command line and ``hf_memwatch.core`` users need not pay.
+# Imported on first use: they pull in torch and transformers, which the picture drawn in a background
+# process (``hf_memwatch.reporting.background``) and ``hf-memwatch report`` do not need.
 _LAZY = {
-    "MemWatch": "hf_memwatch.integration.callback",
-    "MemoryEstimate": "hf_memwatch.estimation",
-    "estimate": "hf_memwatch.estimation",
-    "largest_fitting_batch": "hf_memwatch.estimation",
+    "MemWatch": "integration.callback",
+    "MemoryEstimate": "estimation",
+    "estimate": "estimation",
+    "largest_fitting_batch": "estimation",
 }
+_SUBPACKAGES = ("core", "measure", "estimation", "planning", "integration", "reporting", "cli", "testing")
 
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
         globals()[name] = value
         return value
-    raise AttributeError(f"module 'hf_memwatch' has no attribute {name!r}")
+    if name in _SUBPACKAGES:
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = [

@@ -74,6 +74,29 @@ def loss_history(trainer) -> list[float]:
     return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
 
 
+# Every timeline record the suite writes is checked against its typed definition (the README's
+# contract, hf_memwatch.core.records); tests/test_zz_timeline_contract.py reads the verdict.
+WRITTEN_RECORDS: dict[str, int] = {}
+RECORD_PROBLEMS: list[str] = []
+
+
+@pytest.fixture(autouse=True, scope="session")
+def check_every_timeline_record():
+    from hf_memwatch.core.records import validate_record
+    from hf_memwatch.core.timeline import TimelineWriter
+
+    original = TimelineWriter.write
+
+    def write(self, record):
+        WRITTEN_RECORDS[str(record.get("event"))] = WRITTEN_RECORDS.get(str(record.get("event")), 0) + 1
+        RECORD_PROBLEMS.extend(validate_record(record))
+        return original(self, record)
+
+    TimelineWriter.write = write
+    yield
+    TimelineWriter.write = original
+
+
 @pytest.fixture
 def out_dir(tmp_path: Path) -> Path:
     return tmp_path / "run"

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
@@ -11,11 +13,12 @@ import torch
 from conftest import gpt2_model, loss_history, read_records, token_dataset, training_args
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
 
 from hf_memwatch import MemWatch, MemWatchConfigError, PlanError
-from hf_memwatch.integration.auto import THROUGHPUT_TIE, candidate_plans, choose
-from hf_memwatch.planning.remedies import Plan, optim_name
+from hf_memwatch.core.run_config import RunConfig, optim_name
+from hf_memwatch.planning.chooser import THROUGHPUT_TIE, candidates, plan_run
+from hf_memwatch.planning.plan import Plan
 from hf_memwatch.testing.truth import StepMarker, cpu_memory_profile, step_peaks
 
 SEQ = 64
@@ -114,34 +117,72 @@ def test_bad_arguments_fail_fast(kwargs: dict[str, Any]) -> None:
         MemWatch(**kwargs)
 
 
-@pytest.mark.parametrize("restore_callback", [False, True])
-def test_resume_keeps_the_plan_and_auto_find_batch_size_is_replaced(tmp_path: Path, caplog: Any,
-                                                                   restore_callback: bool) -> None:
-    out = tmp_path / "run"
-    config = {"per_device_train_batch_size": 8, "save_strategy": "steps", "save_steps": 1}
-    run(out, [MemWatch(auto=True, budget="12MiB", **LIGHT)], profiled=False, max_steps=1, **config)
-    [plan] = plan_records(out)
-    assert plan["micro_batch_size"] < 8
+class StopAfter(TrainerCallback):
+    """Interrupts a run after ``steps`` optimizer steps (its schedule stays that of the whole run)."""
 
-    # Resumed with the configuration as first given and a budget that would plan differently.
-    model = gpt2_model()
-    watch = MemWatch(auto=True, budget="2GiB", **LIGHT)
-    args = training_args(out, max_steps=2, auto_find_batch_size=True,
-                         restore_callback_states_from_checkpoint=restore_callback, **config)
-    trainer = Trainer(model=model, args=args, train_dataset=token_dataset(64, SEQ, 1000), callbacks=[watch])
+    def __init__(self, steps: int) -> None:
+        self.steps = steps
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        control.should_training_stop = state.global_step >= self.steps
+
+
+def trainer_state(checkpoint: Path) -> dict[str, Any]:
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    for entry in state["log_history"]:  # wall-clock figures differ between any two runs; memory keys may
+        for key in [k for k in entry if k.endswith(("_runtime", "_per_second")) or k.startswith("memory/")]:
+            del entry[key]
+    return state
+
+
+@pytest.mark.parametrize("restore_callback", [False, True])
+def test_resume_keeps_the_plan_and_the_trainer_state(tmp_path: Path, caplog: Any, restore_callback: bool) -> None:
+    config = {"per_device_train_batch_size": 8, "save_strategy": "steps", "save_steps": 1, "max_steps": 2,
+              "auto_find_batch_size": True, "restore_callback_states_from_checkpoint": restore_callback}
+    whole = tmp_path / "whole"
+    run(whole, [MemWatch(auto=True, budget="12MiB", **LIGHT)], profiled=False, **config)
+    [plan] = plan_records(whole)
+    assert plan["micro_batch_size"] < 8 and plan["configured"]["micro_batch_size"] == 8
+
+    # The same run stopped after step 1, then resumed with the configuration as first given: the
+    # saved plan is kept, nothing in the state differs from the uninterrupted run's.
+    out = tmp_path / "resumed"
+    run(out, [MemWatch(auto=True, budget="12MiB", **LIGHT), StopAfter(1)], profiled=False, **config)
+    watch = MemWatch(auto=True, budget="12MiB", **LIGHT)
+    trainer = Trainer(model=gpt2_model(), args=training_args(out, **config), train_dataset=token_dataset(64, SEQ, 1000),
+                      callbacks=[watch])
     with caplog.at_level(logging.WARNING, logger="hf_memwatch"):
         trainer.train(resume_from_checkpoint=str(out / "checkpoint-1"))
     resumed = plan_records(out)[-1]
-    assert resumed["reason"].startswith("resumed from checkpoint")
-    assert {k: resumed[k] for k in ("micro_batch_size", "gradient_accumulation_steps", "optim")} == {
-        k: plan[k] for k in ("micro_batch_size", "gradient_accumulation_steps", "optim")}
+    assert resumed["resumed"] is True and "resumed from checkpoint, kept" in caplog.text
+    assert {k: v for k, v in resumed.items() if k != "resumed"} == plan
     assert trainer.args.per_device_train_batch_size == plan["micro_batch_size"]
-    assert trainer.args.auto_find_batch_size is False and "auto_find_batch_size is turned off" in caplog.text
-    assert trainer.state.global_step == 2
+    assert trainer.args.auto_find_batch_size is True  # kept as the last resort
+    assert trainer_state(out / "checkpoint-2") == trainer_state(whole / "checkpoint-2")
     # With restore_callback_states_from_checkpoint the Trainer rebuilt the callback from its state.
     [rebuilt] = [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, MemWatch)]
     assert (rebuilt is not watch) == restore_callback
-    assert rebuilt.auto_plan["micro_batch_size"] == plan["micro_batch_size"] and rebuilt.auto is True
+    assert rebuilt.auto_plan == plan and rebuilt.auto is True
+
+
+def test_resume_with_another_batch_configuration_plans_anew(tmp_path: Path, caplog: Any) -> None:
+    out = tmp_path / "run"
+    config = {"save_strategy": "steps", "save_steps": 1}
+    run(out, [MemWatch(auto=True, budget="12MiB", **LIGHT)], profiled=False, max_steps=1,
+        per_device_train_batch_size=8, **config)
+    [plan] = plan_records(out)
+    # Resumed asking for 4 x 4: the saved plan (for 8 x 1) must not replace it.
+    trainer = Trainer(model=gpt2_model(), train_dataset=token_dataset(64, SEQ, 1000),
+                      args=training_args(out, max_steps=2, per_device_train_batch_size=4,
+                                         gradient_accumulation_steps=4, **config),
+                      callbacks=[MemWatch(auto=True, budget="12MiB", **LIGHT)])
+    with caplog.at_level(logging.WARNING, logger="hf_memwatch"):
+        trainer.train(resume_from_checkpoint=str(out / "checkpoint-1"))
+    new = plan_records(out)[-1]
+    assert "resumed with another configuration" in caplog.text and "resumed" not in new
+    assert new["configured"]["micro_batch_size"] == 4 and new["configured"]["gradient_accumulation_steps"] == 4
+    assert new["micro_batch_size"] * new["gradient_accumulation_steps"] == 16 != plan["micro_batch_size"] * 1 * 8 // 8
+    assert trainer.state.global_step == 2
 
 
 # -- planner properties (the chooser over any monotone peak model) -------------------------------------
@@ -153,24 +194,36 @@ def test_resume_keeps_the_plan_and_auto_find_batch_size_is_replaced(tmp_path: Pa
 )
 def test_chosen_plan_fits_and_keeps_the_effective_batch(micro: int, accum: int, weights: int, per_sample: int,
                                                         ckpt_saving: float, budget: int, bnb: bool) -> None:
-    given_plan = Plan(micro, accum, False, "adamw_torch")
+    run_config = RunConfig(micro, accum, seq_len=128, optim="adamw_torch" if bnb else "sgd")
 
-    def predict(plan: Plan) -> int:
-        states = weights // 2 if "8bit" in plan.optim else 2 * weights
-        activations = per_sample * plan.micro_batch_size * ((1 - ckpt_saving) if plan.activation_checkpointing else 1)
-        return int(2 * weights + states + activations)
+    class Toy:
+        calls = 0
 
-    candidates = candidate_plans(given_plan, allow_checkpointing=True, eight_bit="adamw_bnb_8bit" if bnb else None,
-                                 seq_len=128)
-    chosen = choose(given_plan, candidates, predict, budget)
+        def peak(self, plan: Plan) -> int:
+            self.calls += 1
+            states = weights // 2 if "8bit" in plan.optim else 2 * weights
+            saving = (1 - ckpt_saving) if plan.activation_checkpointing else 1
+            return int(2 * weights + states + per_sample * plan.micro_batch_size * saving)
+
+    toy = Toy()
+    result = plan_run(run_config, toy, budget)
+    predictions = toy.calls
+    everything = candidates(run_config)
+    assert {p.key() for p in result.candidates} == {p.key() for p in everything}
+    assert all(p.effective_batch == micro * accum for p in everything)  # exactly, never rounded
+    assert all(p.optim == "sgd" for p in everything) or bnb  # SGD is never replaced
+    chosen = result.chosen
     if chosen is None:
-        assert all(predict(p) > budget for p in candidates)
+        assert all(toy.peak(p) > budget for p in everything)
     else:
-        assert predict(chosen) == chosen.predicted_peak <= budget
-        assert chosen.micro_batch_size * chosen.gradient_accumulation_steps == micro * accum
-        fitting = [p for p in candidates if predict(p) <= budget]
-        if predict(given_plan) > budget:  # over budget: the fastest plan that fits
+        assert toy.peak(chosen) == chosen.predicted_peak <= budget and chosen.verified
+        fitting = [p for p in everything if toy.peak(p) <= budget]
+        if toy.peak(Plan.of(run_config)) > budget:  # over budget: the fastest plan that fits
             assert chosen.relative_throughput >= max(p.relative_throughput for p in fitting) - THROUGHPUT_TIE
+    # bisection spares predictions: about log2 of the micro-batch options a line, plus the given plan
+    lines = len({(p.activation_checkpointing, p.optim) for p in everything})
+    options = len({p.micro_batch_size for p in everything})
+    assert predictions == result.predictions <= 1 + lines * (2 + math.ceil(math.log2(options)))
 
 
 class ShortThenLong(torch.utils.data.IterableDataset):
@@ -186,17 +239,17 @@ class ShortThenLong(torch.utils.data.IterableDataset):
             yield {"input_ids": ids, "labels": ids.clone()}
 
 
-def test_checkpointing_is_turned_on_between_steps_when_peaks_near_the_budget(tmp_path: Path, monkeypatch: Any) -> None:
-    import hf_memwatch.integration.auto as auto
-
-    monkeypatch.setattr(auto, "ITERABLE_SCAN", 8)  # the planner sees only the 8 short samples
+def test_checkpointing_is_turned_on_between_steps_when_peaks_near_the_budget(tmp_path: Path) -> None:
     data = ShortThenLong(short=16, n_short=8, long=128, n_long=16)
     config = {"per_device_train_batch_size": 4, "max_steps": 4}
 
     def train(out: Path, watch: MemWatch) -> tuple[Trainer, list[int]]:
         model = gpt2_model()
-        trainer = Trainer(model=model, args=training_args(out, **config), train_dataset=data,
-                          callbacks=[StepMarker(), watch])
+        args = training_args(out, **config)
+        # A one-pass dataset is never read by the planner: it plans for the run's max_length, here
+        # (as a user may claim) shorter than what arrives from step 3 on.
+        args.max_length = 16
+        trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[StepMarker(), watch])
         with cpu_memory_profile() as prof:
             trainer.train()
         return trainer, step_peaks(prof, model_bytes(model))

@@ -45,8 +45,8 @@ def test_budget_adds_fit_largest_batch_and_remedies(model_dir, capsys):
     assert data["fits"] is False
     assert 1 <= data["largest_fitting_batch"] < 8
     remedies = {row["remedy"]: row for row in data["remedies"]}
-    assert remedies["checkpointing"]["peak_bytes"] < remedies["as given"]["peak_bytes"]
-    assert remedies["checkpointing"]["fits"] is True
+    assert remedies["activation checkpointing"]["peak_bytes"] < remedies["as given"]["peak_bytes"]
+    assert remedies["activation checkpointing"]["fits"] is True
     assert data["plan"]["micro_batch_size"] * data["plan"]["gradient_accumulation_steps"] == 8
     assert data["plan"]["predicted_peak"] <= tight
 

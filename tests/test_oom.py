@@ -14,7 +14,8 @@ import torch
 from conftest import gpt2_model
 
 from hf_memwatch import is_oom_error
-from hf_memwatch.reporting.oom import RunConfig, estimate_remedies, install_oom_guard, requested_bytes
+from hf_memwatch.core.run_config import RunConfig
+from hf_memwatch.reporting.oom import estimate_remedies, install_oom_guard, requested_bytes
 
 TESTS = Path(__file__).resolve().parent
 
@@ -105,12 +106,11 @@ def test_real_cpu_oom_writes_the_post_mortem_and_the_error_reaches_the_user_unch
 
 def test_remedy_estimates_for_the_failing_configuration():
     """The estimates the post-mortem gives for the run above, computed where memory allows."""
-    config = RunConfig(batch_size=32, seq_len=256, precision="fp32", optim="adamw_torch_fused",
-                       checkpointing=False, accum=1, device="cpu")
+    config = RunConfig(micro_batch_size=32, seq_len=256, precision="fp32", optim="adamw_torch_fused")
     baseline, rows, note = estimate_remedies(gpt2_model(), config)
     assert note == "" and baseline is not None
     saved = {description.split(" (")[0].split(",")[0]: baseline - peak for description, peak, _ in rows}
-    assert saved["batch 32 → 16"] > 0 and saved["gradient checkpointing on"] > 0, saved
+    assert saved["micro-batch 32 -> 16"] > 0 and saved["activation checkpointing on"] > 0, saved
 
 
 def test_guard_composes_reports_once_and_never_replaces_the_error(caplog):

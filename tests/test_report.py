@@ -12,7 +12,7 @@ import pytest
 from conftest import gpt2_model, read_records, token_dataset, training_args
 from transformers import Trainer
 
-from hf_memwatch import LIVE_CLASSES, MemWatch
+from hf_memwatch import LIVE_CLASSES, MemWatch, MemWatchConfigError
 from hf_memwatch.cli import main as cli  # the dispatcher module
 from hf_memwatch.reporting.report import choose_unit, draw, load_run
 from hf_memwatch.reporting.sinks import composition_at_peak
@@ -27,11 +27,12 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("report") / "run"
     model = gpt2_model()
     args = training_args(out, max_steps=2, per_device_train_batch_size=4, gradient_accumulation_steps=2)
-    trainer = Trainer(model=model, args=args, train_dataset=token_dataset(16, 32, 1000),
-                      callbacks=[MemWatch(auto=True, budget=BUDGET)])
+    watch = MemWatch(auto=True, budget=BUDGET)
+    trainer = Trainer(model=model, args=args, train_dataset=token_dataset(16, 32, 1000), callbacks=[watch])
     console = io.StringIO()
     with contextlib.redirect_stdout(console):
         trainer.train()
+    assert watch.wait_for_reports() is not None  # drawn by a background process
     return {"out": out, "console": console.getvalue(), "model": model, "records": read_records(out)}
 
 
@@ -124,3 +125,13 @@ def test_cli_errors_are_one_line_and_status_2(tmp_path, capsys):
     (tmp_path / "timeline.jsonl").write_text('{"event": "snapshot", "allocated": null}\n')
     assert cli_main(["report", str(tmp_path), "-o", str(tmp_path / "m.svg")]) == 2
     assert ".png or .html" in capsys.readouterr().err
+
+
+def test_report_sync_draws_before_train_returns_and_bad_values_fail(tmp_path):
+    out = tmp_path / "sync"
+    trainer = Trainer(model=gpt2_model(n_layer=1, n_embd=32), args=training_args(out, max_steps=1),
+                      train_dataset=token_dataset(4, 16, 1000), callbacks=[MemWatch(report="sync", summary=False)])
+    trainer.train()
+    assert matplotlib.image.imread(out / "memwatch" / "memory.png").shape[0] > 100  # no waiting
+    with pytest.raises(MemWatchConfigError, match="report"):
+        MemWatch(report="later")

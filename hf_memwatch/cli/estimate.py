@@ -14,14 +14,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import json
-import sys
 from typing import Any
 
+from ..core.run_config import RunConfig
 from ..core.units import format_bytes, parse_bytes
 from ..estimation.estimate import CLASS_NAMES, DEVICES, PRECISIONS, SHARDS, TASKS, estimate, largest_fitting
 from ..estimation.optim import SUPPORTED_OPTIMS
-from ..planning.planner import PlanRequest, bnb_available, eight_bit_optim, plan_all
+from ..planning.chooser import candidates
+from ..planning.planner import plan_for
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -82,69 +84,59 @@ def print_eval(payload: dict[str, Any], console: Any) -> None:
     console.print(table)
 
 
-def _common(args: argparse.Namespace) -> dict[str, Any]:
-    return dict(
-        seq_len=args.seq_len, task=args.task, precision=args.precision, accum=args.accum, device=args.device,
-        world_size=args.world_size, shard=args.shard, seq2seq_target_len=args.target_len,
+def _run_config(args: argparse.Namespace) -> RunConfig:
+    """The command's configuration as the planning core's :class:`RunConfig`."""
+    return RunConfig(
+        micro_batch_size=args.batch_size, gradient_accumulation_steps=args.accum, checkpointing=args.checkpointing,
+        optim=args.optim, precision=args.precision, device=args.device, world_size=args.world_size,
+        shard=args.shard, seq_len=args.seq_len, task=args.task, seq2seq_target_len=args.target_len,
     )
 
 
 def remedies(args: argparse.Namespace, budget: int, given: Any) -> list[dict[str, Any]]:
-    """Predicted peak of each remedy at the given micro-batch, and the largest micro-batch it allows."""
-    options = [("as given", args.checkpointing, args.optim)]
-    if not args.checkpointing:
-        options.append(("checkpointing", True, args.optim))
-    eight_bit = eight_bit_optim(args.device)
-    if bnb_available() and args.optim != eight_bit:
-        options.append(("8-bit AdamW", args.checkpointing, eight_bit))
-        if not args.checkpointing:
-            options.append(("checkpointing + 8-bit AdamW", True, eight_bit))
+    """Each combination of the catalogue's checkpointing and optimizer options at the given micro-batch:
+    its predicted peak and the largest micro-batch it allows."""
+    run = _run_config(args)
     rows = []
-    for label, checkpointing, optim in options:
+    for plan in candidates(run):
+        if plan.micro_batch_size != run.micro_batch_size:
+            continue
+        changes = [c for c in plan.changes_from(run) if not c.startswith("micro-batch")]
         cache: dict[int, int] = {}
-        if checkpointing == args.checkpointing and optim == args.optim:
+        if not changes:
             cache[args.batch_size] = given.peak_bytes
 
-        def peak_of(batch: int, checkpointing: bool = checkpointing, optim: str = optim,
-                    cache: dict[int, int] = cache) -> int:
+        def peak_of(batch: int, plan: Any = plan, cache: dict[int, int] = cache) -> int:
             if batch not in cache:
-                cache[batch] = estimate(args.model, batch_size=batch, optim=optim, checkpointing=checkpointing,
-                                        **_common(args)).peak_bytes
+                cache[batch] = estimate(args.model, **run.replace(
+                    micro_batch_size=batch, checkpointing=plan.activation_checkpointing, optim=plan.optim,
+                ).estimate_kwargs()).peak_bytes
             return cache[batch]
 
         peak = peak_of(args.batch_size)
         rows.append({
-            "remedy": label, "checkpointing": checkpointing, "optim": optim, "peak_bytes": peak,
-            "fits": peak <= budget, "largest_fitting_batch": largest_fitting(peak_of, budget, 4096),
+            "remedy": " + ".join(changes) or "as given", "checkpointing": plan.activation_checkpointing,
+            "optim": plan.optim, "peak_bytes": peak, "fits": peak <= budget,
+            "largest_fitting_batch": largest_fitting(peak_of, budget, 4096),
         })
     return rows
 
 
 def _plan(args: argparse.Namespace, budget: int) -> dict[str, Any] | None:
-    request = PlanRequest(
-        args.model, micro_batch_size=args.batch_size, gradient_accumulation_steps=args.accum, seq_len=args.seq_len,
-        budget=budget, precision=args.precision, optim=args.optim, checkpointing=args.checkpointing,
-        world_size=args.world_size, shard=args.shard, device=args.device, task=args.task,
-        seq2seq_target_len=args.target_len, allow_larger_micro_batch=False,
-    )
-    chosen = plan_all(request, candidates_when_given_fits=False).chosen
-    if chosen is None:
+    """The planning core's choice (the auto mode's, for the same configuration and budget)."""
+    result = plan_for(args.model, _run_config(args), budget)
+    if result.chosen is None:
         return None
-    return {
-        "micro_batch_size": chosen.micro_batch_size, "gradient_accumulation_steps": chosen.gradient_accumulation_steps,
-        "activation_checkpointing": chosen.activation_checkpointing, "optim": chosen.optim,
-        "predicted_peak": chosen.predicted_peak, "relative_throughput": round(chosen.relative_throughput, 3),
-        "explain": chosen.explain(),
-    }
+    return dict(result.chosen.as_dict(), explain=result.chosen.reason)
 
 
 def run(args: argparse.Namespace) -> int:
     """Estimate, print (table or JSON); 0 on success. Errors raise and the dispatcher exits 2."""
     budget = None if args.budget is None else parse_bytes(args.budget)
-    # libraries print on import (transformers' W&B offline notice): keep stdout for our output only
-    with contextlib.redirect_stdout(sys.stderr):
-        result = estimate(args.model, batch_size=args.batch_size, optim=args.optim,
-                          checkpointing=args.checkpointing, budget=budget, **_common(args), **eval_kwargs(args))
+    # libraries print on import (transformers' W&B offline notice): stdout is for our output only,
+    # stderr for one line on error
+    with contextlib.redirect_stdout(io.StringIO()):
+        result = estimate(args.model, budget=budget, **_run_config(args).estimate_kwargs(), **eval_kwargs(args))
         payload = result.to_dict()
         if budget is not None:
             payload["remedies"] = remedies(args, budget, result)

@@ -1,7 +1,7 @@
 """The timeline: ``<output_dir>/memwatch/timeline.jsonl`` (``timeline.rank<N>.jsonl`` on other ranks).
 
-One JSON object per line; a contract read by the report, the auto mode and users' scripts.
-Event kinds: ``snapshot``, ``step``, ``eval``, ``plan``, ``remedy``, ``oom``, ``meta``. All figures in bytes.
+One JSON object per line; a contract read by the report, the auto mode and users' scripts. The
+records are typed in :mod:`hf_memwatch.core.records`. All figures in bytes.
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ class TimelineWriter:
         self._fh: TextIO | None = open(self.path, "w" if fresh else "a", encoding="utf-8")  # noqa: SIM115
 
     @property
-    def closed(self) -> bool:
-        """True once :meth:`close` ran (nothing more is written)."""
-        return self._fh is None
+    def is_open(self) -> bool:
+        """Whether records can still be written (not closed)."""
+        return self._fh is not None
 
     def write(self, record: dict[str, Any]) -> None:
         if self._fh is not None:

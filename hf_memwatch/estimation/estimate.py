@@ -17,6 +17,7 @@ Usage:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -28,10 +29,19 @@ from typing import Any
 import torch
 
 from ..core.errors import MemWatchConfigError
-from ..core.units import parse_bytes
+from ..core.run_config import RunConfig
+from ..core.units import format_bytes, parse_bytes
+from ..measure.attribution import weight_storages
 from .layers import AUTO_MIN_LAYERS, SHORT_DEPTHS, extrapolate, homogeneous_layers, truncated
 from .shard import shard_classes
-from .step import simulate_step
+from .step import CUDA_BLOCK, simulate_step
+from .trainer_replay import (
+    TrainerStateGuard,
+    held_models,
+    is_trainer,
+    longest_allowed_length,
+    worst_case_batch,
+)
 
 TASKS = ("causal-lm", "seq-cls", "masked-lm", "seq2seq")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -58,6 +68,7 @@ class MemoryEstimate:
     phase_peaks: dict[str, int] = field(default_factory=dict)
     config: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    frozen_models: dict[str, int] = field(default_factory=dict)
     # The evaluation loop (with ``eval_batch_size``/``eval_samples``; None when not asked):
     # its peak, the phase holding it (eval_forward | eval_accumulate | eval_gather) and its split.
     eval_peak_bytes: int | None = None
@@ -259,20 +270,21 @@ def count_params(model: torch.nn.Module) -> tuple[int, int]:
 def estimate(
     model_or_config: Any,
     *,
-    batch_size: int,
-    seq_len: int,
+    batch_size: int | None = None,
+    seq_len: int | None = None,
     task: str | None = None,
-    precision: str = "fp32",
-    optim: str = "adamw_torch",
-    checkpointing: bool = False,
-    accum: int = 1,
-    device: str = "cpu",
+    precision: str | None = None,
+    optim: str | None = None,
+    checkpointing: bool | None = None,
+    accum: int | None = None,
+    device: str | None = None,
     budget: int | str | None = None,
-    max_grad_norm: float = 1.0,
-    world_size: int = 1,
-    shard: str = "none",
+    max_grad_norm: float | None = None,
+    world_size: int | None = None,
+    shard: str | None = None,
     seq2seq_target_len: int | None = None,
     extrapolate_layers: bool | None = None,
+    sample_index: int | None = None,
     eval_batch_size: int | None = None,
     eval_samples: int | None = None,
     eval_accumulation_steps: int | None = None,
@@ -282,8 +294,12 @@ def estimate(
 ) -> MemoryEstimate:
     """Predict the peak memory of one Trainer optimizer step (per device), split by class.
 
-    ``model_or_config``: a ``PretrainedConfig``, a model directory / ``config.json`` path, or a
-    built ``nn.Module`` (never copied: a fake twin is made, frozen and tied parameters respected).
+    ``model_or_config``: a ``PretrainedConfig``, a model directory / ``config.json`` path, a built
+    ``nn.Module`` (never copied: a fake twin is made, frozen and tied parameters respected), or a
+    built ``Trainer``. Given a Trainer, its own ``training_step`` is replayed (``compute_loss`` with
+    subclass overrides: TRL's trainers), on batches its collator forms from the longest sample of
+    its dataset (or ``sample_index``); every setting left ``None`` is the Trainer's own
+    (:class:`~hf_memwatch.core.run_config.RunConfig`), and the Trainer is left as it was.
     ``batch_size`` is the per-device micro-batch, ``accum`` the gradient accumulation steps,
     ``precision`` ``fp32``/``bf16``/``fp16`` (mixed precision as the Trainer runs it: fp32
     weights, autocast), ``optim`` a ``TrainingArguments.optim`` name, ``device`` the target
@@ -304,6 +320,28 @@ def estimate(
         >>> estimate(cfg, batch_size=8, seq_len=256, budget="1GiB").fits         # doctest: +SKIP
         True
     """
+    trainer = model_or_config if is_trainer(model_or_config) else None
+    run = _settings(trainer, dict(
+        batch_size=batch_size, seq_len=seq_len, precision=precision, optim=optim, checkpointing=checkpointing,
+        accum=accum, device=device, max_grad_norm=max_grad_norm, world_size=world_size, shard=shard,
+    ))
+    batch_size, seq_len, precision, optim = run["batch_size"], run["seq_len"], run["precision"], run["optim"]
+    checkpointing, accum, device = run["checkpointing"], run["accum"], run["device"]
+    max_grad_norm, world_size, shard = run["max_grad_norm"], run["world_size"], run["shard"]
+    notes: list[str] = []
+    sample = None
+    if trainer is not None:
+        _check_positive("batch_size", batch_size)
+        sample, sample_len, note = worst_case_batch(trainer, batch_size, sample_index)
+        if sample is None:
+            seq_len = seq_len or longest_allowed_length(trainer)
+            if seq_len is None:
+                raise MemWatchConfigError(f"{note}, and the run sets no max_length: pass seq_len")
+            notes.append(f"{note} ({seq_len} tokens)")
+        else:
+            seq_len = sample_len or seq_len or 1
+            notes.append(f"{note} ({seq_len} tokens)")
+        model_or_config = trainer.model
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._python_dispatch import _disable_current_modes
 
@@ -329,14 +367,16 @@ def estimate(
         if trainable == 0:
             raise MemWatchConfigError("the model has no trainable parameter")
 
-        notes: list[str] = []
         run = dict(
             config=config, task=task, batch_size=batch_size, seq_len=seq_len,
             target_len=seq2seq_target_len or seq_len, precision=precision, optim=optim,
             checkpointing=checkpointing, accum=accum, device=device, max_grad_norm=max_grad_norm,
+            trainer=trainer, sample=sample,
         )
+        guard = TrainerStateGuard(trainer, accum) if trainer is not None else contextlib.nullcontext()
         try:
-            phase_classes = _simulate(model, fake_mode, config, extrapolate_layers, notes, run)
+            with guard:
+                phase_classes = _simulate(model, fake_mode, config, extrapolate_layers, notes, run)
         except (MemWatchConfigError, KeyboardInterrupt):
             raise
         except Exception as exc:  # the model cannot run this configuration: say so in one line
@@ -345,6 +385,18 @@ def estimate(
                 f"{type(model).__name__} cannot run a {task} training step with these settings: "
                 f"{type(exc).__name__}: {first}"
             ) from exc
+    frozen_models: dict[str, int] = {}
+    if trainer is not None:
+        # Frozen models the Trainer holds (TRL's reference model, a teacher) are resident weights.
+        trained = set(weight_storages(trainer.model, None))
+        for name, module in held_models(trainer).items():
+            held = {k: v for k, v in weight_storages(module, None).items() if k not in trained}
+            frozen_models[name] = sum(_on_target(nbytes, device) for nbytes in held.values())
+        for classes in phase_classes.values():
+            classes["weights"] += sum(frozen_models.values())
+        if frozen_models:
+            notes.append("weights include models the Trainer holds: " + ", ".join(
+                f"{name} ({format_bytes(nbytes)})" for name, nbytes in frozen_models.items()))
     if device == "cuda":
         notes.append("CUDA: the context (~0.3-1 GiB per process) and the caching allocator's reserve are not included")
     per_phase = {phase: shard_classes(classes, model, world_size, shard, notes, precision)
@@ -379,6 +431,7 @@ def estimate(
             "seq2seq_target_len": seq2seq_target_len,
         },
         notes=notes,
+        frozen_models=frozen_models,
         eval_peak_bytes=None if evaluation is None else evaluation.peak_bytes,
         eval_peak_phase=None if evaluation is None else evaluation.peak_phase,
         eval_classes=None if evaluation is None else evaluation.classes,
@@ -476,6 +529,25 @@ def _fake_model(model_or_config: Any, task: str | None, fake_mode: Any) -> tuple
         raise MemWatchConfigError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
     model = build_fake_model(config, task, fake_mode, "cpu")
     return model, model.config, task
+
+
+_DEFAULTS = dict(precision="fp32", optim="adamw_torch", checkpointing=False, accum=1, device="cpu",
+                 max_grad_norm=1.0, world_size=1, shard="none")
+
+
+def _settings(trainer: Any, given: dict[str, Any]) -> dict[str, Any]:
+    """The settings of the estimate: those given, else the Trainer's own, else the defaults."""
+    if trainer is not None:
+        own = RunConfig.from_trainer(trainer).estimate_kwargs()
+        own["seq_len"] = None
+    else:
+        own = dict(_DEFAULTS, batch_size=None, seq_len=None)
+    return {name: (own.get(name) if value is None else value) for name, value in given.items()}
+
+
+def _on_target(nbytes: int, device: str) -> int:
+    """One storage's bytes as ``device``'s allocator holds them (CUDA rounds each block up to 512 B)."""
+    return -(-nbytes // CUDA_BLOCK) * CUDA_BLOCK if device == "cuda" else nbytes
 
 
 def _simulate(model: torch.nn.Module, fake_mode: Any, config: Any, extrapolate_layers: bool | None,

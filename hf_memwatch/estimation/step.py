@@ -36,6 +36,7 @@ import torch
 from ..measure.saved_tensors import SavedTensorRegistry
 from ..measure.tracker import StorageTracker
 from .optim import BNB_OPTIMS, build_optimizer
+from .trainer_replay import fake_batch
 
 CUDA_BLOCK = 512  # the CUDA caching allocator rounds every block up to a multiple of 512 bytes
 MIXED_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -69,7 +70,7 @@ class EstimateTracker(StorageTracker):
 
     def on_new_peak(self) -> None:
         # C-speed shallow copies: the refs keep each storage's size even after it dies
-        self.snapshot = (dict(self._live), set(self.saved._counts))
+        self.snapshot = (dict(self._live), self.saved.keys())
 
     def reset_peak(self) -> None:
         super().reset_peak()
@@ -88,6 +89,24 @@ class EstimateTracker(StorageTracker):
         self.allocated -= nbytes
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in _READ_BACK_OPS:
+            # A value read back to Python (``.item()``, ``if tensor:``): fake tensors have none. Metrics
+            # code (TRL's token counts, accuracies) only needs *a* number; memory never depends on it.
+            return _read_back_value(func, args)
+        if func is torch.ops.aten.index.Tensor and _boolean_index(args):
+            # ``tensor[mask]``: the size depends on the mask's values; every element counted as selected.
+            source, mask = args[0], args[1][0]
+            shape = (mask.numel(), *source.shape[mask.dim():])
+            out = torch.empty(shape, dtype=source.dtype, device=source.device)
+            self._track_output(out)
+            return out
+        if func is torch.ops.aten.nonzero.default:
+            # A data-dependent size: every element counted as non-zero, the largest result (masks of
+            # real tokens, as the estimate's unpadded batches are).
+            source = args[0]
+            out = torch.zeros((source.numel(), source.dim()), dtype=torch.long, device=source.device)
+            self._track_output(out)
+            return out
         if self.kernel_workspaces and func in _SDPA_CPU_OPS:
             out = super().__torch_dispatch__(func, types, args, kwargs)
             self.transient(sdpa_cpu_workspace(func, args))
@@ -99,6 +118,25 @@ class EstimateTracker(StorageTracker):
                     kernel(*args, **(kwargs or {}))
                 return None
         return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+_READ_BACK_OPS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default}
+
+
+def _boolean_index(args: tuple) -> bool:
+    """``aten.index.Tensor(source, [mask])`` with one boolean mask over leading dimensions."""
+    indices = args[1] if len(args) > 1 else None
+    if not isinstance(indices, (list, tuple)) or len(indices) != 1:
+        return False
+    mask = indices[0]
+    return isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and mask.dim() <= args[0].dim()
+
+
+def _read_back_value(func: Any, args: tuple) -> Any:
+    if func is torch.ops.aten.is_nonzero.default:
+        return True
+    dtype = args[0].dtype
+    return 1.0 if dtype.is_floating_point else True if dtype == torch.bool else 1
 
 
 class _Transient:
@@ -296,7 +334,8 @@ def _keys(tensors: Any) -> set[int]:
 
 def _refs(tracker: StorageTracker, tensors: Any) -> dict[int, Any]:
     """key -> the tracker's reference object of each tensor's storage (its identity for this lifetime)."""
-    return {key: tracker._live[key] for key in _keys(tensors) if key in tracker._live}
+    live = tracker.live_refs()
+    return {key: live[key] for key in _keys(tensors) if key in live}
 
 
 def _state_tensors(optimizer: Any) -> list[torch.Tensor]:
@@ -321,7 +360,7 @@ class _Phases:
         if tracker.snapshot is not None:
             grads = _keys(p.grad for p in self.model.parameters())
             states = _keys(_state_tensors(self.optimizer))
-            classes = classify(tracker.snapshot, tracker._live, self.weights, grads, states, self.other)
+            classes = classify(tracker.snapshot, tracker.live_refs(), self.weights, grads, states, self.other)
             if sum(classes.values()) > sum(self.best.get(phase, {}).values() or [-1]):
                 self.best[phase] = classes
         tracker.reset_peak()
@@ -331,11 +370,15 @@ class _Phases:
 def simulate_step(
     model: torch.nn.Module, fake_mode: Any, *, config: Any, task: str, batch_size: int, seq_len: int,
     target_len: int, precision: str, optim: str, checkpointing: bool, accum: int, device: str,
-    max_grad_norm: float, steps: int = 2,
+    max_grad_norm: float, steps: int = 2, trainer: Any = None, sample: dict[str, Any] | None = None,
 ) -> StepSimulation:
     """Run ``steps`` Trainer optimizer steps on the fake ``model``; the peak and its split.
 
-    All but the last step only prime the optimizer (see :func:`_prime_optimizer`).
+    All but the last step only prime the optimizer (see :func:`_prime_optimizer`). With ``trainer``,
+    each micro-step is that Trainer's own ``training_step`` (its ``compute_loss``, loss scaling and
+    ``num_items_in_batch`` count) — the caller guards the Trainer's state
+    (:class:`~hf_memwatch.estimation.trainer_replay.TrainerStateGuard`); with ``sample`` (a collated
+    batch of real tensors), every micro-batch is a fake copy of it instead of a synthetic batch.
     """
     notes: list[str] = []
     model.train()
@@ -348,6 +391,11 @@ def simulate_step(
     optimizer = build_optimizer(model, optim, target)
     takes_loss_kwargs = accepts_loss_kwargs(model)
     shifts = loss_shifts_labels(model)
+
+    def new_batch() -> dict[str, Any]:
+        if sample is not None:
+            return fake_batch(sample)
+        return make_batch(config, task, batch_size, seq_len, target_len, device)
 
     saved = SavedTensorRegistry()
     tracker = EstimateTracker(
@@ -367,18 +415,20 @@ def simulate_step(
         try:
             tr_loss = torch.tensor(0.0, device=device)
             other.update(_refs(tracker, [tr_loss]))
-            lookahead = make_batch(config, task, batch_size, seq_len, target_len, device)
+            lookahead = new_batch()
             for _ in range(steps - 1):
                 _prime_optimizer(optimizer, params)
             phases.close("after_optimizer")
-            batches = [lookahead] + [
-                make_batch(config, task, batch_size, seq_len, target_len, device) for _ in range(accum - 1)
-            ]
-            lookahead = make_batch(config, task, batch_size, seq_len, target_len, device)
+            batches = [lookahead] + [new_batch() for _ in range(accum - 1)]
+            lookahead = new_batch()
             for b in batches + [lookahead]:
                 other.update(_refs(tracker, b.values()))
             num_items = None
-            if takes_loss_kwargs:
+            if trainer is not None:
+                num_items = trainer._get_num_items_in_batch(batches, torch.device(device))
+                if isinstance(num_items, torch.Tensor):
+                    other.update(_refs(tracker, [num_items]))
+            elif takes_loss_kwargs:
                 labels = [b["labels"][..., 1:] if shifts else b["labels"] for b in batches]
                 num_items = sum(lab.ne(-100).sum() for lab in labels).to(device)
                 other.update(_refs(tracker, [num_items]))
@@ -386,6 +436,19 @@ def simulate_step(
             # Micro-steps after the second are the second again (same live set, gradients
             # accumulating in place), so at most two are replayed; all batches stay prefetched.
             for inputs in batches[:2]:
+                if trainer is not None:
+                    # The Trainer's own micro-step: forward and loss (subclass overrides included), its
+                    # scaling, backward. "after_forward" closes when the model's forward returns.
+                    hook = model.register_forward_hook(lambda *_: phases.close("after_forward"))
+                    try:
+                        loss = trainer.training_step(model, inputs, num_items)
+                    finally:
+                        hook.remove()
+                    del inputs
+                    phases.close("after_backward")
+                    tr_loss += loss
+                    del loss
+                    continue
                 loss = _forward_loss(model, inputs, num_items)
                 del inputs
                 if num_items is None:

@@ -6,16 +6,18 @@ Timeline records (``<output_dir>/memwatch/timeline.jsonl``) — see README "Time
   ``after_optimizer``, ``step_end``: ``allocated``, ``reserved``, ``peak`` (since the previous
   snapshot), ``live`` (weights, gradients, optimizer_states, activations, other — summing to
   ``allocated``), ``spike``, ``allocator_overhead``, ``fragmentation``, ``num_alloc_retries``,
-  ``num_ooms``, ``device_free``, ``device_total``, ``detail`` (full|light).
+  ``num_ooms``, ``device_free``, ``device_total``, ``host_rss``, ``detail`` (full|light).
 * ``step`` once per optimizer step: ``peak``, ``peak_phase``, ``dominant``.
 * ``eval`` once per evaluation/prediction loop (snapshots of the loop carry ``stage``: ``eval`` or
   ``predict``; training snapshots have no ``stage``). See :mod:`hf_memwatch.integration.eval_watch`.
+* ``leak`` once per class found growing step after step at ``step_end`` (``measure/leaks.py``).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import subprocess
 import sys
 import weakref
 from collections.abc import Callable
@@ -27,11 +29,15 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
 from ..core.errors import MemWatchConfigError, is_oom_error
+from ..core.run_config import RunConfig
 from ..core.timeline import TIMELINE_DIRNAME, TimelineWriter
+from ..core.units import format_bytes
 from ..measure.backends import backend_for
 from ..measure.distributed import make_monitor
+from ..measure.leaks import HOST_RSS, LeakWatch
 from ..measure.monitor import StepMonitor
-from ..planning.budget import validate_budget
+from ..planning.budget import remaining, validate_budget
+from ..reporting.background import wait_for_report
 from ..reporting.oom import (
     install_oom_guard,
     start_allocator_history,
@@ -48,8 +54,9 @@ from ..reporting.sinks import (
     step_scalars,
     strip_memory_keys,
 )
-from ..reporting.summary import finish_reports
+from ..reporting.summary import PICTURE_NAME, finish_reports
 from .auto import AutoMode
+from .compiled import hook_target, hooks_for, runs_compiled, tracing
 from .eval_watch import container_tensors, held_tensors, install_eval_watch
 
 logger = logging.getLogger("hf_memwatch")
@@ -111,7 +118,9 @@ class MemWatch(TrainerCallback, ExportableState):
         full_steps: optimizer steps tracked in full at the start of each ``train()`` call (>= 1).
         output_dir: where ``timeline.jsonl`` goes; default ``<args.output_dir>/memwatch``.
         scalars: log ``memory/*`` scalars to the integrations of ``args.report_to`` at logging steps.
-        report: draw ``memory.png`` from the timeline at train end (rank 0).
+        report: draw ``memory.png`` from the timeline at train end (rank 0): ``True`` in a detached
+            background process (``train()`` does not wait; :meth:`wait_for_reports` does), ``"sync"``
+            before ``train()`` returns, ``False`` not at all (``hf-memwatch report`` draws it later).
         summary: print a table of the peak step's memory classes at train end (rank 0).
         oom_report: write ``oom_report.md`` when training dies of out-of-memory.
         record_history: on CUDA, record the allocator's history (costs time) and dump a snapshot
@@ -133,7 +142,7 @@ class MemWatch(TrainerCallback, ExportableState):
         full_steps: int = 3,
         output_dir: str | None = None,
         scalars: bool = True,
-        report: bool = True,
+        report: bool | Literal["sync"] = True,
         summary: bool = True,
         oom_report: bool = True,
         record_history: bool = False,
@@ -149,7 +158,9 @@ class MemWatch(TrainerCallback, ExportableState):
             )
         if output_dir is not None and not isinstance(output_dir, (str, Path)):
             raise MemWatchConfigError(f"MemWatch(output_dir=...) must be a path; got {output_dir!r}")
-        flags = {"scalars": scalars, "report": report, "summary": summary, "oom_report": oom_report,
+        if report not in (True, False, "sync"):
+            raise MemWatchConfigError(f"MemWatch(report=...) must be True or False (or 'sync'); got {report!r}")
+        flags = {"scalars": scalars, "summary": summary, "oom_report": oom_report,
                  "record_history": record_history}
         for name, value in flags.items():
             if not isinstance(value, bool):
@@ -162,6 +173,7 @@ class MemWatch(TrainerCallback, ExportableState):
         self.monitor: StepMonitor | None = None
         self._trainer_ref: weakref.ReferenceType[Any] | None = None
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self._report_process: subprocess.Popen | None = None
         self._failed = False
         self._first_step: int | None = None
         self._logging_steps = 0
@@ -171,6 +183,7 @@ class MemWatch(TrainerCallback, ExportableState):
         self._eval_only_timeline = False  # an eval before train() opened the timeline: train appends
         self._eval_logged: dict[str, Any] | None = None  # the eval record whose scalars went out
         self._eval_oom_reported: BaseException | None = None  # an OOM an eval loop already reported
+        self.leaks = LeakWatch()
         if not isinstance(auto, bool):
             raise MemWatchConfigError(f"MemWatch(auto=...) must be True or False; got {auto!r}")
         validate_budget(budget)
@@ -198,13 +211,18 @@ class MemWatch(TrainerCallback, ExportableState):
         return self.auto_plan
 
     @property
+    def planning_seconds(self) -> float | None:
+        """Seconds the auto mode spent planning before training (None without a plan)."""
+        return None if self._auto is None else self._auto.planning_seconds
+
+    @property
     def budget_bytes(self) -> int | None:
         budget = None if self._auto is None else self._auto.budget
         return None if budget is None else budget.total
 
     def _record_plan(self, record: dict[str, Any]) -> None:
         """Write a ``plan`` record to this rank's timeline (the monitor's writer once training runs)."""
-        if self.monitor is not None and self.monitor.writer is not None and self.monitor.writer._fh is not None:
+        if self.monitor is not None and self.monitor.writer is not None and self.monitor.writer.is_open:
             self.monitor.writer.write(record)
             self.monitor.writer.flush()
             return
@@ -263,6 +281,7 @@ class MemWatch(TrainerCallback, ExportableState):
             monitor.step_snapshots,
             budget=known_budget(self),
             predicted_peak=known_prediction(self),
+            leak_bytes_per_step=self.leaks.rate,
         )
 
     def _on_oom(self, exc: BaseException) -> None:
@@ -319,6 +338,7 @@ class MemWatch(TrainerCallback, ExportableState):
         self._teardown()
         self._failed = False
         self._first_step = None
+        self.leaks = LeakWatch()
         self._logging_steps = _logging_interval(args, state)
         rank = int(getattr(args, "process_index", 0))
         backend = backend_for(torch.device(args.device))
@@ -332,12 +352,24 @@ class MemWatch(TrainerCallback, ExportableState):
         # Under DDP/DeepSpeed the monitor also counts the engine's buckets and partitions.
         self.monitor = make_monitor(backend, writer, rank, self.trainer)
         self.monitor.attach(model, kwargs.get("optimizer"))
-        writer.write(run_meta(model, args))  # model and batch, for the picture's title and the summary
+        writer.write(run_meta(model, RunConfig.from_args(args, model)))  # model and batch, for the picture's title and the summary
         if self.record_history:
             start_allocator_history(self.monitor)
+        self.monitor.compiled = runs_compiled(self.trainer, model)
         if model is not None:
-            self._hooks.append(model.register_forward_pre_hook(self._before_forward, with_kwargs=True))
-            self._hooks.append(model.register_forward_hook(self._after_forward))
+            # On the compiled wrapper when there is one: its hooks run outside the compiled code.
+            target = hook_target(model, getattr(self.trainer, "model_wrapped", None))
+            before, after = hooks_for(target, self._before_forward_hook, self._after_forward_hook)
+            self._hooks.append(target.register_forward_pre_hook(before, with_kwargs=True))
+            self._hooks.append(target.register_forward_hook(after))
+
+    def _before_forward_hook(self, module: Any, args: Any, kwargs: Any) -> None:
+        if not tracing():  # traced by Dynamo (a module compiled in place): add nothing to its graph
+            self._before_forward(module, args, kwargs)
+
+    def _after_forward_hook(self, module: Any, args: Any, output: Any) -> None:
+        if not tracing():
+            self._after_forward(module, args, output)
 
     @_guarded
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -390,8 +422,39 @@ class MemWatch(TrainerCallback, ExportableState):
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.monitor is not None and self.monitor.in_step:
             self.monitor.end_step()
+            self._watch_leaks()
             if self._auto is not None:
                 self._auto.after_step(self.trainer, self.monitor.last_step)
+
+    def _watch_leaks(self) -> None:
+        """After each step end: a class growing step after step is written once and warned about once."""
+        monitor = self.monitor
+        if monitor is None or not monitor.step_snapshots:
+            return
+        for finding in self.leaks.observe(monitor.step, monitor.step_snapshots[-1], self._leak_headroom):
+            if monitor.writer is not None:
+                monitor.writer.write({**finding, "rank": monitor.rank})
+                monitor.writer.flush()
+            when = (f"; at this rate out of memory near step {finding['predicted_oom_step']}"
+                    if finding["predicted_oom_step"] is not None else "")
+            logger.warning(
+                "hf-memwatch: %s grows %s per step at step end since step %d (a leak: tensors or objects kept "
+                "across steps?)%s",
+                finding["class"], format_bytes(finding["bytes_per_step"]), finding["since_step"], when,
+            )
+
+    def _leak_headroom(self, name: str) -> int | None:
+        """Bytes left before the limit for ``name``: the budget above the last peak, else the real limit."""
+        monitor = self.monitor
+        if monitor is None:
+            return None
+        budget, peak = known_budget(self), (monitor.last_step or {}).get("peak")
+        if name != HOST_RSS and budget is not None and peak is not None:
+            return int(budget) - int(peak)
+        try:  # a prediction only: an unreadable limit must not stop the monitoring
+            return remaining(backend_for(torch.device("cpu")) if name == HOST_RSS else monitor.backend)
+        except (OSError, RuntimeError, ValueError):
+            return None
 
     @_guarded
     def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
@@ -418,7 +481,7 @@ class MemWatch(TrainerCallback, ExportableState):
     def _monitor_for_eval(self, trainer: Any) -> StepMonitor:
         """The training monitor while it is open; else one for this loop, appending to the timeline."""
         monitor = self.monitor
-        if monitor is not None and monitor.writer is not None and not monitor.writer.closed:
+        if monitor is not None and monitor.writer is not None and monitor.writer.is_open:
             return monitor
         args = trainer.args
         rank = int(getattr(args, "process_index", 0))
@@ -497,4 +560,21 @@ class MemWatch(TrainerCallback, ExportableState):
         if self.record_history:
             stop_allocator_history()
         if state.is_world_process_zero and self.monitor is not None:
-            finish_reports(self, args, state)
+            self._report_process = finish_reports(self, args, state)
+
+    def wait_for_reports(self, timeout: float | None = 120.0) -> Path | None:
+        """Wait for the picture being drawn in the background; its path once written, else None.
+
+        ``train()`` returns before ``memory.png`` exists (``report=True``); call this when the next
+        thing needs the file (a test, a notebook cell showing it). Immediate with ``report="sync"``.
+        """
+        process = self._report_process
+        if process is not None:
+            if not wait_for_report(process, timeout):
+                return None  # still drawing (kept: a later call waits again) or failed (memory.png.log)
+            self._report_process = None
+        trainer = self.trainer
+        if trainer is None:
+            return None
+        path = self.memwatch_dir(trainer.args) / PICTURE_NAME
+        return path if path.exists() else None

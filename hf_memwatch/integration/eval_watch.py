@@ -116,18 +116,23 @@ def install_eval_watch(trainer: Any, watcher: Any) -> bool:
     ``watcher`` (the ``MemWatch`` callback) provides ``eval_loop_begin(stage, containers)`` (the list
     the loop's containers are registered in while it runs),
     ``eval_loop_end(output, error)`` and ``eval_forward_done()``; its faults are its own to
-    contain (they must never stop the loop). Returns False when already installed.
+    contain (they must never stop the loop). Returns False when already installed (``watcher`` then
+    takes over: a callback rebuilt from checkpoint state).
     """
-    if getattr(trainer.evaluation_loop, _WRAPPED_MARK, False):
+    installed = getattr(trainer.evaluation_loop, _WRAPPED_MARK, None)
+    if installed is not None:
+        installed[0] = watcher  # a callback rebuilt from checkpoint state takes over
         return False
-    trainer.evaluation_loop = _wrap_loop(trainer.evaluation_loop, watcher)
-    trainer.prediction_step = _wrap_prediction_step(trainer.prediction_step, watcher)
+    holder = [watcher]
+    trainer.evaluation_loop = _wrap_loop(trainer.evaluation_loop, holder)
+    trainer.prediction_step = _wrap_prediction_step(trainer.prediction_step, holder)
     return True
 
 
-def _wrap_loop(original: Callable[..., Any], watcher: Any) -> Callable[..., Any]:
+def _wrap_loop(original: Callable[..., Any], holder: list[Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def evaluation_loop(dataloader: Any, description: str, *args: Any, **kwargs: Any) -> Any:
+        watcher = holder[0]
         containers: list[Any] = []
         watcher.eval_loop_begin(loop_stage(description), containers)
         try:
@@ -141,16 +146,16 @@ def _wrap_loop(original: Callable[..., Any], watcher: Any) -> Callable[..., Any]
         watcher.eval_loop_end(output, None)
         return output
 
-    setattr(evaluation_loop, _WRAPPED_MARK, True)
+    setattr(evaluation_loop, _WRAPPED_MARK, holder)
     return evaluation_loop
 
 
-def _wrap_prediction_step(original: Callable[..., Any], watcher: Any) -> Callable[..., Any]:
+def _wrap_prediction_step(original: Callable[..., Any], holder: list[Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def prediction_step(*args: Any, **kwargs: Any) -> Any:
         result = original(*args, **kwargs)
-        watcher.eval_forward_done()
+        holder[0].eval_forward_done()
         return result
 
-    setattr(prediction_step, _WRAPPED_MARK, True)
+    setattr(prediction_step, _WRAPPED_MARK, holder)
     return prediction_step

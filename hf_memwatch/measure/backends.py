@@ -38,6 +38,7 @@ class AllocatorBackend:
 
     kind = "none"
     exact = False
+    observes_operators = False  # counts through a TorchDispatchMode (incompatible with torch.compile)
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -71,6 +72,10 @@ class AllocatorBackend:
         pass
 
     def live_storages(self) -> Mapping[int, int] | None:
+        return None
+
+    def live_storage_objects(self) -> dict[int, torch.UntypedStorage] | None:
+        """Tracked devices inside a tracked window: key -> each live storage; else None."""
         return None
 
 
@@ -175,6 +180,7 @@ class CpuTrackedBackend(AllocatorBackend):
 
     kind = "cpu"
     exact = False
+    observes_operators = True
 
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)
@@ -213,6 +219,9 @@ class CpuTrackedBackend(AllocatorBackend):
 
     def live_storages(self) -> Mapping[int, int] | None:
         return self.tracker.live()
+
+    def live_storage_objects(self) -> dict[int, torch.UntypedStorage] | None:
+        return self.tracker.live_storage_objects() if self.tracking else None
 
     def capacity(self) -> int | None:
         return self._capacity

@@ -14,7 +14,7 @@ Without an initialized process group every helper degrades to the single-process
   they are gradients.
 * :func:`deepspeed_storages` — what a DeepSpeed ZeRO rank holds outside ``model.parameters()``
   (fp32 master, gradient and reduce-bucket partitions, ZeRO-3 ``ds_tensor`` s).
-* :class:`RankMonitor` — a :class:`~hf_memwatch.measure.monitor.StepMonitor` that counts the above.
+* :class:`EngineStorages` — what the engine holds, contributed to the rank's :class:`~hf_memwatch.measure.monitor.StepMonitor`.
 
 FSDP needs nothing special: FSDP2 parameters, gradients and optimizer states are ``DTensor`` s
 whose local shard is what :func:`~hf_memwatch.measure.storage.plain_tensors` unwraps (measured with
@@ -226,7 +226,7 @@ def ddp_gradient_buckets(
     buckets and stand for them. Otherwise, and for buckets whose ``.grad`` views were set to None,
     the reducer keeps the buckets to itself: ``live`` (storage key -> storage, e.g. the CPU
     tracker's live storages) is searched for storages of exactly a bucket's size that are not
-    parameters or gradients. Buckets not found are counted by :class:`RankMonitor` by size.
+    parameters or gradients. Buckets not found are counted by :class:`EngineStorages` by size.
     """
     ddp = find_ddp(model)
     if ddp is None:
@@ -325,9 +325,9 @@ def _zero_optimizer(optimizer: Any) -> Any:
     return None
 
 
-# -- the per-rank monitor -----------------------------------------------------------------------
-class RankMonitor(StepMonitor):
-    """A :class:`StepMonitor` that also counts what a distributed engine holds on this rank.
+# -- what an engine holds on a rank ---------------------------------------------------------------
+class EngineStorages:
+    """What a distributed engine holds on this rank, contributed to the rank's :class:`StepMonitor`.
 
     * DDP gradient buckets are gradients. Where a bucket storage cannot be reached (the reducer
       keeps it in C++) it enters the split as its size under a placeholder key — live bytes of the
@@ -343,45 +343,42 @@ class RankMonitor(StepMonitor):
       ``after_backward`` window contains the step and ``after_optimizer`` is an empty window.
     """
 
-    def __init__(self, *args: Any, wrapped_model: Any = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, wrapped_model: Any = None) -> None:
         self.ddp = find_ddp(wrapped_model)
-        self.zero_optimizer: Any = None
-        self._unseen_bytes = 0
+        self.unseen_bytes = 0
 
-    def attach(self, model: torch.nn.Module | None, optimizer: Any) -> None:
-        # ``self.optimizer`` becomes the innermost torch optimizer (its ``state``: m and v); the
-        # ZeRO optimizer around it, which holds the partitions, is kept before unwrapping.
-        super().attach(model, optimizer)
-        self.zero_optimizer = _zero_optimizer(optimizer)
+    @staticmethod
+    def zero_optimizer(monitor: StepMonitor) -> Any:
+        # The monitor keeps the innermost torch optimizer (its ``state``: m and v); the ZeRO
+        # optimizer around it, which holds the partitions, is the one the Trainer handed over.
+        return _zero_optimizer(monitor.attached_optimizer)
 
-    def _register_known(self) -> None:
+    def known_tensors(self, monitor: StepMonitor) -> list[torch.Tensor | None]:
         # The fp32 master and gradient partitions were allocated at engine initialization, before
         # any tracked step: without registering them the tracker would not count them.
-        super()._register_known()
-        if self.model is not None:
-            self.backend.register([getattr(p, "ds_tensor", None) for p in self.model.parameters()])
-        if self.zero_optimizer is not None:
-            for tensors in _zero_tensors(self.zero_optimizer).values():
-                self.backend.register(tensors)
-                self.backend.register([t.grad for t in tensors])
+        tensors: list[torch.Tensor | None] = []
+        if monitor.model is not None:
+            tensors.extend(getattr(p, "ds_tensor", None) for p in monitor.model.parameters())
+        zero = self.zero_optimizer(monitor)
+        if zero is not None:
+            for group in _zero_tensors(zero).values():
+                tensors.extend(group)
+                tensors.extend(t.grad for t in group)
+        return tensors
 
-    def _class_storages(self) -> tuple[dict[int, int], dict[int, int], dict[int, int], dict[int, int]]:
-        weights, grads, states, saved = super()._class_storages()
-        shards = deepspeed_storages(self.model, self.zero_optimizer, self.device)
-        weights.update(shards["weights"])
-        grads.update(shards["gradients"])
-        states.update(shards["optimizer_states"])
-        self._unseen_bytes = 0
+    def class_storages(self, monitor: StepMonitor) -> dict[str, dict[int, int]]:
+        shards = deepspeed_storages(monitor.model, self.zero_optimizer(monitor), monitor.device)
+        held = {name: dict(shards[name]) for name in ("weights", "gradients", "optimizer_states")}
+        self.unseen_bytes_before, self.unseen_bytes = self.unseen_bytes, 0
         if self.ddp is not None:
-            self._unseen_bytes = self._add_buckets(grads)
-        return weights, grads, states, saved
+            self.unseen_bytes = self._add_buckets(held["gradients"], monitor)
+        return held
 
-    def _add_buckets(self, grads: dict[int, int]) -> int:
+    def _add_buckets(self, grads: dict[int, int], monitor: StepMonitor) -> int:
         """Put the DDP buckets into ``grads``; returns the bytes no tracked storage stands for."""
         assert self.ddp is not None
-        live = self._live_storage_objects()
-        found = collect_storages(ddp_gradient_buckets(self.ddp, live), self.device)
+        live = monitor.backend.live_storage_objects()
+        found = collect_storages(ddp_gradient_buckets(self.ddp, live), monitor.device)
         grads.update(found)
         sizes = ddp_bucket_sizes(self.ddp)
         for nbytes in found.values():
@@ -391,37 +388,24 @@ class RankMonitor(StepMonitor):
             grads[-(index + 1)] = nbytes  # placeholder key: storage keys are addresses, never < 0
         return sum(sizes)
 
-    def _live_storage_objects(self) -> dict[int, torch.UntypedStorage] | None:
-        tracker = getattr(self.backend, "tracker", None)
-        if tracker is None or not self.backend.tracking:
-            return None
-        storages = {}
-        for key, ref in list(tracker._live.items()):
-            storage = ref()
-            if storage is not None:
-                storages[key] = storage
-        return storages
-
-    def _full_snapshot(self, phase: str, micro_step: int) -> dict[str, Any]:
-        tracker_peak = self.backend.read().peak
-        unseen_before = self._unseen_bytes
-        record = super()._full_snapshot(phase, micro_step)
+    def adjust(self, record: dict[str, Any], monitor: StepMonitor, phase: str, window_peak: int | None) -> None:
         # Buckets the tracker had not seen when this window opened were alive all along; the
         # tracker sees a bucket when DDP first writes into it (first tracked backward), so inside that
         # one window its peak may or may not include it: the bound on the safe side is taken there.
-        unseen = max(unseen_before, self._unseen_bytes) if phase != "step_begin" else self._unseen_bytes
-        if unseen and self.backend.live_storages() is not None and tracker_peak is not None:
-            record["peak"] = max(record["peak"], tracker_peak + unseen)
+        before = getattr(self, "unseen_bytes_before", 0)
+        unseen = max(before, self.unseen_bytes) if phase != "step_begin" else self.unseen_bytes
+        if unseen and monitor.backend.live_storages() is not None and window_peak is not None:
+            record["peak"] = max(record["peak"], window_peak + unseen)
             floor = record["allocated"]
-            if self._previous_allocated is not None:
-                floor = max(floor, self._previous_allocated)
+            if monitor.previous_allocated is not None:
+                floor = max(floor, monitor.previous_allocated)
             record["spike"] = max(0, record["peak"] - floor)
-        return record
 
 
 def make_monitor(backend: Any, writer: Any, rank: int, trainer: Any = None) -> StepMonitor:
-    """The monitor for this process: a :class:`RankMonitor` under DDP or DeepSpeed, else a plain one."""
+    """The monitor for this process; under DDP or DeepSpeed it also counts what the engine holds."""
+    monitor = StepMonitor(backend, writer, rank=rank)
     wrapped = getattr(trainer, "model_wrapped", None) if trainer is not None else None
     if find_ddp(wrapped) is not None or getattr(trainer, "is_deepspeed_enabled", False):
-        return RankMonitor(backend, writer, rank=rank, wrapped_model=wrapped)
-    return StepMonitor(backend, writer, rank=rank)
+        monitor.add_contributor(EngineStorages(wrapped))
+    return monitor

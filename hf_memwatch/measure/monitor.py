@@ -8,8 +8,8 @@ turns each reading into a timeline record with :func:`~hf_memwatch.measure.attri
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Protocol
 
 import torch
 
@@ -24,8 +24,25 @@ from .attribution import (
     weight_storages,
 )
 from .backends import AllocatorBackend
+from .footprint import host_rss
 from .saved_tensors import SavedTensorRegistry
 from .storage import collect_storages, nested_tensors
+
+
+class StorageContributor(Protocol):
+    """What a distributed engine (DDP buckets, DeepSpeed partitions) holds on a rank, for the monitor."""
+
+    def known_tensors(self, monitor: StepMonitor) -> Iterable[torch.Tensor | None]:
+        """Tensors allocated before tracking started, registered at each fully tracked step."""
+        ...
+
+    def class_storages(self, monitor: StepMonitor) -> Mapping[str, Mapping[int, int]]:
+        """Storage key -> bytes held per class (``weights``, ``gradients``, ``optimizer_states``)."""
+        ...
+
+    def adjust(self, record: dict[str, Any], monitor: StepMonitor, phase: str, window_peak: int | None) -> None:
+        """Correct a full snapshot ``record`` for bytes the tracker could not see (may do nothing)."""
+        ...
 
 
 class StepMonitor:
@@ -34,6 +51,13 @@ class StepMonitor:
     ``full`` steps track everything (on the CPU every operator is observed, on every device the
     saved-for-backward tensors are counted); other steps are ``light``: the allocator's own figures
     where it keeps them, and the class split of the last full step at the same phase.
+
+    ``compiled`` (set by the callback when the model runs under ``torch.compile``): a backend that
+    observes operators through a dispatch mode (the CPU) must not enter it, because Dynamo runs no
+    compiled frame while a ``TorchDispatchMode`` is active — tracking would switch compilation off.
+    Its full steps then count what is visible from outside the compiled code (weights, gradients,
+    optimizer states, tensors saved for backward) and are marked ``detail: "compiled"``, with
+    ``allocated``, ``peak`` and ``other`` unknown (null).
     """
 
     def __init__(
@@ -51,13 +75,16 @@ class StepMonitor:
         self.extra_gradients = extra_gradients
         self.model: torch.nn.Module | None = None
         self.optimizer: Any = None
+        self.attached_optimizer: Any = None
         self.step = 0
         self.micro_step = 0
         self.full = False
         self.in_step = False
+        self.compiled = False
         self.step_snapshots: list[dict[str, Any]] = []
         self.last_step: dict[str, Any] | None = None
         self._previous_allocated: int | None = None
+        self.contributors: list[StorageContributor] = []
         self._last_full: dict[tuple[str, int], dict[str, Any]] = {}
         self.eval: EvalLoopState | None = None  # the evaluation loop in progress, if any
         self.last_eval: dict[str, Any] | None = None  # the last loop's ``eval`` record
@@ -66,6 +93,7 @@ class StepMonitor:
     # -- lifecycle --------------------------------------------------------------------------
     def attach(self, model: torch.nn.Module | None, optimizer: Any) -> None:
         self.model = model
+        self.attached_optimizer = optimizer  # as handed over (a ZeRO optimizer under DeepSpeed)
         self.optimizer = unwrap_optimizer(optimizer) if optimizer is not None else None
 
     def begin_step(self, step: int, full: bool) -> dict[str, Any]:
@@ -76,7 +104,8 @@ class StepMonitor:
             self._after_eval = False
         if full:
             self._register_known()
-            self.backend.start_tracking()
+            if not self._untracked_compiled_step():
+                self.backend.start_tracking()
             self.saved.start()
         return self.snapshot("step_begin")
 
@@ -93,7 +122,7 @@ class StepMonitor:
             "peak_phase": peak_snapshot["phase"],
             "peak_micro_step": peak_snapshot["micro_step"],
             "dominant": dominant_class(peak_snapshot["live"], peak_snapshot["spike"]),
-            "detail": "full" if self.full else "light",
+            "detail": self._detail(),
             "live_at_peak": peak_snapshot["live"],
             "spike_at_peak": peak_snapshot["spike"],
             "reserved": last["reserved"],
@@ -119,10 +148,31 @@ class StepMonitor:
         if self.backend.tracking:
             self.backend.register(tensors)
 
+    def add_contributor(self, contributor: StorageContributor) -> None:
+        """Count what ``contributor`` (a distributed engine) holds on this rank in every full snapshot."""
+        self.contributors.append(contributor)
+
+    @property
+    def previous_allocated(self) -> int | None:
+        """``allocated`` of the previous snapshot (None before the first)."""
+        return self._previous_allocated
+
+    def _untracked_compiled_step(self) -> bool:
+        """A full step of a compiled model on a backend that would need its dispatch mode."""
+        return self.full and self.compiled and self.backend.observes_operators
+
+    def _detail(self) -> str:
+        if self._untracked_compiled_step():
+            return "compiled"
+        return "full" if self.full else "light"
+
     def snapshot(self, phase: str) -> dict[str, Any]:
         micro_step = self.micro_step
-        if self.full:
-            record = self._full_snapshot(phase, micro_step)
+        if self._untracked_compiled_step():
+            record = self._compiled_snapshot(phase, micro_step)
+            self._last_full[(phase, micro_step)] = record
+        elif self.full:
+            record = self.measure(phase, micro_step)
             self._last_full[(phase, micro_step)] = record
         else:
             record = self._light_snapshot(phase, micro_step)
@@ -133,14 +183,16 @@ class StepMonitor:
         return record
 
     def _register_known(self) -> None:
-        if self.model is None:
-            return
-        tensors: list[torch.Tensor | None] = list(self.model.parameters())
-        tensors.extend(self.model.buffers())
-        tensors.extend(p.grad for p in self.model.parameters())
-        self.backend.register(tensors)
+        tensors: list[torch.Tensor | None] = []
+        if self.model is not None:
+            tensors.extend(self.model.parameters())
+            tensors.extend(self.model.buffers())
+            tensors.extend(p.grad for p in self.model.parameters())
         if self.optimizer is not None:
-            self.backend.register(nested_tensors(list(getattr(self.optimizer, "state", {}).values())))
+            tensors.extend(nested_tensors(list(getattr(self.optimizer, "state", {}).values())))
+        for contributor in self.contributors:
+            tensors.extend(contributor.known_tensors(self))
+        self.backend.register(tensors)
 
     def _class_storages(self) -> tuple[dict[int, int], dict[int, int], dict[int, int], dict[int, int]]:
         device = self.device
@@ -150,9 +202,22 @@ class StepMonitor:
         grads = gradient_storages(model, device, extra) if model is not None else {}
         states = optimizer_state_storages(self.optimizer, device)
         saved = self.saved.storages(device)
+        for contributor in self.contributors:
+            held = contributor.class_storages(self)
+            weights.update(held.get("weights", {}))
+            grads.update(held.get("gradients", {}))
+            states.update(held.get("optimizer_states", {}))
         return weights, grads, states, saved
 
-    def _full_snapshot(self, phase: str, micro_step: int) -> dict[str, Any]:
+    def measure(self, phase: str, micro_step: int) -> dict[str, Any]:
+        """A full snapshot record now (classes from every known storage), without writing it."""
+        window_peak = self.backend.read().peak
+        record = self._measure(phase, micro_step)
+        for contributor in self.contributors:
+            contributor.adjust(record, self, phase, window_peak)
+        return record
+
+    def _measure(self, phase: str, micro_step: int) -> dict[str, Any]:
         weights, grads, states, saved = self._class_storages()
         reading = self.backend.read()
         allocated, peak = reading.allocated, reading.peak
@@ -166,6 +231,12 @@ class StepMonitor:
             peak = max(peak or 0, allocated)
         live = split_live(allocated, weights, grads, states, saved)
         return self._record(phase, micro_step, reading, allocated, peak, live, "full")
+
+    def _compiled_snapshot(self, phase: str, micro_step: int) -> dict[str, Any]:
+        """What a compiled step shows from outside: the classes we can walk; totals unknown."""
+        weights, grads, states, saved = self._class_storages()
+        live = split_live(None, weights, grads, states, saved)
+        return self._record(phase, micro_step, self.backend.read(), None, None, live, "compiled")
 
     def _light_snapshot(self, phase: str, micro_step: int) -> dict[str, Any]:
         reading = self.backend.read()
@@ -217,6 +288,7 @@ class StepMonitor:
             "num_ooms": reading.num_ooms,
             "device_free": reading.device_free,
             "device_total": reading.device_total,
+            "host_rss": host_rss(),  # the process's resident bytes: host-side growth shows too
             "detail": detail,
         }
 

@@ -85,6 +85,10 @@ class SavedTensorRegistry:
     def active(self) -> bool:
         return self._hooks is not None
 
+    def keys(self) -> set[int]:
+        """Keys of the storages saved for backward now."""
+        return set(self._counts)
+
     def storages(self, device: torch.device | None = None) -> dict[int, int]:
         """Saved storage key -> bytes, on ``device`` when given."""
         return {

@@ -10,8 +10,10 @@ measures a step without allocating it, which is how the estimator works.
 
 from __future__ import annotations
 
+import types
 import weakref
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -94,6 +96,20 @@ class StorageTracker(TorchDispatchMode):
     def live(self) -> Mapping[int, int]:
         """Snapshot of live storage key -> bytes."""
         return {key: ref.nbytes for key, ref in list(self._live.items())}
+
+    def live_refs(self) -> Mapping[int, Any]:
+        """Live storage key -> the tracker's reference to it (one object per storage lifetime, so two
+        reads name the same storage only when they hold the same reference). A read-only view."""
+        return types.MappingProxyType(self._live)
+
+    def live_storage_objects(self) -> dict[int, torch.UntypedStorage]:
+        """Live storage key -> the storage itself, for storages still reachable."""
+        storages = {}
+        for key, ref in list(self._live.items()):
+            storage = ref()
+            if storage is not None:
+                storages[key] = storage
+        return storages
 
     # -- dispatch ---------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

@@ -1,9 +1,17 @@
 """The memory budget of the auto mode: what ``MemWatch(budget=...)`` means in bytes on this device.
 
-* ``None`` (default): 90% of what this process may use — on CUDA the device total from
-  ``mem_get_info`` minus what other processes already hold, on the CPU the available RAM.
+* ``None`` (default): 90% of what this process may really use: the smallest of the limits that
+  apply (:func:`device_limits`). On CUDA: free + this process's reserved bytes, and the cap of
+  ``torch.cuda.set_per_process_memory_fraction``. On the CPU: ``MemAvailable``, the memory limit of
+  the process's own cgroup (v2 ``memory.max`` − ``memory.current``, v1 ``memory.limit_in_bytes`` −
+  ``memory.usage_in_bytes``, ancestors included), ``RLIMIT_AS`` − the virtual size and
+  ``RLIMIT_DATA`` − the data segment. :attr:`Budget.bound_by` names the one that bound it.
 * an ``int``: bytes; a ``str`` with a unit (``"20GiB"``, ``"500MB"``); a ``float`` in (0, 1]: a
-  fraction of the device capacity (CUDA: total memory; CPU: available RAM).
+  fraction of the device capacity (CUDA: total memory; CPU: the smallest host limit).
+
+Host limits are what the process may still *take* on top of its present size, so bytes already
+held (the loaded weights) are not added back: on the CPU the default budget is conservative by
+the size of what is already allocated.
 
 On devices with a caching allocator (CUDA) a margin is kept below the budget for fragmentation:
 the caching allocator reserves more than it hands out, so a plan is made against
@@ -12,18 +20,208 @@ the caching allocator reserves more than it hands out, so a plan is made against
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+import resource
+from dataclasses import dataclass, field
+
+import torch
 
 from ..core.errors import MemWatchConfigError
 from ..core.units import format_bytes, parse_bytes
 from ..measure.backends import AllocatorBackend
+from ..measure.footprint import STATUS_PATH, parse_proc_status, read_text
 
 DEFAULT_FRACTION = 0.9
 # Share of the budget kept free for allocator fragmentation on caching allocators (CUDA and the
 # torch.accelerator devices). Not yet sized from GPU measurements: see docs/auto.md.
 CUDA_FRAGMENTATION_MARGIN = 0.05
+# cgroup v1 writes "no limit" as PAGE_COUNTER_MAX rounded to pages (9223372036854771712 on 4 KiB
+# pages); anything this large is no limit.
+UNLIMITED_CGROUP = 1 << 62
+CGROUP_ROOT = "/sys/fs/cgroup"
+PROC_CGROUP = "/proc/self/cgroup"
 
 BudgetSpec = int | float | str | None
+
+
+@dataclass(frozen=True)
+class Limit:
+    """One limit on this process's memory: ``available`` bytes it may still take under it."""
+
+    name: str  # "MemAvailable", "cgroup v2 memory.max", "RLIMIT_AS", "CUDA free + own reserved", ...
+    available: int
+    detail: str  # how ``available`` was obtained, for the log line
+
+    def describe(self) -> str:
+        return f"{self.name} ({format_bytes(self.available)} {self.detail})"
+
+
+# -- parsers (pure; file contents in, numbers out) ---------------------------------------------
+def parse_cgroup_value(text: str | None) -> int | None:
+    """A cgroup limit or usage file's value in bytes; ``None`` for "max", no limit or no file.
+
+    Example:
+        >>> parse_cgroup_value("max\\n"), parse_cgroup_value("1073741824\\n"), parse_cgroup_value("9223372036854771712")
+        (None, 1073741824, None)
+    """
+    if text is None:
+        return None
+    value = text.strip()
+    if not value.isdigit():
+        return None  # "max" (v2), or an unreadable value
+    number = int(value)
+    return None if number >= UNLIMITED_CGROUP else number
+
+
+def parse_proc_cgroup(text: str) -> tuple[str | None, str | None]:
+    """(v2 path, v1 memory-controller path) of the process from the text of ``/proc/<pid>/cgroup``.
+
+    Example:
+        >>> parse_proc_cgroup("4:memory:/process_api/abc\\n1:cpu:/\\n0::/user.slice\\n")
+        ('/user.slice', '/process_api/abc')
+    """
+    v2 = v1 = None
+    for line in text.splitlines():
+        parts = line.strip().split(":", 2)
+        if len(parts) != 3:
+            continue
+        hierarchy, controllers, path = parts
+        if hierarchy == "0" and controllers == "":
+            v2 = path
+        elif "memory" in controllers.split(","):
+            v1 = path
+    return v2, v1
+
+
+def cgroup_dirs(root: str, path: str) -> list[str]:
+    """The cgroup folder of ``path`` under ``root`` and each of its ancestors up to ``root``, deepest first.
+
+    Inside a container the process's path may not exist under the mount (the namespace's root
+    is mounted): then the mount root alone is the process's group.
+    """
+    parts = [p for p in path.strip("/").split("/") if p]
+    dirs = [os.path.join(root, *parts[:i]) for i in range(len(parts), 0, -1)]
+    dirs.append(root)
+    existing = [d for d in dirs if os.path.isdir(d)]
+    return existing or []
+
+
+def cgroup_limit(proc_cgroup: str = PROC_CGROUP, root: str = CGROUP_ROOT) -> Limit | None:
+    """The tightest cgroup memory limit on this process: limit − usage of its group or an ancestor.
+
+    cgroup v2 (``<root>/<path>/memory.max`` and ``memory.current``) is read first, then v1
+    (``<root>/memory/<path>/memory.limit_in_bytes`` and ``memory.usage_in_bytes``). ``None``
+    where no group sets a limit (or none can be read).
+    """
+    text = read_text(proc_cgroup)
+    if text is None:
+        return None
+    v2, v1 = parse_proc_cgroup(text)
+    candidates: list[Limit] = []
+    if v2 is not None:
+        candidates += _group_limits(cgroup_dirs(root, v2), "memory.max", "memory.current", "cgroup v2 memory.max")
+    if v1 is not None:
+        candidates += _group_limits(
+            cgroup_dirs(os.path.join(root, "memory"), v1),
+            "memory.limit_in_bytes", "memory.usage_in_bytes", "cgroup v1 memory.limit_in_bytes",
+        )
+    return min(candidates, key=lambda limit: limit.available, default=None)
+
+
+def _group_limits(dirs: list[str], limit_file: str, usage_file: str, name: str) -> list[Limit]:
+    limits = []
+    for folder in dirs:
+        limit = parse_cgroup_value(read_text(os.path.join(folder, limit_file)))
+        usage = parse_cgroup_value(read_text(os.path.join(folder, usage_file)))
+        if limit is None:
+            continue
+        used = usage or 0
+        limits.append(Limit(
+            name, max(0, limit - used),
+            f"free of {format_bytes(limit)} in {folder}, {format_bytes(used)} used",
+        ))
+    return limits
+
+
+def rlimit_limits(status_text: str | None) -> list[Limit]:
+    """``RLIMIT_AS`` − virtual size (``VmSize``) and ``RLIMIT_DATA`` − data segment (``VmData``).
+
+    ``status_text`` is the text of ``/proc/self/status``; the soft limits are this process's own.
+    An unlimited resource gives no limit.
+    """
+    sizes = parse_proc_status(status_text or "")
+    limits = []
+    for name, size_field, what in (("RLIMIT_AS", "VmSize", "process size"), ("RLIMIT_DATA", "VmData", "data size")):
+        soft = resource.getrlimit(getattr(resource, name))[0]
+        if soft == resource.RLIM_INFINITY or soft < 0:
+            continue
+        size = sizes.get(size_field)
+        if size is None:
+            continue
+        limits.append(Limit(name, max(0, soft - size), f"above the {what} of {format_bytes(size)}"))
+    return limits
+
+
+def meminfo_available(meminfo_text: str | None) -> int | None:
+    """``MemAvailable`` of the text of ``/proc/meminfo``, in bytes."""
+    return parse_proc_status(meminfo_text or "").get("MemAvailable")
+
+
+# -- the limits of a device --------------------------------------------------------------------
+def host_limits() -> list[Limit]:
+    """Every limit on this process's host memory that can be read here."""
+    limits = []
+    available = meminfo_available(read_text("/proc/meminfo"))
+    if available is None:
+        try:
+            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            available = None
+    if available is not None:
+        limits.append(Limit("MemAvailable", available, "available RAM"))
+    group = cgroup_limit()
+    if group is not None:
+        limits.append(group)
+    limits += rlimit_limits(read_text(STATUS_PATH))
+    return limits
+
+
+def per_process_fraction(device: torch.device) -> float:
+    """``torch.cuda.set_per_process_memory_fraction``'s cap on ``device`` (1.0 where unset or unknown)."""
+    getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    if getter is None:  # torch < 2.6
+        return 1.0
+    try:
+        return float(getter(device))
+    except (RuntimeError, AttributeError):
+        return 1.0
+
+
+def cuda_limits(device: torch.device) -> list[Limit]:
+    """On a CUDA device: free + this process's reserved bytes, and the per-process fraction's cap.
+
+    Both count what this process's caching allocator may reserve in all, so they are comparable
+    with each other and with the step's peak.
+    """
+    free, total = torch.cuda.mem_get_info(device)
+    reserved = torch.cuda.memory_reserved(device)
+    limits = [Limit("CUDA free + own reserved", free + reserved,
+                    f"= {format_bytes(free)} free + {format_bytes(reserved)} reserved by this process")]
+    fraction = per_process_fraction(device)
+    if fraction < 1.0:
+        limits.append(Limit("set_per_process_memory_fraction", int(total * fraction),
+                            f"= {fraction:g} of {format_bytes(total)}"))
+    return limits
+
+
+def device_limits(backend: AllocatorBackend) -> list[Limit]:
+    """The limits that apply to the memory behind ``backend``."""
+    if backend.kind == "cpu":
+        return host_limits()
+    if backend.kind == "cuda":
+        return cuda_limits(backend.device)
+    available = backend.available()
+    return [] if available is None else [Limit(f"available {backend.device} memory", available, "free")]
 
 
 def validate_budget(budget: BudgetSpec) -> None:
@@ -44,19 +242,37 @@ def validate_budget(budget: BudgetSpec) -> None:
 
 @dataclass(frozen=True)
 class Budget:
-    """A resolved budget: ``total`` as the user meant it, ``usable`` what plans are made against."""
+    """A resolved budget: ``total`` as the user meant it, ``usable`` what plans are made against.
+
+    ``bound_by`` names the limit the default budget was taken from (``None`` for a user budget);
+    ``limits`` keeps every candidate limit read, so a log line can say which bound and by how much.
+    """
 
     total: int
     margin: int
     source: str  # how it was obtained, for the plan's log line
+    bound_by: str | None = None
+    limits: tuple[Limit, ...] = field(default=())
 
     @property
     def usable(self) -> int:
         return self.total - self.margin
 
+    @property
+    def binding_limit(self) -> Limit | None:
+        return next((limit for limit in self.limits if limit.name == self.bound_by), None)
+
     def describe(self) -> str:
         margin = f" (planning against {format_bytes(self.usable)}, fragmentation margin kept)" if self.margin else ""
         return f"{format_bytes(self.total)} [{self.source}]{margin}"
+
+    def limits_record(self) -> dict[str, int]:
+        """``{limit name: available bytes}`` of every candidate, for a plan record."""
+        return {limit.name: limit.available for limit in self.limits}
+
+
+def tightest(limits: list[Limit]) -> Limit | None:
+    return min(limits, key=lambda limit: limit.available, default=None)
 
 
 def resolve_budget(budget: BudgetSpec, backend: AllocatorBackend) -> Budget:
@@ -67,27 +283,55 @@ def resolve_budget(budget: BudgetSpec, backend: AllocatorBackend) -> Budget:
         >>> import torch
         >>> resolve_budget("1GiB", backend_for(torch.device("cpu"))).usable
         1073741824
+        >>> b = resolve_budget(None, backend_for(torch.device("cpu")))
+        >>> b.bound_by in b.limits_record()
+        True
     """
+    bound_by: str | None = None
+    limits: tuple[Limit, ...] = ()
     if budget is None:
-        available = backend.available()
-        if available is None:
+        limits = tuple(device_limits(backend))
+        binding = tightest(list(limits))
+        if binding is None:
             raise MemWatchConfigError(
                 f"MemWatch(auto=True) cannot read how much memory {backend.device} has; "
                 "pass budget= in bytes or as a size such as '20GiB'"
             )
-        total = int(DEFAULT_FRACTION * available)
-        source = f"{DEFAULT_FRACTION:.0%} of available {backend.device} memory"
+        total = int(DEFAULT_FRACTION * binding.available)
+        bound_by = binding.name
+        source = f"{DEFAULT_FRACTION:.0%} of {binding.describe()}"
     elif isinstance(budget, float) and not isinstance(budget, bool):
-        capacity = backend.available() if backend.kind == "cpu" else backend.capacity()
+        if backend.kind == "cpu":
+            limits = tuple(host_limits())
+            binding = tightest(list(limits))
+            capacity = None if binding is None else binding.available
+            bound_by = None if binding is None else binding.name
+        else:
+            capacity = backend.capacity()
         if capacity is None:
             raise MemWatchConfigError(
                 f"MemWatch(budget={budget}) is a fraction, but the capacity of {backend.device} is unknown; "
                 "pass bytes or a size such as '20GiB'"
             )
         total = parse_bytes(budget, capacity=capacity)
-        source = f"{budget:g} of {format_bytes(capacity)}"
+        source = f"{budget:g} of {format_bytes(capacity)}" + (f" ({bound_by})" if bound_by else "")
     else:
         total = parse_bytes(budget)
         source = "user budget"
     margin = int(CUDA_FRAGMENTATION_MARGIN * total) if backend.exact else 0
-    return Budget(total=total, margin=margin, source=source)
+    return Budget(total=total, margin=margin, source=source, bound_by=bound_by, limits=limits)
+
+
+
+def remaining(backend: AllocatorBackend) -> int | None:
+    """Bytes this process may still take on the memory behind ``backend`` under its tightest limit.
+
+    Host limits already count what is left; CUDA limits count all the allocator may reserve, so
+    what it has reserved is taken off.
+    """
+    binding = tightest(device_limits(backend))
+    if binding is None:
+        return None
+    if backend.kind == "cuda":
+        return max(0, binding.available - torch.cuda.memory_reserved(backend.device))
+    return binding.available

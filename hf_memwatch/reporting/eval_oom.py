@@ -142,7 +142,8 @@ def write_eval_oom_report(
     model = getattr(trainer, "model", None)
     record = {
         "event": "oom", "stage": loop.get("stage"), "step": loop.get("step"), "batch": loop.get("batches"),
-        "time": time.time(), "requested": requested_bytes(exc),
+        "micro_step": loop.get("batches"), "rank": loop.get("rank", 0),
+        "last_phase": (failure or {}).get("phase"), "time": time.time(), "requested": requested_bytes(exc),
         "allocated_at_failure": (failure or {}).get("allocated"), "live_at_failure": live or None,
         "outputs_at_failure": live.get("outputs"), "error": f"{type(exc).__name__}: {str(exc)[:300]}",
     }

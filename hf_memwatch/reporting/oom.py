@@ -13,7 +13,6 @@ https://pytorch.org/memory_viz, each allocation tagged with the step and phase t
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import os
@@ -27,7 +26,9 @@ import torch
 
 from ..core.categories import LIVE_CLASSES
 from ..core.errors import is_oom_error
+from ..core.run_config import RunConfig
 from ..core.units import format_bytes
+from ..planning.catalogue import single_remedies
 
 logger = logging.getLogger("hf_memwatch")
 
@@ -54,7 +55,9 @@ def install_oom_guard(trainer: Any, on_oom: Callable[[BaseException], None]) -> 
     """
     current = trainer.train
     if getattr(current, _WRAPPED_MARK, False):
+        current._memwatch_source[0] = on_oom  # a callback rebuilt from checkpoint state takes over
         return False
+    source = [on_oom]
     _load_estimator()  # import now: at the OOM there may be no memory left to import with
 
     @functools.wraps(current)
@@ -64,12 +67,13 @@ def install_oom_guard(trainer: Any, on_oom: Callable[[BaseException], None]) -> 
         except BaseException as exc:
             if is_oom_error(exc):
                 try:
-                    on_oom(exc)
+                    source[0](exc)
                 except Exception as inner:  # noqa: BLE001 - the user's OOM matters, not ours
                     logger.warning("hf-memwatch: OOM report failed (%s: %s)", type(inner).__name__, inner)
             raise
 
     setattr(train, _WRAPPED_MARK, True)
+    train._memwatch_source = source  # type: ignore[attr-defined]
     trainer.train = train
     return True
 
@@ -123,53 +127,6 @@ def _load_estimator() -> Any:
     return _ESTIMATOR
 
 
-@dataclasses.dataclass
-class RunConfig:
-    """What the estimator needs about the run that died."""
-
-    batch_size: int
-    seq_len: int | None
-    precision: str
-    optim: str
-    checkpointing: bool
-    accum: int
-    device: str
-
-    @classmethod
-    def from_trainer(cls, trainer: Any, seq_len: int | None) -> RunConfig:
-        args = trainer.args
-        precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
-        optim = getattr(args.optim, "value", args.optim)
-        return cls(
-            batch_size=int(args.per_device_train_batch_size),
-            seq_len=seq_len,
-            precision=precision,
-            optim=str(optim),
-            checkpointing=bool(args.gradient_checkpointing),
-            accum=int(args.gradient_accumulation_steps),
-            device=str(args.device),
-        )
-
-
-def remedy_variants(config: RunConfig) -> list[tuple[str, RunConfig]]:
-    """The standard remedies that change ``config``, each as (description, changed config)."""
-    variants: list[tuple[str, RunConfig]] = []
-    if config.batch_size > 1:
-        half = config.batch_size // 2
-        variants.append(
-            (f"batch {config.batch_size} → {half}, gradient accumulation {config.accum} → {config.accum * 2} "
-             "(same effective batch)",
-             dataclasses.replace(config, batch_size=half, accum=config.accum * 2))
-        )
-    if not config.checkpointing:
-        variants.append(("gradient checkpointing on", dataclasses.replace(config, checkpointing=True)))
-    if "8bit" not in config.optim and "adam" in config.optim.lower():
-        variants.append(("8-bit AdamW (optim='adamw_bnb_8bit')", dataclasses.replace(config, optim="adamw_bnb_8bit")))
-    if config.precision == "fp32":
-        variants.append(("bf16 mixed precision", dataclasses.replace(config, precision="bf16")))
-    return variants
-
-
 def cpu_memory_exhausted(exc: BaseException) -> bool:
     """True for a failure of the CPU allocator (or Python's), as opposed to an accelerator's."""
     return isinstance(exc, MemoryError) or "DefaultCPUAllocator" in str(exc)
@@ -179,14 +136,15 @@ def estimate_command(model: Any, config: RunConfig) -> str:
     """The ``hf-memwatch estimate`` command line for ``config``.
 
     Example:
-        >>> estimate_command(None, RunConfig(8, 128, "bf16", "adamw_torch", True, 2, "cpu"))
+        >>> run = RunConfig(8, 2, checkpointing=True, precision="bf16", seq_len=128)
+        >>> estimate_command(None, run)
         'hf-memwatch estimate <model dir or config.json> --batch-size 8 --seq-len 128 --precision bf16 --optim adamw_torch --accum 2 --device cpu --checkpointing'
     """
     source = getattr(getattr(model, "config", None), "_name_or_path", "") or "<model dir or config.json>"
     parts = [
-        "hf-memwatch estimate", source, f"--batch-size {config.batch_size}", f"--seq-len {config.seq_len or '<tokens>'}",
-        f"--precision {config.precision}", f"--optim {config.optim}", f"--accum {config.accum}",
-        f"--device {torch.device(config.device).type}",
+        "hf-memwatch estimate", source, f"--batch-size {config.micro_batch_size}",
+        f"--seq-len {config.seq_len or '<tokens>'}", f"--precision {config.precision}", f"--optim {config.optim}",
+        f"--accum {config.gradient_accumulation_steps}", f"--device {config.device}",
     ]
     if config.checkpointing:
         parts.append("--checkpointing")
@@ -209,15 +167,14 @@ def estimate_remedies(model: Any, config: RunConfig) -> tuple[int | None, list[t
     subject = getattr(model, "config", None) or model
 
     def peak_of(cfg: RunConfig) -> int:
-        fields = dataclasses.asdict(cfg)
-        return int(estimate(subject, **fields).peak_bytes)
+        return int(estimate(subject, **cfg.estimate_kwargs()).peak_bytes)
 
     try:
         baseline = peak_of(config)
     except Exception as exc:  # noqa: BLE001 - report what we can
         return None, [], f"the estimator failed on this run's configuration ({type(exc).__name__}: {exc})"
     rows: list[tuple[str, int | None, str]] = []
-    for description, variant in remedy_variants(config):
+    for description, variant in single_remedies(config):
         try:
             rows.append((description, peak_of(variant), ""))
         except Exception as exc:  # noqa: BLE001
@@ -316,7 +273,7 @@ def split_at_failure(monitor: Any) -> dict[str, Any] | None:
     if not (backend.exact or backend.tracking) or not monitor.in_step:
         return None
     # The monitor's own full snapshot, without recording it: same attribution as every snapshot.
-    return monitor._full_snapshot("oom", monitor.micro_step)
+    return monitor.measure("oom", monitor.micro_step)
 
 
 def _dump_cuda_snapshot(directory: Path) -> Path | None:
@@ -353,7 +310,8 @@ def render_oom_report(
     model_text = f"{name} ({params:,} parameters), " if params is not None else ""
     lines += [
         f"- **Error:** `{type(exc).__name__}: {_first_line(exc)}`",
-        f"- **Run:** {model_text}batch {config.batch_size} per device × gradient accumulation {config.accum}, "
+        f"- **Run:** {model_text}batch {config.micro_batch_size} per device × gradient accumulation "
+        f"{config.gradient_accumulation_steps}, "
         f"sequence length {config.seq_len or '?'}, {config.precision}, optim {config.optim}, "
         f"gradient checkpointing {'on' if config.checkpointing else 'off'}, device {config.device}",
     ]

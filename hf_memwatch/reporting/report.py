@@ -22,6 +22,7 @@ from typing import Any
 
 from ..core.categories import LIVE_CLASSES
 from ..core.errors import MemWatchConfigError
+from ..core.run_config import RunConfig
 from ..core.timeline import _rank_of, find_timelines, read_timeline
 from ..core.units import format_bytes
 
@@ -83,7 +84,7 @@ def load_run(path: str | os.PathLike[str]) -> list[RankTimeline]:
     return runs
 
 
-def run_meta(model: Any, args: Any) -> dict[str, Any]:
+def run_meta(model: Any, run: RunConfig) -> dict[str, Any]:
     """The ``meta`` timeline record: what the picture's title and the summary say about the run."""
     params = sum(p.numel() for p in model.parameters()) if model is not None else None
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad) if model is not None else None
@@ -92,11 +93,11 @@ def run_meta(model: Any, args: Any) -> dict[str, Any]:
         "model": type(model).__name__ if model is not None else None,
         "params": params,
         "trainable_params": trainable,
-        "batch_size": int(args.per_device_train_batch_size),
-        "gradient_accumulation_steps": int(args.gradient_accumulation_steps),
-        "precision": "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
-        "optim": str(getattr(args.optim, "value", args.optim)),
-        "world_size": int(getattr(args, "world_size", 1)),
+        "batch_size": run.micro_batch_size,
+        "gradient_accumulation_steps": run.gradient_accumulation_steps,
+        "precision": run.precision,
+        "optim": run.optim,
+        "world_size": run.world_size,
     }
 
 

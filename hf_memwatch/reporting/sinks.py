@@ -59,6 +59,7 @@ def step_scalars(
     *,
     budget: int | None = None,
     predicted_peak: int | None = None,
+    leak_bytes_per_step: int | None = None,
 ) -> dict[str, int]:
     """``memory/*`` figures (bytes) of one optimizer step.
 
@@ -88,6 +89,7 @@ def step_scalars(
     if budget is not None and peak is not None:
         _put(scalars, "headroom", int(budget) - int(peak))
     _put(scalars, "predicted_peak", predicted_peak)
+    _put(scalars, "leak_bytes_per_step", leak_bytes_per_step)  # once a leak was found (measure/leaks.py)
     return scalars
 
 
@@ -322,7 +324,8 @@ def install_scalar_logging(
 
     ``scalars_for_step(global_step)`` returns this rank's figures for that step, or None when the
     step was not measured. Composes with other wrappers (wraps whatever ``trainer.log`` is now);
-    installs once per trainer. A fault in ours is logged and the log goes on without memory keys.
+    installs once per trainer (a later call — a callback rebuilt from checkpoint state — takes over the
+    figures). A fault in ours is logged and the log goes on without memory keys.
     Each call also routes the TensorBoard and W&B callbacks present now (:func:`route_exact_names`),
     so that integrations added between two calls are covered too.
 
@@ -334,24 +337,27 @@ def install_scalar_logging(
     route_exact_names(getattr(getattr(trainer, "callback_handler", None), "callbacks", None))
     current = trainer.log
     if getattr(current, _WRAPPED_MARK, False):
+        # A callback rebuilt from checkpoint state (restore_callback_states_from_checkpoint) takes over.
+        current._memwatch_source[:] = [scalars_for_step, scalars_for_eval]
         return False
+    source = [scalars_for_step, scalars_for_eval]
 
     @functools.wraps(current)
     def log(logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         if isinstance(logs, dict) and is_training_log(logs):
             mine = None
             try:
-                mine = scalars_for_step(int(trainer.state.global_step))
+                mine = source[0](int(trainer.state.global_step))
             except Exception as exc:  # noqa: BLE001 - a logging fault of ours must not stop training
                 logger.warning("hf-memwatch: memory scalars not logged (%s: %s)", type(exc).__name__, exc)
             # Every rank joins the gather, with or without figures, so no rank waits forever.
             figures = gather_over_ranks(mine)
             if figures:
                 logs.update({k: v for k, v in figures.items() if k not in logs})
-        elif isinstance(logs, dict) and scalars_for_eval is not None and is_eval_log(logs):
+        elif isinstance(logs, dict) and source[1] is not None and is_eval_log(logs):
             mine = None
             try:
-                mine = scalars_for_eval()
+                mine = source[1]()
             except Exception as exc:  # noqa: BLE001 - a logging fault of ours must not stop training
                 logger.warning("hf-memwatch: eval memory scalars not logged (%s: %s)", type(exc).__name__, exc)
             figures = gather_over_ranks(mine)
@@ -360,6 +366,7 @@ def install_scalar_logging(
         return current(logs, *args, **kwargs)
 
     setattr(log, _WRAPPED_MARK, True)
+    log._memwatch_source = source  # type: ignore[attr-defined]
     trainer.log = log
     return True
 

@@ -222,22 +222,42 @@ def print_summary(path: str | os.PathLike[str], plan: Mapping[str, Any] | None =
     return table
 
 
-def finish_reports(callback: Any, args: Any, state: Any) -> None:
-    """Train-end reporting of ``MemWatch``: the picture and the summary, each failing alone, quietly."""
-    directory = Path(callback.memwatch_dir(args))
-    if callback.report:
-        try:
-            from .report import write_report
+def finish_reports(callback: Any, args: Any, state: Any) -> Any:
+    """Train-end reporting of ``MemWatch``: the picture and the summary, each failing alone, quietly.
 
-            path = write_report(directory, directory / PICTURE_NAME)
-            logger.info("hf-memwatch: memory picture in %s", path)
-        except ImportError as exc:
-            logger.warning("hf-memwatch: no memory picture: %s (pip install 'hf-memwatch[plot]', or "
-                           "MemWatch(report=False))", exc)
-        except Exception as exc:  # noqa: BLE001 - a picture must never fail a finished run
-            logger.warning("hf-memwatch: no memory picture (%s: %s)", type(exc).__name__, exc)
+    ``callback.report`` is ``True`` (the picture is drawn by a detached background process, returned
+    so the caller can wait for it), ``"sync"`` (drawn here, before returning) or ``False``.
+    """
+    directory = Path(callback.memwatch_dir(args))
+    process = None
+    if callback.report == "sync":
+        _draw_now(directory)
+    elif callback.report:
+        try:
+            from .background import start_report_process
+
+            process = start_report_process(directory, directory / PICTURE_NAME)
+            logger.info("hf-memwatch: drawing the memory picture into %s in the background",
+                        directory / PICTURE_NAME)
+        except Exception as exc:  # noqa: BLE001 - no process (fork refused, ...): no picture, say so
+            logger.warning("hf-memwatch: no memory picture (%s: %s); `hf-memwatch report %s` draws it",
+                           type(exc).__name__, exc, directory)
     if callback.summary:
         try:
             print_summary(directory, plan=callback.plan_in_force())
         except Exception as exc:  # noqa: BLE001
             logger.warning("hf-memwatch: no summary table (%s: %s)", type(exc).__name__, exc)
+    return process
+
+
+def _draw_now(directory: Path) -> None:
+    try:
+        from .report import write_report
+
+        path = write_report(directory, directory / PICTURE_NAME)
+        logger.info("hf-memwatch: memory picture in %s", path)
+    except ImportError as exc:
+        logger.warning("hf-memwatch: no memory picture: %s (pip install 'hf-memwatch[plot]', or "
+                       "MemWatch(report=False))", exc)
+    except Exception as exc:  # noqa: BLE001 - a picture must never fail a finished run
+        logger.warning("hf-memwatch: no memory picture (%s: %s)", type(exc).__name__, exc)

@@ -1,0 +1,178 @@
+"""``RunConfig``: what a training run is configured with, as far as memory planning is concerned.
+
+This is the only place that reads ``TrainingArguments`` and the live model's state for planning:
+the auto mode, ``hf-memwatch estimate --budget``, the planner API and the OOM post-mortem all build a
+:class:`RunConfig` (from a Trainer with :meth:`RunConfig.from_trainer`, or from plain values) and
+hand it to the one planning core (:mod:`hf_memwatch.planning.chooser`).
+
+Example:
+    >>> run = RunConfig(micro_batch_size=16, gradient_accumulation_steps=2, seq_len=512)
+    >>> run.effective_batch
+    32
+    >>> run.estimate_kwargs()["precision"]
+    'fp32'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .errors import MemWatchConfigError
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One run's memory-relevant configuration (per device).
+
+    ``checkpointing`` is whether the run trains with activation checkpointing, from the arguments
+    *or* the model (a model whose checkpointing was switched on directly counts). ``device`` is a
+    device type (``cpu``, ``cuda``, ...). ``custom_optimizer`` marks an optimizer handed to the
+    Trainer (no optimizer remedy may replace it); ``checkpointing_unavailable`` says why the model
+    cannot checkpoint (None when it can).
+    """
+
+    micro_batch_size: int
+    gradient_accumulation_steps: int = 1
+    checkpointing: bool = False
+    optim: str = "adamw_torch"
+    precision: str = "fp32"
+    device: str = "cpu"
+    world_size: int = 1
+    shard: str = "none"
+    max_grad_norm: float = 1.0
+    seq_len: int | None = None
+    task: str | None = None
+    seq2seq_target_len: int | None = None
+    custom_optimizer: bool = False
+    checkpointing_unavailable: str | None = None
+    eval_batch_size: int | None = None
+    eval_accumulation_steps: int | None = None
+    prediction_loss_only: bool = False
+    auto_find_batch_size: bool = False
+    max_length: int | None = None  # samples truncated to it (TRL's max_length), None: not truncated by the run
+    group_by_length: bool = False
+    padding_free: bool | None = None  # None: as the collator says
+    packing: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("micro_batch_size", "gradient_accumulation_steps", "world_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise MemWatchConfigError(f"{name} must be a positive integer; got {value!r}")
+        if self.seq_len is not None and (isinstance(self.seq_len, bool) or not isinstance(self.seq_len, int)
+                                         or self.seq_len <= 0):
+            raise MemWatchConfigError(f"seq_len must be a positive integer; got {self.seq_len!r}")
+
+    @property
+    def effective_batch(self) -> int:
+        """Per-device samples per optimizer step (kept exactly by every plan)."""
+        return self.micro_batch_size * self.gradient_accumulation_steps
+
+    def replace(self, **changes: Any) -> RunConfig:
+        """A copy with ``changes`` applied."""
+        return dataclasses.replace(self, **changes)
+
+    def estimate_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of :func:`hf_memwatch.estimate` for this configuration (no ``seq_len``
+        when unknown)."""
+        kwargs: dict[str, Any] = dict(
+            batch_size=self.micro_batch_size, accum=self.gradient_accumulation_steps,
+            checkpointing=self.checkpointing, optim=self.optim, precision=self.precision,
+            device="cuda" if self.device == "cuda" else "cpu", world_size=self.world_size, shard=self.shard,
+            max_grad_norm=self.max_grad_norm, task=self.task, seq2seq_target_len=self.seq2seq_target_len,
+        )
+        if self.seq_len is not None:
+            kwargs["seq_len"] = self.seq_len
+        return kwargs
+
+    # -- from a live Trainer ----------------------------------------------------------------
+    @classmethod
+    def from_args(cls, args: Any, model: Any = None, seq_len: int | None = None) -> RunConfig:
+        """The configuration ``TrainingArguments`` ``args`` (and ``model``'s state, when given) describe."""
+        return cls(
+            micro_batch_size=int(args.per_device_train_batch_size),
+            gradient_accumulation_steps=int(args.gradient_accumulation_steps),
+            checkpointing=checkpointing_requested(args) or model_is_checkpointing(model),
+            optim=optim_name(args),
+            precision=precision_of(args),
+            device=torch.device(args.device).type,
+            world_size=max(1, int(getattr(args, "world_size", 1) or 1)),
+            shard=shard_of(args),
+            max_grad_norm=float(getattr(args, "max_grad_norm", 0.0) or 0.0),
+            seq_len=seq_len,
+            checkpointing_unavailable=None if model is None else checkpointing_unavailable_reason(model),
+            eval_batch_size=int(args.per_device_eval_batch_size),
+            eval_accumulation_steps=getattr(args, "eval_accumulation_steps", None),
+            prediction_loss_only=bool(getattr(args, "prediction_loss_only", False)),
+            auto_find_batch_size=bool(getattr(args, "auto_find_batch_size", False)),
+            max_length=_positive_int(getattr(args, "max_length", None) or getattr(args, "max_seq_length", None)),
+            group_by_length=bool(getattr(args, "group_by_length", False)),
+            padding_free=getattr(args, "padding_free", None),
+            packing=bool(getattr(args, "packing", False)),
+        )
+
+    @classmethod
+    def from_trainer(cls, trainer: Any, seq_len: int | None = None) -> RunConfig:
+        """The configuration ``trainer`` will train with (arguments + the live model's state)."""
+        run = cls.from_args(trainer.args, trainer.model, seq_len)
+        custom = getattr(trainer, "optimizer", None) is not None or getattr(trainer, "optimizer_cls_and_kwargs", None)
+        return run.replace(custom_optimizer=bool(custom))
+
+
+# -- readers (one definition each) -----------------------------------------------------------
+def _positive_int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def optim_name(args: Any) -> str:
+    """``args.optim`` as its string name (``TrainingArguments`` turns it into an enum)."""
+    value = args.optim
+    return str(getattr(value, "value", value))
+
+
+def precision_of(args: Any) -> str:
+    """``bf16``, ``fp16`` or ``fp32``: the mixed precision the Trainer trains in."""
+    return "bf16" if getattr(args, "bf16", False) else "fp16" if getattr(args, "fp16", False) else "fp32"
+
+
+def checkpointing_requested(args: Any) -> bool:
+    """Whether the arguments ask for activation checkpointing (5.x name, then the 4.x alias)."""
+    return bool(getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False))
+
+
+def model_is_checkpointing(model: Any) -> bool:
+    """Whether ``model`` (or the model inside a DDP/PEFT wrapper) has activation checkpointing on.
+
+    Reads the layers' own ``gradient_checkpointing`` flags, as transformers' property does, without
+    the deprecated ``is_gradient_checkpointing`` (which warns).
+    """
+    target = getattr(model, "module", model)
+    if not isinstance(target, torch.nn.Module):
+        return False
+    return any(getattr(module, "gradient_checkpointing", False) is True for module in target.modules())
+
+
+def checkpointing_unavailable_reason(model: Any) -> str | None:
+    """Why activation checkpointing cannot be enabled on ``model``, or None when it can."""
+    target = getattr(model, "module", model)
+    if not (hasattr(target, "activation_checkpointing_enable") or hasattr(target, "gradient_checkpointing_enable")):
+        return f"{type(target).__name__} has no activation_checkpointing_enable()"
+    if hasattr(target, "supports_gradient_checkpointing") and not target.supports_gradient_checkpointing:
+        return f"{type(target).__name__} does not support activation checkpointing"
+    return None
+
+
+def shard_of(args: Any) -> str:
+    """``zero1``/``zero2``/``zero3`` under DeepSpeed, ``fsdp`` under FSDP, else ``none``."""
+    if getattr(args, "fsdp", None):
+        return "fsdp"
+    config = getattr(getattr(args, "hf_deepspeed_config", None), "config", None)
+    if isinstance(config, dict):
+        stage = int((config.get("zero_optimization") or {}).get("stage", 0) or 0)
+        if stage in (1, 2, 3):
+            return f"zero{stage}"
+    return "none"

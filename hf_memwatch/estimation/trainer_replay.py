@@ -1,0 +1,239 @@
+"""Replaying a built Trainer's own step on fake tensors, leaving no trace in the Trainer.
+
+:func:`hf_memwatch.estimate` given a ``Trainer`` runs that Trainer's ``training_step`` —
+``compute_loss`` with every subclass override (TRL's SFT and DPO losses, their metrics), the
+Trainer's own ``num_items_in_batch`` count and loss scaling — on a fake copy of its model, with
+batches its own collator forms from its own dataset. Three things make that safe:
+
+* :class:`TrainerStateGuard` restores every plain-data attribute of the Trainer (counters such as
+  TRL's ``_total_train_tokens``, metric lists) and its ``state`` afterwards, in place;
+* values read back from fake tensors (``.item()``, ``if tensor:``) answer 1 — metrics code runs its
+  operators (their memory counts) but nothing depends on the answer (see
+  :class:`~hf_memwatch.estimation.step.EstimateTracker`);
+* the dataset is read by index only (map-style); a one-pass iterable dataset is never iterated:
+  the step is then replayed on synthetic batches at the longest length the run allows, and the
+  estimate says so.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+SCAN_ITEMS = 4096  # map-style datasets: items whose lengths are compared for the worst case
+
+
+def is_trainer(value: Any) -> bool:
+    """Whether ``value`` is a ``transformers.Trainer`` (subclasses included)."""
+    try:
+        from transformers import Trainer
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(value, Trainer)
+
+
+# -- no trace ------------------------------------------------------------------------------------
+_PLAIN_LEAVES = (int, float, str, bool, bytes, type(None))
+
+
+def _is_plain(value: Any, depth: int = 0) -> bool:
+    """Numbers, strings and containers of them (what counters and metric lists are made of)."""
+    if isinstance(value, _PLAIN_LEAVES):
+        return True
+    if depth > 4:
+        return False
+    if isinstance(value, (list, tuple, set)):
+        return len(value) < 100_000 and all(_is_plain(v, depth + 1) for v in value)
+    if isinstance(value, dict):
+        return len(value) < 100_000 and all(_is_plain(k, depth + 1) and _is_plain(v, depth + 1)
+                                            for k, v in value.items())
+    return False
+
+
+def _restore_in_place(current: Any, saved: Any) -> Any:
+    """``saved`` put back into ``current`` where both are the same mutable container, else ``saved``."""
+    if type(current) is type(saved) and isinstance(current, dict):
+        current.clear()
+        current.update(saved)
+        return current
+    if type(current) is type(saved) and isinstance(current, list):
+        current[:] = saved
+        return current
+    return saved
+
+
+def _already_placed(data: Any) -> Any:
+    return data
+
+
+class TrainerStateGuard:
+    """Everything a replayed step may change in a Trainer, restored on exit.
+
+    Plain-data attributes (numbers, strings, containers of them — TRL's token counters and metric
+    lists among them), ``trainer.state``, and ``current_gradient_accumulation_steps`` (set for the
+    replay as the training loop sets it).
+    """
+
+    def __init__(self, trainer: Any, accumulation: int) -> None:
+        self.trainer = trainer
+        self.accumulation = accumulation
+
+    def __enter__(self) -> TrainerStateGuard:
+        attributes = vars(self.trainer)
+        self.names = set(attributes)
+        self.saved = {name: copy.deepcopy(value) for name, value in attributes.items() if _is_plain(value)}
+        state = getattr(self.trainer, "state", None)
+        self.state = copy.deepcopy(vars(state)) if state is not None else None
+        self.trainer.current_gradient_accumulation_steps = self.accumulation
+        # The replay's batches are already fake tensors on the simulated device (the CPU, for every
+        # target): the Trainer's move to ``args.device`` ("cpu:0" under DDP, "cuda:0") would mismatch.
+        self.trainer._prepare_input = _already_placed
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        attributes = vars(self.trainer)
+        for name in set(attributes) - self.names:
+            delattr(self.trainer, name)
+        for name, value in self.saved.items():
+            setattr(self.trainer, name, _restore_in_place(attributes.get(name), value))
+        if self.state is not None:
+            state = self.trainer.state
+            vars(state).clear()
+            vars(state).update(self.state)
+
+
+# -- the worst-case batch ------------------------------------------------------------------------
+def sequence_length(item: Any) -> int:
+    """Length of a sample's longest sequence field (0 for samples without one).
+
+    Handles lists, tensors (0-d ones such as scalar labels have no length), numpy arrays and nested
+    dicts; images (``pixel_values``) are not sequences.
+
+    Example:
+        >>> sequence_length({"input_ids": [1, 2, 3], "label": torch.tensor(1)})
+        3
+    """
+    if isinstance(item, Mapping):
+        return max((sequence_length_of_value(k, v) for k, v in item.items()), default=0)
+    return 0
+
+
+def sequence_length_of_value(name: Any, value: Any) -> int:
+    if name == "pixel_values" or isinstance(value, (str, bytes)):
+        return 0
+    if isinstance(value, Mapping):
+        return sequence_length(value)
+    shape = getattr(value, "shape", None)
+    if shape is not None:
+        return int(shape[-1]) if len(shape) >= 1 else 0
+    if isinstance(value, (list, tuple)):
+        return len(value)
+    return 0
+
+
+def training_dataset(trainer: Any) -> Any:
+    """The dataset as the Trainer's dataloader sees it (unused columns removed, as it removes them)."""
+    dataset = trainer.train_dataset
+    try:
+        import datasets
+
+        if isinstance(dataset, datasets.Dataset) and hasattr(trainer, "_remove_unused_columns"):
+            dataset = trainer._remove_unused_columns(dataset, description="training")
+    except ImportError:
+        pass
+    return dataset
+
+
+def is_one_pass(dataset: Any) -> bool:
+    """Whether reading ``dataset`` would consume it (no random access by index)."""
+    return isinstance(dataset, torch.utils.data.IterableDataset) or not (
+        hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__"))
+
+
+def longest_index(dataset: Any, limit: int | None = None) -> tuple[int, int]:
+    """(index, length) of the longest of the first ``limit`` (:data:`SCAN_ITEMS`) items of a map-style dataset."""
+    limit = SCAN_ITEMS if limit is None else limit
+    best, best_len = 0, -1
+    for index in range(min(len(dataset), limit)):
+        length = sequence_length(dataset[index])
+        if length > best_len:
+            best, best_len = index, length
+    return best, max(best_len, 0)
+
+
+def collate(trainer: Any, items: list[Any]) -> dict[str, Any]:
+    """``items`` collated as the Trainer's training dataloader collates them."""
+    collator = trainer.data_collator
+    dataset = trainer.train_dataset
+    if not hasattr(dataset, "column_names") and hasattr(trainer, "_get_collator_with_removed_columns"):
+        collator = trainer._get_collator_with_removed_columns(collator, description="training")
+    return collator(items)
+
+
+def worst_case_batch(trainer: Any, batch_size: int, sample_index: int | None = None
+                     ) -> tuple[dict[str, Any] | None, int | None, str]:
+    """(batch of ``batch_size`` copies of the longest sample, its sequence length, note).
+
+    The batch is None for one-pass datasets (never read); the note says what was used instead.
+    """
+    dataset = training_dataset(trainer)
+    if dataset is None:
+        return None, None, "no training dataset: synthetic batches"
+    if is_one_pass(dataset):
+        return None, None, "one-pass (iterable) dataset, not read: synthetic batches at the longest length allowed"
+    if len(dataset) == 0:
+        return None, None, "empty training dataset: synthetic batches"
+    if sample_index is None:
+        sample_index, _ = longest_index(dataset)
+    item = dataset[sample_index]
+    batch = collate(trainer, [copy.deepcopy(item) for _ in range(batch_size)])
+    length = max((sequence_length_of_value(k, v) for k, v in batch.items()), default=0) or None
+    return dict(batch), length, f"worst case: {batch_size} x sample {sample_index} as collated"
+
+
+def longest_allowed_length(trainer: Any) -> int | None:
+    """The longest sequence the run allows: the trainer's ``max_length`` (TRL) or the model's positions."""
+    args = trainer.args
+    for value in (getattr(args, "max_length", None), getattr(args, "max_seq_length", None)):
+        if isinstance(value, int) and value > 0:
+            return value
+    config = getattr(trainer.model, "config", None)
+    for name in ("max_position_embeddings", "n_positions"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def fake_batch(batch: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of ``batch`` whose tensors are created under the active fake mode (counted, no memory)."""
+    return {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+
+
+def held_models(trainer: Any) -> dict[str, torch.nn.Module]:
+    """Other models the Trainer holds beside the one it trains (TRL's ``ref_model``, a teacher, a reward
+    model): attribute name -> module, wrappers and the trained model excluded."""
+    trained = {id(m) for m in (getattr(trainer, "model", None), getattr(trainer, "model_wrapped", None),
+                                getattr(getattr(trainer, "model", None), "module", None)) if m is not None}
+    found = {}
+    for name, value in vars(trainer).items():
+        if not isinstance(value, torch.nn.Module) or id(value) in trained:
+            continue
+        inner = getattr(value, "module", None)
+        if inner is None or id(inner) not in trained:
+            found[name] = value
+    return found
+
+
+def plain_counters(trainer: Any) -> dict[str, Any]:
+    """The Trainer's plain-data attributes (what :class:`TrainerStateGuard` restores), for tests."""
+    return {name: copy.deepcopy(value) for name, value in vars(trainer).items() if _is_plain(value)}
+
+
+__all__ = [
+    "TrainerStateGuard", "collate", "fake_batch", "held_models", "is_one_pass", "is_trainer", "longest_allowed_length",
+    "longest_index", "plain_counters", "sequence_length", "training_dataset", "worst_case_batch",
+]

@@ -1,0 +1,52 @@
+"""Writing a plan into a live Trainer — the only place that changes a Trainer's configuration.
+
+:func:`apply_plan` runs before ``train()`` builds its dataloader, optimizer and scheduler, and
+writes exactly what a user configuring the plan by hand would have written: the training
+arguments (``per_device_train_batch_size``, ``gradient_accumulation_steps``, ``optim``,
+``activation_checkpointing``) and the Trainer's cached batch size. Never accelerate's gradient
+accumulation: the Trainer keeps accelerate at 1 and divides the loss itself, so setting it there
+would divide the gradients twice.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..core.run_config import RunConfig, checkpointing_requested, model_is_checkpointing, optim_name
+from ..planning.plan import Plan
+
+
+def apply_plan(trainer: Any, plan: Plan) -> list[str]:
+    """Write ``plan`` into a Trainer whose ``train()`` has not built its loop yet; what changed, in words."""
+    from transformers.training_args import OptimizerNames
+
+    args = trainer.args
+    changed = plan.changes_from(RunConfig.from_trainer(trainer))
+    args.per_device_train_batch_size = plan.micro_batch_size
+    trainer._train_batch_size = args.train_batch_size  # the Trainer's cached copy (micro-batch x n_gpu)
+    args.gradient_accumulation_steps = plan.gradient_accumulation_steps
+    if plan.optim != optim_name(args):
+        args.optim = OptimizerNames(plan.optim)
+    if plan.activation_checkpointing and not (checkpointing_requested(args) or model_is_checkpointing(trainer.model)):
+        # train() switches it on from the argument, as for a user who set it
+        if hasattr(args, "activation_checkpointing"):
+            args.activation_checkpointing = True
+        else:  # transformers 4.x
+            args.gradient_checkpointing = True
+    return changed
+
+
+def enable_checkpointing_now(trainer: Any) -> None:
+    """Turn on activation checkpointing in a model that is already training (between two steps),
+    with the run's own checkpointing arguments, as ``train()`` would have at its start."""
+    args = trainer.args
+    target = getattr(trainer.model, "module", trainer.model)  # DDP / accelerate wrappers
+    kwargs = dict(getattr(args, "activation_checkpointing_kwargs", None)
+                  or getattr(args, "gradient_checkpointing_kwargs", None) or {})
+    kwargs.pop("every_n_layers", None)
+    kwargs.pop("offload", None)
+    kwargs.setdefault("use_reentrant", False)  # works with frozen inputs (PEFT) too
+    if hasattr(target, "activation_checkpointing_enable"):
+        target.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        target.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)

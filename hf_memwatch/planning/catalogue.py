@@ -1,0 +1,134 @@
+"""The one catalogue of memory remedies: what each changes, when it applies, what it costs.
+
+Every planner (the auto mode, ``hf-memwatch estimate --budget``, the planner API, the OOM
+post-mortem) draws its options from :data:`REMEDIES`. A remedy that changes the training
+algorithm is not a memory remedy: 8-bit AdamW replaces AdamW variants only (same update rule, the
+states quantised), never SGD, Adafactor or another optimizer.
+
+Adding a remedy: one :class:`Remedy` entry with its ``unavailable`` rule and its ``options``
+(the values it may give its plan field), and its cost in :func:`hf_memwatch.planning.chooser.relative_throughput`.
+
+Example:
+    >>> from hf_memwatch.core.run_config import RunConfig
+    >>> run = RunConfig(micro_batch_size=8, optim="sgd")
+    >>> EIGHT_BIT_ADAMW.unavailable(run)
+    "optim='sgd' is not AdamW, and replacing it would change the training algorithm"
+    >>> ACCUMULATION.options(run)
+    [1, 2, 4, 8]
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ..core.run_config import RunConfig
+
+# Optimizers that 8-bit AdamW replaces without changing the algorithm.
+ADAMW_NAMES = frozenset({"adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw_apex_fused", "adamw_torch_xla"})
+EIGHT_BIT_NAMES = frozenset({"adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit"})
+
+
+def divisors(n: int) -> list[int]:
+    """Divisors of ``n`` in increasing order.
+
+    Example:
+        >>> divisors(12)
+        [1, 2, 3, 4, 6, 12]
+    """
+    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def bitsandbytes_installed() -> bool:
+    return importlib.util.find_spec("bitsandbytes") is not None
+
+
+def eight_bit_optim(device: str) -> str:
+    """The 8-bit AdamW for ``device``: paged on CUDA (its states can spill to host memory)."""
+    return "paged_adamw_8bit" if device == "cuda" else "adamw_bnb_8bit"
+
+
+@dataclass(frozen=True)
+class Remedy:
+    """One memory remedy: the plan field it sets and the values it may give it.
+
+    ``unavailable(run)`` says why it cannot be used on ``run`` (None: it can); ``options(run)`` are
+    the values of ``field`` it allows, the run's own value included.
+    """
+
+    name: str
+    field: str
+    unavailable: Callable[[RunConfig], str | None]
+    options: Callable[[RunConfig], list[Any]]
+
+
+def _accumulation_options(run: RunConfig) -> list[int]:
+    return divisors(run.effective_batch)
+
+
+def _checkpointing_unavailable(run: RunConfig) -> str | None:
+    return None if run.checkpointing else run.checkpointing_unavailable
+
+
+def _checkpointing_options(run: RunConfig) -> list[bool]:
+    return [run.checkpointing] if run.checkpointing or run.checkpointing_unavailable else [False, True]
+
+
+def _eight_bit_unavailable(run: RunConfig) -> str | None:
+    if run.custom_optimizer:
+        return "a custom optimizer was handed to the Trainer"
+    if run.optim in EIGHT_BIT_NAMES:
+        return None
+    if run.optim not in ADAMW_NAMES:
+        return f"optim={run.optim!r} is not AdamW, and replacing it would change the training algorithm"
+    if not bitsandbytes_installed():
+        return "bitsandbytes is not installed (pip install bitsandbytes)"
+    return None
+
+
+def _eight_bit_options(run: RunConfig) -> list[str]:
+    if run.optim in EIGHT_BIT_NAMES or _eight_bit_unavailable(run):
+        return [run.optim]
+    return [run.optim, eight_bit_optim(run.device)]
+
+
+ACCUMULATION = Remedy("gradient accumulation", "micro_batch_size", lambda run: None, _accumulation_options)
+CHECKPOINTING = Remedy("activation checkpointing", "activation_checkpointing", _checkpointing_unavailable,
+                       _checkpointing_options)
+EIGHT_BIT_ADAMW = Remedy("8-bit AdamW", "optim", _eight_bit_unavailable, _eight_bit_options)
+
+REMEDIES: tuple[Remedy, ...] = (ACCUMULATION, CHECKPOINTING, EIGHT_BIT_ADAMW)
+
+
+def unavailable_remedies(run: RunConfig) -> dict[str, str]:
+    """Remedy name -> why it cannot be used on ``run``."""
+    return {remedy.name: why for remedy in REMEDIES if (why := remedy.unavailable(run))}
+
+
+def single_remedies(run: RunConfig) -> list[tuple[str, RunConfig]]:
+    """Each remedy alone, one step from ``run`` — what an OOM post-mortem proposes — plus bf16 as
+    advice where the run is in fp32 (it changes numerics, so no planner applies it by itself).
+
+    Example:
+        >>> [name for name, _ in single_remedies(RunConfig(micro_batch_size=8, seq_len=128))][:2]
+        ['micro-batch 8 -> 4, gradient accumulation 1 -> 2 (same effective batch)', 'activation checkpointing on']
+    """
+    variants: list[tuple[str, RunConfig]] = []
+    smaller = [m for m in ACCUMULATION.options(run) if m < run.micro_batch_size]
+    if smaller:
+        micro = smaller[-1]
+        accum = run.effective_batch // micro
+        variants.append((f"micro-batch {run.micro_batch_size} -> {micro}, gradient accumulation "
+                         f"{run.gradient_accumulation_steps} -> {accum} (same effective batch)",
+                         run.replace(micro_batch_size=micro, gradient_accumulation_steps=accum)))
+    if True in CHECKPOINTING.options(run) and not run.checkpointing:
+        variants.append(("activation checkpointing on", run.replace(checkpointing=True)))
+    optims = [o for o in EIGHT_BIT_ADAMW.options(run) if o != run.optim]
+    if optims:
+        variants.append((f"8-bit AdamW (optim='{optims[0]}')", run.replace(optim=optims[0])))
+    if run.precision == "fp32":
+        variants.append(("bf16 mixed precision (advice: changes numerics)", run.replace(precision="bf16")))
+    return variants

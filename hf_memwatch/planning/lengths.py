@@ -1,0 +1,396 @@
+"""The worst batch of the whole train dataset: the longest batch the sampler can form, found cheaply.
+
+Runs die at step N when the one long sample arrives, so a plan made from the first batches is not
+enough. :func:`worst_batch` looks at every sample's length without training on it:
+
+* ``datasets.Dataset``: the lengths of the token column straight from Arrow
+  (``pyarrow.compute.list_value_length``), no Python rows are built: ~1M rows in milliseconds
+  (``benchmarks/results/lengths.md``);
+* a map-style dataset (``__len__`` + ``__getitem__``): every item is read and measured, until a
+  time budget runs out (then the record says how far it got);
+* an iterable dataset: never read (consuming the user's iterator would change training);
+  the truncation length (``max_length``, else ``model_max_length``) is taken instead, and said.
+
+Then the collator's padding is applied: the batch is padded to its longest sample, rounded up to
+``pad_to_multiple_of``; with truncation a sample never exceeds ``max_length``. Padding-free /
+flattening collators put the micro-batch's samples in one row: the worst batch is then the sum of
+the ``micro_batch_size`` longest samples. Settings come in as plain values (the caller reads the
+Trainer's configuration); where one is ``None`` the collator's own attribute of that name is used.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+TOKEN_COLUMN = "input_ids"
+# Keys whose values are image tensors: they have sizes, not sequence lengths.
+IMAGE_KEYS = frozenset({"pixel_values", "pixel_values_videos", "image", "images", "pixel_mask", "image_grid_thw"})
+DEFAULT_SCAN_SECONDS = 5.0
+
+
+@dataclass(frozen=True)
+class WorstBatch:
+    """The longest batch the sampler can form over the whole dataset.
+
+    ``index``/``length``: the longest sample (dataset index, its length in tokens before any
+    truncation). ``batch_length``: the sequence length of the worst padded batch (for padding-free
+    collators the length of its single row). ``batch_tokens``: tokens in that batch, padding
+    included. ``source``: ``"arrow"``, ``"scan"``, ``"scan-partial"``, ``"max_length"`` or ``"unknown"``.
+    ``None`` where not known.
+    """
+
+    index: int | None
+    length: int | None
+    batch_length: int | None
+    batch_tokens: int | None
+    source: str
+    notes: tuple[str, ...] = ()
+    pixel_values: bool = False  # the items carry image inputs (pixel_values): no sequence length there
+    scanned: int | None = None  # samples whose length was read
+    size: int | None = None  # samples in the dataset, when it has a length
+
+    def as_record(self) -> dict[str, Any]:
+        return {
+            "index": self.index, "length": self.length, "batch_length": self.batch_length,
+            "batch_tokens": self.batch_tokens, "source": self.source, "notes": list(self.notes),
+            "pixel_values": self.pixel_values, "scanned": self.scanned, "size": self.size,
+        }
+
+
+@dataclass
+class _Lengths:
+    """What a length reader found: the longest sample and the k longest lengths."""
+
+    index: int | None = None
+    length: int | None = None
+    top: list[int] = field(default_factory=list)  # the k longest lengths, any order
+    scanned: int = 0
+    pixel_values: bool = False
+    notes: list[str] = field(default_factory=list)
+    complete: bool = True
+
+
+# -- lengths of one item -------------------------------------------------------------------------
+def value_length(value: Any) -> int | None:
+    """Sequence length of one field value: the last dimension; ``None`` for scalars and text.
+
+    Example:
+        >>> value_length([1, 2, 3]), value_length(torch.tensor(1)), value_length(np.zeros((1, 7)))
+        (3, None, 7)
+    """
+    if isinstance(value, torch.Tensor):
+        return int(value.shape[-1]) if value.dim() > 0 else None  # len() of a 0-d tensor raises
+    if isinstance(value, np.ndarray):
+        return int(value.shape[-1]) if value.ndim > 0 else None
+    if isinstance(value, (list, tuple)):
+        if not value:
+            return 0
+        if all(isinstance(v, (int, float, np.integer, np.floating, bool)) for v in value[:8]):
+            return len(value)
+        inner = [value_length(v) for v in value]
+        known = [n for n in inner if n is not None]
+        return max(known) if known else None
+    return None  # str, int, float, None, ...
+
+
+def item_length(item: Any) -> tuple[int | None, bool]:
+    """(sequence length, has image inputs) of one dataset item.
+
+    Dicts (nested too): ``input_ids`` where present, else the longest sequence-valued field;
+    image fields (``pixel_values``, ...) are reported, not measured. Tuples/lists of fields: the
+    longest field. A bare tensor/array/list: its last dimension.
+
+    Example:
+        >>> item_length({"input_ids": [1, 2, 3], "labels": torch.tensor(0)})
+        (3, False)
+        >>> item_length({"pixel_values": torch.zeros(3, 224, 224), "text": {"input_ids": np.arange(9)}})
+        (9, True)
+    """
+    if isinstance(item, Mapping):
+        pixel = any(key in IMAGE_KEYS for key in item)
+        if TOKEN_COLUMN in item:
+            return value_length(item[TOKEN_COLUMN]), pixel
+        lengths = []
+        for key, value in item.items():
+            if key in IMAGE_KEYS:
+                continue
+            if isinstance(value, Mapping):
+                length, inner_pixel = item_length(value)
+                pixel = pixel or inner_pixel
+            else:
+                length = value_length(value)
+            if length is not None:
+                lengths.append(length)
+        return (max(lengths) if lengths else None), pixel
+    if isinstance(item, tuple) and item and not isinstance(item[0], (int, float)):
+        results = [item_length(part) for part in item]
+        known = [n for n, _ in results if n is not None]
+        return (max(known) if known else None), any(p for _, p in results)
+    return value_length(item), False
+
+
+# -- readers -------------------------------------------------------------------------------------
+def is_hf_dataset(dataset: Any) -> bool:
+    try:
+        import datasets
+    except ImportError:
+        return False
+    return isinstance(dataset, datasets.Dataset)
+
+
+def is_iterable_only(dataset: Any) -> bool:
+    """An iterable dataset (torch or ``datasets``): reading it would consume the user's iterator."""
+    if isinstance(dataset, torch.utils.data.IterableDataset):
+        return True
+    try:
+        import datasets
+
+        if isinstance(dataset, datasets.IterableDataset):
+            return True
+    except ImportError:
+        pass
+    return not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__"))
+
+
+def arrow_lengths(dataset: Any, k: int) -> _Lengths | None:
+    """Lengths of a ``datasets.Dataset``'s token column from Arrow.
+
+    ``None`` when the items must be read one by one instead: no ``input_ids`` column but other
+    list columns, or a transform that builds the items on access. A dataset of plain columns only
+    (text not yet tokenized) gives no length, with a note.
+    """
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    found = _Lengths()
+    columns = dataset.column_names
+    found.pixel_values = any(name in IMAGE_KEYS for name in columns)
+    table = dataset.data.table if hasattr(dataset.data, "table") else dataset.data
+    transformed = (dataset.format or {}).get("type") == "custom"
+    column = TOKEN_COLUMN if TOKEN_COLUMN in columns else None
+    if column is None:
+        if transformed:
+            return None  # set_transform/with_transform: the items are made on access
+        lists = [name for name in columns if name not in IMAGE_KEYS and _is_list_type(table.column(name).type)]
+        if lists:
+            return None
+        found.notes.append(f"no '{TOKEN_COLUMN}' column (columns: {', '.join(columns)}): lengths unknown "
+                           "before the collator tokenizes")
+        return found
+    chunked = table.column(column)
+    if not _is_list_type(chunked.type):
+        found.notes.append(f"column '{column}' is {chunked.type}, not token lists")
+        return None
+    if pa.types.is_list(chunked.type.value_type) or pa.types.is_large_list(chunked.type.value_type):
+        chunked = pc.list_flatten(chunked)  # [[ids]] rows (a tokenizer's batch of one): one level down
+        if len(chunked) != table.num_rows:
+            return None
+    lengths = pc.list_value_length(chunked)
+    # A shuffled/selected/filtered dataset keeps its row order in an index mapping over the table;
+    # datasets offers no public accessor for it (its own query_table reads ``_indices`` too).
+    indices = getattr(dataset, "_indices", None)
+    if indices is not None:
+        lengths = pc.take(lengths, indices.column(0))
+    values = lengths.to_numpy(zero_copy_only=False) if hasattr(lengths, "to_numpy") else np.asarray(lengths)
+    values = np.nan_to_num(values.astype(np.float64), nan=0).astype(np.int64)  # null rows: length 0
+    found.scanned = int(values.size)
+    if values.size:
+        found.index = int(np.argmax(values))
+        found.length = int(values[found.index])
+        top = min(k, values.size)
+        found.top = [int(v) for v in np.partition(values, values.size - top)[values.size - top:]]
+    if transformed:
+        found.notes.append("a transform is set on the dataset: lengths are those of the stored column, before it")
+    return found
+
+
+def _is_list_type(arrow_type: Any) -> bool:
+    import pyarrow as pa
+
+    return bool(pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type)
+                or pa.types.is_fixed_size_list(arrow_type))
+
+
+def scan_lengths(dataset: Any, k: int, seconds: float) -> _Lengths:
+    """Read every item of a map-style dataset and measure it, until ``seconds`` have passed."""
+    found = _Lengths()
+    size = len(dataset)
+    top: list[int] = []
+    start = time.perf_counter()
+    for index in range(size):
+        length, pixel = item_length(dataset[index])
+        found.pixel_values = found.pixel_values or pixel
+        found.scanned = index + 1
+        if length is not None:
+            if found.length is None or length > found.length:
+                found.index, found.length = index, length
+            if len(top) < k:
+                heapq.heappush(top, length)
+            elif length > top[0]:
+                heapq.heapreplace(top, length)
+        if time.perf_counter() - start > seconds and index + 1 < size:
+            found.complete = False
+            found.notes.append(
+                f"stopped after {seconds:g} s: {index + 1} of {size} samples read; "
+                "the longest of the rest is not known"
+            )
+            break
+    found.top = top
+    return found
+
+
+# -- the batch ----------------------------------------------------------------------------------
+def round_up(length: int, multiple: int | None) -> int:
+    """``length`` rounded up to a multiple of ``multiple`` (as the tokenizer's ``pad`` does).
+
+    Example:
+        >>> round_up(500, 64), round_up(500, None)
+        (512, 500)
+    """
+    if not multiple or multiple <= 1:
+        return length
+    return int(math.ceil(length / multiple) * multiple)
+
+
+def _collator_value(collator: Any, name: str) -> Any:
+    return getattr(collator, name, None) if collator is not None else None
+
+
+def is_padding_free(collator: Any) -> bool:
+    """A collator that puts the micro-batch in one row (``DataCollatorWithFlattening``, TRL ``padding_free``)."""
+    if collator is None:
+        return False
+    return bool(_collator_value(collator, "padding_free")) or type(collator).__name__ == "DataCollatorWithFlattening"
+
+
+def pads_to_max_length(collator: Any) -> bool:
+    """A collator configured with ``padding="max_length"`` (every batch has the same length)."""
+    padding = _collator_value(collator, "padding")
+    return str(getattr(padding, "value", padding)) == "max_length"
+
+
+def worst_batch(
+    dataset: Any,
+    collator: Any = None,
+    *,
+    micro_batch_size: int = 1,
+    max_length: int | None = None,
+    truncation: bool = True,
+    pad_to_multiple_of: int | None = None,
+    group_by_length: bool = False,
+    padding_free: bool | None = None,
+    packing: bool = False,
+    model_max_length: int | None = None,
+    scan_seconds: float = DEFAULT_SCAN_SECONDS,
+) -> WorstBatch:
+    """The longest batch the sampler can form over the whole ``dataset``.
+
+    Args:
+        dataset: the Trainer's train dataset (``datasets.Dataset``, map-style or iterable).
+        collator: the Trainer's data collator; its ``pad_to_multiple_of``, ``max_length`` and
+            ``padding_free`` attributes fill settings passed as ``None``.
+        micro_batch_size: samples per micro-batch on this process.
+        max_length, truncation: samples are cut to ``max_length`` when ``truncation``.
+        pad_to_multiple_of: the padded length is rounded up to a multiple of it.
+        group_by_length: the sampler batches samples of similar length (noted: it does not change
+            the worst padded batch, it makes it certain).
+        padding_free: the micro-batch is concatenated into one row (``None``: ask the collator).
+        packing: samples were packed into rows of ``max_length`` (each row is a sample here).
+        model_max_length: the tokenizer's limit, used when ``max_length`` is not given.
+        scan_seconds: time budget for reading a map-style dataset item by item.
+
+    Example:
+        >>> wb = worst_batch([{"input_ids": [1] * n} for n in (5, 9, 3)], micro_batch_size=2, pad_to_multiple_of=8)
+        >>> (wb.index, wb.length, wb.batch_length, wb.batch_tokens, wb.source)
+        (1, 9, 16, 32, 'scan')
+    """
+    k = max(1, int(micro_batch_size))
+    if pad_to_multiple_of is None:
+        pad_to_multiple_of = _collator_value(collator, "pad_to_multiple_of")
+    if max_length is None:
+        collator_max = _collator_value(collator, "max_length")
+        max_length = collator_max if isinstance(collator_max, int) else None
+    if padding_free is None:
+        padding_free = is_padding_free(collator)
+    cap = max_length if max_length is not None else model_max_length
+    notes: list[str] = []
+    size = len(dataset) if hasattr(dataset, "__len__") and not is_iterable_only(dataset) else None
+
+    found: _Lengths | None = None
+    if is_iterable_only(dataset):
+        notes.append("iterable dataset: not read (that would consume its iterator); planned for "
+                     + ("max_length" if max_length is not None else "model_max_length" if cap else "nothing known"))
+    elif is_hf_dataset(dataset):
+        found = arrow_lengths(dataset, k)
+        source = "arrow"
+        if found is None:
+            found = scan_lengths(dataset, k, scan_seconds)
+            source = "scan" if found.complete else "scan-partial"
+    else:
+        found = scan_lengths(dataset, k, scan_seconds)
+        source = "scan" if found.complete else "scan-partial"
+
+    if found is None or found.length is None:
+        if found is not None:
+            notes.extend(found.notes)
+            if found.length is None:
+                notes.append("no sequence length in the items")
+        if found is not None and found.pixel_values:
+            notes.append("image inputs (pixel_values): sized by the image processor, no sequence length")
+        length = cap
+        batch_length = None if cap is None else round_up(cap, pad_to_multiple_of)
+        batch_tokens = None if batch_length is None else batch_length * k
+        return WorstBatch(
+            index=None, length=None, batch_length=batch_length, batch_tokens=batch_tokens,
+            source="max_length" if length is not None else "unknown", notes=tuple(notes),
+            pixel_values=bool(found and found.pixel_values), scanned=None if found is None else found.scanned,
+            size=size,
+        )
+
+    notes.extend(found.notes)
+    if found.pixel_values:
+        notes.append("image inputs (pixel_values): sized by the image processor, no sequence length; "
+                     "the length is that of the token sequence")
+
+    def effective(n: int) -> int:
+        return min(n, max_length) if truncation and max_length is not None else n
+
+    if truncation and max_length is not None and found.length > max_length:
+        notes.append(f"longest sample {found.length} truncated to max_length {max_length}")
+    elif model_max_length is not None and found.length > model_max_length and not (truncation and max_length):
+        notes.append(f"longest sample {found.length} exceeds model_max_length {model_max_length}")
+    if padding_free:
+        # One row holding the micro-batch's samples: worst = the k longest together.
+        batch_length = sum(effective(n) for n in found.top)
+        batch_tokens = batch_length
+        notes.append(f"padding-free: the {len(found.top)} longest samples in one row")
+    elif pads_to_max_length(collator) and max_length is not None:
+        batch_length = round_up(max_length, pad_to_multiple_of)  # every batch padded to max_length
+        batch_tokens = batch_length * k
+        notes.append(f"the collator pads every batch to max_length {max_length}")
+    else:
+        batch_length = round_up(effective(found.length), pad_to_multiple_of)
+        batch_tokens = batch_length * k
+    if not found.complete and cap is not None and not padding_free and round_up(cap, pad_to_multiple_of) > batch_length:
+        # The unread rest may hold a longer sample: plan for the truncation length instead.
+        batch_length = round_up(cap, pad_to_multiple_of)
+        batch_tokens = batch_length * k
+        notes.append(f"planned for {'max_length' if max_length is not None else 'model_max_length'} {cap}: "
+                     "the unread samples may be longer")
+    if packing:
+        notes.append("packing: each packed row counts as one sample")
+    if group_by_length:
+        notes.append("group_by_length: the longest samples are batched together")
+    return WorstBatch(
+        index=found.index, length=found.length, batch_length=batch_length, batch_tokens=batch_tokens,
+        source=source, notes=tuple(notes), pixel_values=found.pixel_values, scanned=found.scanned, size=size,
+    )
+
