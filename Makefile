@@ -34,6 +34,7 @@ bench: venv
 	$(PY) benchmarks/overhead.py --out benchmarks/results/overhead.md
 	$(PY) benchmarks/fixed_cost.py --out benchmarks/results/fixed_cost.md
 	$(PY) benchmarks/accuracy.py
+	$(PY) benchmarks/peft_accuracy.py
 	$(PY) benchmarks/autotune.py
 	$(PY) benchmarks/lengths.py --out benchmarks/results/lengths.md
 	$(PY) benchmarks/eval_accuracy.py

@@ -1,7 +1,10 @@
 """Accuracy and speed of ``hf_memwatch.estimation.estimate`` — the numbers behind docs/estimate.md.
 
 1. Accuracy: a zoo of small real models (random weights) crossed with batch sizes 1-16, sequence
-   lengths 64-512, fp32/bf16, checkpointing on/off and adamw_torch / adamw_bnb_8bit / sgd. Truth is
+   lengths 64-512, fp32/bf16, checkpointing on/off and adamw_torch / adamw_bnb_8bit / sgd; then
+   every other decoder/encoder family of :mod:`hf_memwatch.testing.families` (GPT-NeoX, Phi-3,
+   Falcon, Gemma 1-3, BLOOM, Mixtral, Qwen2-MoE, DistilBERT, ALBERT, DeBERTa-v2, ...) at three
+   settings each (2 x 64 fp32; 8 x 256 bf16; 4 x 128 with checkpointing). Truth is
    PyTorch's own CPU allocator accounting of a real ``Trainer.train()`` of 2 optimizer steps
    (profiler memory events: model bytes before ``train()`` + highest running sum of deltas, see
    :mod:`hf_memwatch.testing.truth`). The bytes-per-parameter rule most calculators apply is shown beside.
@@ -9,7 +12,7 @@
    the ``estimate()`` call and of the whole process including imports, peak RSS).
 3. The Transformers memory guide's "4B parameters, batch 16, mixed precision: about 85 GB".
 
-Run: ``HF_HUB_OFFLINE=1 python benchmarks/accuracy.py`` (about 5-10 minutes on 2 cores); the
+Run: ``HF_HUB_OFFLINE=1 python benchmarks/accuracy.py`` (about 10 minutes on 2 cores); the
 markdown report goes to stdout and to ``benchmarks/results/accuracy.md``.
 """
 
@@ -43,6 +46,7 @@ from transformers import (
 
 from hf_memwatch.estimation.estimate import estimate
 from hf_memwatch.testing.estimate_truth import trainer_peak
+from hf_memwatch.testing.families import FAMILIES, NO_CHECKPOINTING, build_family_model
 
 RESULTS = Path(__file__).parent / "results" / "accuracy.md"
 AUTO = {
@@ -113,36 +117,79 @@ def bytes_per_param_rule(params: int, optim: str, precision: str) -> int:
     return params * (4 + 4 + states + (2 if precision != "fp32" else 0))
 
 
+TABLE_HEAD = [
+    "| model | batch | seq | precision | ckpt | optim | truth (bytes) | estimate (bytes) | error | "
+    "bytes/param rule | rule error | estimate time |",
+    "|---|---:|---:|---|---|---|---:|---:|---:|---:|---:|---:|",
+]
+
+
+def measure(model: torch.nn.Module, case: dict) -> tuple[str, float, float]:
+    """One case: (table row, signed estimate error, signed rule error) against the real Trainer."""
+    task = case["task"]
+    kwargs = dict(batch_size=case["batch_size"], seq_len=case["seq_len"], precision=case["precision"],
+                  checkpointing=case["checkpointing"], optim=case["optim"])
+    start = time.perf_counter()
+    predicted = estimate(model, task=task, seq2seq_target_len=case["target_len"], **kwargs)
+    elapsed = time.perf_counter() - start
+    truth = trainer_peak(model, task=task, target_len=case["target_len"], **kwargs)
+    rule = bytes_per_param_rule(predicted.params, case["optim"], case["precision"])
+    error, rule_error = (predicted.peak_bytes - truth) / truth, (rule - truth) / truth
+    row = (f"| {case['name']} | {case['batch_size']} | {case['seq_len']} | {case['precision']} | "
+           f"{'on' if case['checkpointing'] else 'off'} | {case['optim']} | {truth:,} | {predicted.peak_bytes:,} | "
+           f"{100 * error:+.3f}% | {rule:,} | {100 * rule_error:+.1f}% | {elapsed:.2f} s |")
+    print(row, file=sys.stderr, flush=True)
+    return row, error, rule_error
+
+
 def run_accuracy() -> tuple[list[str], list[float], list[float]]:
-    lines = [
-        "| model | batch | seq | precision | ckpt | optim | truth (bytes) | estimate (bytes) | error | "
-        "bytes/param rule | rule error | estimate time |",
-        "|---|---:|---:|---|---|---|---:|---:|---:|---:|---:|---:|",
-    ]
+    lines = list(TABLE_HEAD)
     ours, rule_errors = [], []
     for case in cases():
         task, factory = ZOO[case["name"]]
         torch.manual_seed(0)
         model = AUTO[task].from_config(factory())
-        kwargs = dict(batch_size=case["batch_size"], seq_len=case["seq_len"], precision=case["precision"],
-                      checkpointing=case["checkpointing"], optim=case["optim"])
-        start = time.perf_counter()
-        predicted = estimate(model, task=task, seq2seq_target_len=case["target_len"], **kwargs)
-        elapsed = time.perf_counter() - start
-        truth = trainer_peak(model, task=task, target_len=case["target_len"], **kwargs)
-        rule = bytes_per_param_rule(predicted.params, case["optim"], case["precision"])
-        error, rule_error = (predicted.peak_bytes - truth) / truth, (rule - truth) / truth
+        row, error, rule_error = measure(model, case)
+        lines.append(row)
         ours.append(abs(error))
         rule_errors.append(abs(rule_error))
-        lines.append(
-            f"| {case['name']} | {case['batch_size']} | {case['seq_len']} | {case['precision']} | "
-            f"{'on' if case['checkpointing'] else 'off'} | {case['optim']} | {truth:,} | {predicted.peak_bytes:,} | "
-            f"{100 * error:+.3f}% | {rule:,} | {100 * rule_error:+.1f}% | {elapsed:.2f} s |"
-        )
-        print(lines[-1], file=sys.stderr, flush=True)
         del model
         gc.collect()
     return lines, ours, rule_errors
+
+
+def family_cases() -> list[dict]:
+    """Three settings per family: small fp32; 8 x 256 bf16 (optimizer rotating); checkpointing on."""
+    rows = []
+    for offset, (name, (task, _)) in enumerate(FAMILIES.items()):
+        base = dict(name=name, task=task, target_len=None)
+        rows += [
+            dict(base, batch_size=2, seq_len=64, precision="fp32", checkpointing=False, optim="adamw_torch"),
+            dict(base, batch_size=8, seq_len=256, precision="bf16", checkpointing=False,
+                 optim=OPTIMS[offset % len(OPTIMS)]),
+            dict(base, batch_size=4, seq_len=128, precision=("fp32", "bf16")[offset % 2],
+                 checkpointing=name not in NO_CHECKPOINTING, optim="adamw_torch"),
+        ]
+    return rows
+
+
+def run_families() -> tuple[list[str], list[str], list[float]]:
+    """Per-case rows, a per-family summary (median |error|, worst signed error) and all |errors|."""
+    lines = list(TABLE_HEAD)
+    errors: dict[str, list[float]] = {}
+    for case in family_cases():
+        model = build_family_model(case["name"])
+        row, error, _ = measure(model, case)
+        lines.append(row)
+        errors.setdefault(case["name"], []).append(error)
+        del model
+        gc.collect()
+    summary = ["| family | task | cases | median abs. error | worst error |", "|---|---|---:|---:|---:|"]
+    for name, errs in errors.items():
+        worst = max(errs, key=abs)
+        summary.append(f"| {name} | {FAMILIES[name][0]} | {len(errs)} | "
+                       f"{100 * statistics.median(abs(e) for e in errs):.3f}% | {100 * worst:+.3f}% |")
+    return lines, summary, [abs(e) for errs in errors.values() for e in errs]
 
 
 SCALE_SCRIPT = """
@@ -238,6 +285,7 @@ def main() -> None:
     torch.set_num_threads(min(2, torch.get_num_threads()))
     started = time.perf_counter()
     accuracy, ours, rule = run_accuracy()
+    family_rows, family_summary, family_errors = run_families()
     scale = run_scale()
     guide = run_guide()
     report = [
@@ -254,6 +302,16 @@ def main() -> None:
         f"worst {100 * max(rule):.1f}%.",
         "",
         *accuracy,
+        "",
+        "## Every other architecture family (hf_memwatch.testing.families)",
+        "",
+        f"{len(family_errors)} cases over {len(FAMILIES)} more families (hidden 64, 2 layers, vocabulary 1000). "
+        f"Peak error, absolute relative: **median {100 * statistics.median(family_errors):.3f}%, "
+        f"worst {100 * max(family_errors):.3f}%**.",
+        "",
+        *family_summary,
+        "",
+        *family_rows,
         "",
         "## Scale (each in a fresh process on this machine)",
         "",

@@ -30,7 +30,7 @@ MICRO_BATCH = 32
 SEQ_LEN = 256
 MAX_STEPS = 10
 RESULTS = Path(__file__).parent / "results" / "autotune.md"
-CONTENDERS = ("as_given", "auto_find_batch_size", "memwatch_auto")
+CONTENDERS = ("as_given", "auto_find_batch_size", "memwatch_auto", "memwatch_auto_default_budget")
 
 
 def build_trainer(output_dir: str, mode: str, budget: int | None) -> Any:
@@ -69,8 +69,10 @@ def build_trainer(output_dir: str, mode: str, budget: int | None) -> Any:
 
     clock = Clock()
     callbacks: list[Any] = [clock, StepMarker()]
-    if mode == "memwatch_auto":
-        callbacks.append(MemWatch(auto=True, budget=budget, detail="light", report=False, summary=False))
+    if mode.startswith("memwatch_auto"):
+        # the default budget: 90% of the tightest real limit (here the address-space limit, RLIMIT_AS)
+        chosen_budget = None if mode == "memwatch_auto_default_budget" else budget
+        callbacks.append(MemWatch(auto=True, budget=chosen_budget, detail="light", report=False, summary=False))
     trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=callbacks)
     return trainer, clock
 
@@ -194,6 +196,8 @@ def child(mode: str, headroom: int, budget: int, output_dir: str) -> dict[str, A
         "steps_per_attempt": [len(a["step_ends"]) for a in attempts],
         "predicted_peak": next((cb.auto_plan or {} for cb in trainer.callback_handler.callbacks
                                 if hasattr(cb, "auto_plan") and cb.auto_plan), {}).get("predicted_peak"),
+        "budget_source": next((cb.auto_plan or {} for cb in trainer.callback_handler.callbacks
+                               if hasattr(cb, "auto_plan") and cb.auto_plan), {}).get("budget_source"),
         "planning_seconds": next((cb.planning_seconds for cb in trainer.callback_handler.callbacks
                                   if getattr(cb, "planning_seconds", None) is not None), None),
         "samples_per_second": (effective * (len(ends) - 1) / (ends[-1] - ends[0])) if useful and len(ends) > 1 else None,
@@ -245,7 +249,8 @@ def table(results: list[dict[str, Any]], calibration: dict[str, int], headroom: 
             f"| {r['mode']} | {fmt(r.get('ooms'))} | {fmt(r.get('wasted_steps'))} | "
             f"{fmt(r.get('seconds_before_first_useful_step'), '{:.2f}')}"
             f"{planning(r)} | {plan} | {fmt(r.get('effective_batch'))} | "
-            f"{fmt(r.get('samples_per_second'), '{:.1f}')} | {r.get('error') or 'trained ' + str(r.get('steps')) + ' steps'} |"
+            f"{fmt(r.get('samples_per_second'), '{:.1f}')} | {r.get('error') or 'trained ' + str(r.get('steps')) + ' steps'}"
+            f"{' (budget: ' + r['budget_source'] + ')' if r.get('budget_source') else ''} |"
         )
     return "\n".join(lines)
 

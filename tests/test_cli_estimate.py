@@ -105,3 +105,63 @@ def test_console_script_exit_status_without_traceback(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "Traceback" not in proc.stderr
     assert proc.stdout == ""
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    from transformers import LlamaConfig
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                vocab_size=128, bos_token_id=0, eos_token_id=0, architectures=["LlamaForCausalLM"]).save_pretrained(path)
+    return path
+
+
+def test_lora_flags_freeze_the_base_and_train_the_adapters(llama_dir, capsys):
+    from hf_memwatch.estimation.peft import LoraSpec
+
+    argv = ["estimate", str(llama_dir), "--batch-size", "2", "--seq-len", "32", "--json", "--lora-r", "4",
+            "--lora-targets", "q_proj,v_proj", "--lora-alpha", "8", "--lora-dropout", "0.1"]
+    assert main(argv) == 0
+    data = json.loads(capsys.readouterr().out)
+    # two adapted projections of 32 -> 32 (q) and 32 -> 16 (v), rank 4: A (4 x 32) + B (out x 4) each
+    assert data["trainable_params"] == 4 * 32 + 32 * 4 + 4 * 32 + 16 * 4
+    assert data["details"]["weights"] == {"frozen": data["classes"]["weights"] - 4 * data["trainable_params"],
+                                          "trainable": 4 * data["trainable_params"]}
+    spec = LoraSpec(r=4, alpha=8, targets=("q_proj", "v_proj"), dropout=0.1)
+    assert data["peak_bytes"] == estimate(str(llama_dir), batch_size=2, seq_len=32, lora=spec).peak_bytes
+    full = estimate(str(llama_dir), batch_size=2, seq_len=32)
+    assert data["classes"]["optimizer_states"] < full.classes["optimizer_states"] / 10
+
+
+def test_saved_adapter_folder_names_its_base(llama_dir, tmp_path, capsys):
+    """A folder PEFT's save_pretrained wrote: as --adapter (base from its config or MODEL) or as MODEL."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(llama_dir))  # name_or_path = llama_dir
+    peft_model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+    adapter = tmp_path / "adapter"
+    peft_model.save_pretrained(adapter)
+    assert not (adapter / "config.json").exists()
+    assert json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"] == str(llama_dir)
+    trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
+    expected = estimate(peft_model, batch_size=2, seq_len=32)  # the built PeftModel: the exact path
+
+    for argv in (["--adapter", str(adapter)], [str(llama_dir), "--adapter", str(adapter)], [str(adapter)]):
+        assert main(["estimate", *argv, "--batch-size", "2", "--seq-len", "32", "--json"]) == 0
+        data = json.loads(capsys.readouterr().out)
+        assert data["trainable_params"] == trainable
+        assert data["peak_bytes"] == expected.peak_bytes
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--lora-alpha", "16"], "need --lora-r"),
+    (["--lora-r", "0"], "lora r must be a positive integer"),
+    (["--lora-r", "4", "--lora-targets", "no_such_module"], "cannot apply the adapter"),
+])
+def test_bad_lora_flags_are_one_line(llama_dir, capsys, argv, message):
+    assert main(["estimate", str(llama_dir), "--batch-size", "2", "--seq-len", "32", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert "Traceback" not in err

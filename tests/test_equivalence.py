@@ -67,8 +67,9 @@ def train(out: Path, callbacks: list[Any], **overrides: Any) -> tuple[Trainer, t
     return trainer, rng_states()
 
 
-@pytest.mark.parametrize("optim", ["sgd", "adamw_torch"])
-@pytest.mark.parametrize("accumulation", [1, 2, 4])
+# SGD (scale-sensitive: a gradient divided twice halves its step and its logged norm) at every
+# accumulation; AdamW (the common optimizer, where 8-bit AdamW is a candidate) at one.
+@pytest.mark.parametrize(("optim", "accumulation"), [("sgd", 1), ("sgd", 2), ("sgd", 4), ("adamw_torch", 2)])
 def test_planned_run_is_the_hand_configured_run(tmp_path: Path, optim: str, accumulation: int) -> None:
     budget, expected = budget_for_accumulation(optim, accumulation)
     auto, auto_rng = train(tmp_path / "auto", [MemWatch(auto=True, budget=budget, **LIGHT)], optim=optim)
@@ -157,3 +158,23 @@ def test_sft_planned_run_keeps_token_counts_and_metrics(tmp_path: Path) -> None:
     first = [next(e for e in t.state.log_history if "loss" in e) for t in (auto, hand)]
     for key in ("num_tokens", "entropy", "mean_token_accuracy", "loss", "grad_norm"):
         assert first[0][key] == pytest.approx(first[1][key], rel=1e-6), key
+
+
+def test_the_command_line_plans_what_the_auto_mode_plans(tmp_path: Path, capsys: Any) -> None:
+    """``hf-memwatch estimate ... --budget B --json`` and ``MemWatch(auto=True, budget=B)``: one plan."""
+    import json
+
+    from hf_memwatch.cli.main import main
+
+    budget, _ = budget_for_accumulation("adamw_torch", 2)
+    model = gpt2_model(n_layer=2, n_embd=64)
+    model.config.save_pretrained(tmp_path / "model")
+    status = main(["estimate", str(tmp_path / "model"), "--batch-size", "8", "--seq-len", str(SEQ), "--checkpointing",
+                   "--optim", "adamw_torch", "--budget", str(budget), "--json"])
+    assert status == 0
+    cli_plan = json.loads(capsys.readouterr().out)["plan"]
+    train(tmp_path / "auto", [MemWatch(auto=True, budget=budget, **LIGHT)], optim="adamw_torch")
+    [auto_plan] = [r for r in read_records(tmp_path / "auto") if r["event"] == "plan"]
+    keys = ("micro_batch_size", "gradient_accumulation_steps", "activation_checkpointing", "optim")
+    assert {k: cli_plan[k] for k in keys} == {k: auto_plan[k] for k in keys}
+    assert cli_plan["gradient_accumulation_steps"] == 2

@@ -8,6 +8,8 @@ effective batch). ``--json`` prints one object instead.
 
 Usage:
     hf-memwatch estimate ./my-model --batch-size 16 --seq-len 512 --precision bf16 --budget 24GiB
+    hf-memwatch estimate ./my-model --lora-r 16 --lora-targets all-linear --precision bf16
+    hf-memwatch estimate --adapter ./my-adapter --batch-size 8 --json
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ from ..planning.planner import plan_for
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``hf-memwatch estimate``."""
-    parser.add_argument("model", metavar="MODEL", help="local model directory or config.json (or a hub id)")
+    parser.add_argument("model", metavar="MODEL", nargs="?", default=None,
+                        help="local model directory or config.json (or a hub id); with --adapter, the base "
+                             "(default: the adapter's base_model_name_or_path)")
     parser.add_argument("--task", choices=TASKS, default=None, help="default: from the config's architectures")
     parser.add_argument("--batch-size", type=int, default=8, help="per-device micro-batch (default 8)")
     parser.add_argument("--seq-len", type=int, default=512, help="tokens per sample (default 512)")
@@ -44,6 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--world-size", type=int, default=1, help="data-parallel ranks (default 1)")
     parser.add_argument("--shard", choices=SHARDS, default="none", help="ZeRO stage or FSDP full shard")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_peft_arguments(parser)
     add_eval_arguments(parser)
 
 
@@ -84,6 +89,35 @@ def print_eval(payload: dict[str, Any], console: Any) -> None:
     console.print(table)
 
 
+def add_peft_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--lora-*`` (a new LoRA adapter on MODEL) and ``--adapter DIR`` (a saved PEFT adapter)."""
+    group = parser.add_argument_group("PEFT (LoRA)")
+    group.add_argument("--lora-r", type=int, default=None, help="train a LoRA adapter of this rank (base frozen)")
+    group.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default: PEFT's, 8)")
+    group.add_argument("--lora-targets", default=None,
+                       help="comma-separated module names (q_proj,v_proj) or all-linear (default: PEFT's)")
+    group.add_argument("--lora-dropout", type=float, default=0.0, help="LoRA dropout (default 0)")
+    group.add_argument("--adapter", default=None, metavar="DIR",
+                       help="a saved PEFT adapter folder (adapter_config.json), trained further")
+
+
+def peft_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``lora``/``adapter`` keywords of :func:`estimate` from the CLI options (one-line errors)."""
+    from ..core.errors import MemWatchConfigError
+    from ..estimation.peft import LoraSpec
+
+    lora_options = (args.lora_alpha, args.lora_targets) != (None, None) or args.lora_dropout
+    if args.lora_r is None:
+        if lora_options:
+            raise MemWatchConfigError("--lora-alpha/--lora-targets/--lora-dropout need --lora-r")
+        lora = None
+    else:
+        lora = LoraSpec.from_targets_text(args.lora_r, args.lora_alpha, args.lora_targets, args.lora_dropout)
+    if args.model is None and args.adapter is None:
+        raise MemWatchConfigError("give MODEL (or --adapter DIR)")
+    return dict(lora=lora, adapter=args.adapter)
+
+
 def _run_config(args: argparse.Namespace) -> RunConfig:
     """The command's configuration as the planning core's :class:`RunConfig`."""
     return RunConfig(
@@ -110,7 +144,7 @@ def remedies(args: argparse.Namespace, budget: int, given: Any) -> list[dict[str
             if batch not in cache:
                 cache[batch] = estimate(args.model, **run.replace(
                     micro_batch_size=batch, checkpointing=plan.activation_checkpointing, optim=plan.optim,
-                ).estimate_kwargs()).peak_bytes
+                ).estimate_kwargs(), **peft_kwargs(args)).peak_bytes
             return cache[batch]
 
         peak = peak_of(args.batch_size)
@@ -124,7 +158,7 @@ def remedies(args: argparse.Namespace, budget: int, given: Any) -> list[dict[str
 
 def _plan(args: argparse.Namespace, budget: int) -> dict[str, Any] | None:
     """The planning core's choice (the auto mode's, for the same configuration and budget)."""
-    result = plan_for(args.model, _run_config(args), budget)
+    result = plan_for(args.model, _run_config(args), budget, estimate_kwargs=peft_kwargs(args))
     if result.chosen is None:
         return None
     return dict(result.chosen.as_dict(), explain=result.chosen.reason)
@@ -136,7 +170,8 @@ def run(args: argparse.Namespace) -> int:
     # libraries print on import (transformers' W&B offline notice): stdout is for our output only,
     # stderr for one line on error
     with contextlib.redirect_stdout(io.StringIO()):
-        result = estimate(args.model, budget=budget, **_run_config(args).estimate_kwargs(), **eval_kwargs(args))
+        result = estimate(args.model, budget=budget, **_run_config(args).estimate_kwargs(), **peft_kwargs(args),
+                          **eval_kwargs(args))
         payload = result.to_dict()
         if budget is not None:
             payload["remedies"] = remedies(args, budget, result)
@@ -168,6 +203,9 @@ def _print_table(payload: dict[str, Any]) -> None:
     for name in CLASS_NAMES:
         value = payload["classes"][name]
         table.add_row(name, f"{value:,}", format_bytes(value), f"{100 * value / peak:.1f}%" if peak else "-")
+        for detail, part in payload.get("details", {}).get(name, {}).items():  # e.g. the logits, inside
+            table.add_row(f"  of which {detail}", f"{part:,}", format_bytes(part),
+                          f"{100 * part / peak:.1f}%" if peak else "-", style="dim")
     table.add_row("peak", f"{peak:,}", format_bytes(peak), "100%", style="bold")
     console.print(table)
     console.print(f"peak phase: {payload['peak_phase']} · params {payload['params']:,} "

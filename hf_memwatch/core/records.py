@@ -95,6 +95,7 @@ class PlanRecord(_PlanRequired, total=False):
     sample: dict[str, Any] | None
     resumed: bool
     status: str
+    recovered_from_oom: int
 
 
 class _EvalRequired(TypedDict):
@@ -161,6 +162,16 @@ LeakRecord = TypedDict("LeakRecord", {
 LeakRecord.__doc__ = "A class that grows step after step (:mod:`hf_memwatch.measure.leaks`)."
 
 
+class OomRecoveredRecord(TypedDict):
+    """An out-of-memory error in the first step that the auto mode recovered from (planned again)."""
+
+    event: Literal["oom_recovered"]
+    attempt: int
+    error: str
+    failed_plan: dict[str, Any]
+    budget: Bytes
+
+
 RECORDS: dict[str, type] = {
     "snapshot": SnapshotRecord,
     "step": StepRecord,
@@ -169,6 +180,7 @@ RECORDS: dict[str, type] = {
     "oom": OomRecord,
     "eval": EvalRecord,
     "leak": LeakRecord,
+    "oom_recovered": OomRecoveredRecord,
 }
 
 

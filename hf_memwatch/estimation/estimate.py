@@ -33,6 +33,7 @@ from ..core.run_config import RunConfig
 from ..core.units import format_bytes, parse_bytes
 from ..measure.attribution import weight_storages
 from .layers import AUTO_MIN_LAYERS, SHORT_DEPTHS, extrapolate, homogeneous_layers, truncated
+from .peft import LoraSpec, apply_peft, is_adapter_dir, load_adapter, meta_copy
 from .shard import shard_classes
 from .step import CUDA_BLOCK, simulate_step
 from .trainer_replay import (
@@ -55,7 +56,11 @@ class MemoryEstimate:
     """Predicted peak of one Trainer optimizer step (per rank), with its split by class.
 
     ``classes`` is the split *at the moment of the peak* and sums to ``peak_bytes``.
-    ``phase_peaks`` gives the highest live bytes inside each phase of the step.
+    ``phase_peaks`` gives the highest live bytes inside each phase of the step. ``details``
+    names the biggest single tensors of a language-model step inside the class that holds them at
+    the peak: ``logits`` (every storage shaped tokens x vocabulary: the LM head's output, the
+    loss's log-softmax, their gradients) and ``logits_fp32_upcast`` (the fp32 ones under mixed
+    precision). A breakdown, not an addition: they are already in ``classes``.
     """
 
     peak_bytes: int
@@ -69,6 +74,8 @@ class MemoryEstimate:
     config: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     frozen_models: dict[str, int] = field(default_factory=dict)
+    # inside a class at the peak, the bytes of named tensors: {"activations": {"logits": ...}, ...}
+    details: dict[str, dict[str, int]] = field(default_factory=dict)
     # The evaluation loop (with ``eval_batch_size``/``eval_samples``; None when not asked):
     # its peak, the phase holding it (eval_forward | eval_accumulate | eval_gather) and its split.
     eval_peak_bytes: int | None = None
@@ -139,7 +146,8 @@ def infer_task(config: Any) -> str:
     return "causal-lm"
 
 
-def _auto_class(task: str) -> Any:
+def auto_class(task: str) -> Any:
+    """The ``AutoModelFor...`` class of ``task``."""
     import transformers
 
     return {
@@ -238,10 +246,13 @@ def _drop_foreign_hooks(model: torch.nn.Module, memo: dict[int, Any]) -> None:
 
 
 def build_fake_model(config: Any, task: str, fake_mode: Any, device: str) -> torch.nn.Module:
-    """Instantiate the task's model class from ``config`` under ``fake_mode`` (nothing allocated)."""
+    """Instantiate the task's model class from ``config`` under ``fake_mode`` (nothing allocated).
+
+    ``device="meta"`` with a null context for ``fake_mode`` gives a meta-device model (for PEFT).
+    """
     from transformers.initialization import no_init_weights
 
-    auto = _auto_class(task)
+    auto = auto_class(task)
     try:
         with fake_mode, torch.device(device):
             with no_init_weights():  # values are irrelevant, and initialising costs seconds
@@ -266,6 +277,27 @@ def count_params(model: torch.nn.Module) -> tuple[int, int]:
     return total, trainable
 
 
+def _resolve_adapter(model_or_config: Any, lora: LoraSpec | None,
+                     adapter: str | os.PathLike | None) -> tuple[Any, Any]:
+    """(the base model or config, the saved adapter's ``PeftConfig`` or None)."""
+    if adapter is None and is_adapter_dir(model_or_config):
+        adapter, model_or_config = model_or_config, None
+    peft_config = None
+    if adapter is not None:
+        if lora is not None:
+            raise MemWatchConfigError("give either a LoRA spec or an adapter folder, not both")
+        peft_config, base = load_adapter(adapter)
+        if model_or_config is None:
+            if base is None:
+                raise MemWatchConfigError(f"{os.fspath(adapter)}: the adapter names no base model; give MODEL")
+            model_or_config = base
+    if lora is not None and not isinstance(lora, LoraSpec):
+        raise MemWatchConfigError(f"lora must be a LoraSpec; got {type(lora).__name__}")
+    if model_or_config is None:
+        raise MemWatchConfigError("no model: give a model, a config or an adapter folder")
+    return model_or_config, peft_config
+
+
 # -- the estimate ----------------------------------------------------------------------------
 def estimate(
     model_or_config: Any,
@@ -285,6 +317,8 @@ def estimate(
     seq2seq_target_len: int | None = None,
     extrapolate_layers: bool | None = None,
     sample_index: int | None = None,
+    lora: LoraSpec | None = None,
+    adapter: str | os.PathLike | None = None,
     eval_batch_size: int | None = None,
     eval_samples: int | None = None,
     eval_accumulation_steps: int | None = None,
@@ -307,6 +341,10 @@ def estimate(
     ``shard`` (``zero1``/``zero2``/``zero3``/``fsdp``) divide the model states per rank.
     ``extrapolate_layers``: simulate 2 and 3 layers of a homogeneous stack and extend the line
     (exact, see :mod:`hf_memwatch.estimation.layers`); ``None`` = when the model has 6+ layers.
+    ``lora`` (a :class:`~hf_memwatch.estimation.peft.LoraSpec`) or ``adapter`` (a folder PEFT's
+    ``save_pretrained`` wrote; ``model_or_config`` None = its ``base_model_name_or_path``) applies
+    PEFT's ``get_peft_model`` to the fake base: frozen base, trainable adapters. A model path that
+    is itself an adapter folder is taken as ``adapter``.
 
     With ``eval_batch_size`` and ``eval_samples`` the evaluation loop is predicted too
     (``eval_peak_bytes``, ``eval_peak_phase``, ``eval_classes``; :mod:`hf_memwatch.estimation.eval_loop`):
@@ -351,17 +389,25 @@ def estimate(
     )
     _validate_eval(eval_batch_size, eval_samples, eval_accumulation_steps, eval_seq_len)
     budget_bytes = None if budget is None else parse_bytes(budget)
+    model_or_config, peft_config = _resolve_adapter(model_or_config, lora, adapter)
     # Outer dispatch modes (a live MemWatch tracker, a profiler's) must not see the fake step.
     with _disable_current_modes():
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        wants_peft = peft_config is not None or lora is not None
         if isinstance(model_or_config, torch.nn.Module):
+            task = task or _task_of_module(model_or_config)
+            if wants_peft:
+                model_or_config = apply_peft(meta_copy(model_or_config), peft_config or lora.peft_config(task))
             model = fake_copy(model_or_config, fake_mode, "cpu")  # every target is simulated on CPU
             config = getattr(model, "config", None)
-            task = task or _task_of_module(model)
         else:
             config = load_config(model_or_config)
             task = task or infer_task(config)
-            model = build_fake_model(config, task, fake_mode, "cpu")
+            if wants_peft:
+                meta = build_fake_model(config, task, contextlib.nullcontext(), "meta")
+                model = fake_copy(apply_peft(meta, peft_config or lora.peft_config(task)), fake_mode, "cpu")
+            else:
+                model = build_fake_model(config, task, fake_mode, "cpu")
             config = model.config
         params, trainable = count_params(model)
         if trainable == 0:
@@ -376,7 +422,7 @@ def estimate(
         guard = TrainerStateGuard(trainer, accum) if trainer is not None else contextlib.nullcontext()
         try:
             with guard:
-                phase_classes = _simulate(model, fake_mode, config, extrapolate_layers, notes, run)
+                phase_classes, phase_details = _simulate(model, fake_mode, config, extrapolate_layers, notes, run)
         except (MemWatchConfigError, KeyboardInterrupt):
             raise
         except Exception as exc:  # the model cannot run this configuration: say so in one line
@@ -429,9 +475,12 @@ def estimate(
             "precision": precision, "optim": optim, "checkpointing": checkpointing, "accum": accum,
             "device": device, "world_size": world_size, "shard": shard,
             "seq2seq_target_len": seq2seq_target_len,
+            "lora": None if lora is None else asdict(lora),
+            "adapter": None if adapter is None else os.fspath(adapter),
         },
         notes=notes,
         frozen_models=frozen_models,
+        details=phase_details.get(peak_phase, {}),
         eval_peak_bytes=None if evaluation is None else evaluation.peak_bytes,
         eval_peak_phase=None if evaluation is None else evaluation.peak_phase,
         eval_classes=None if evaluation is None else evaluation.classes,
@@ -551,20 +600,25 @@ def _on_target(nbytes: int, device: str) -> int:
 
 
 def _simulate(model: torch.nn.Module, fake_mode: Any, config: Any, extrapolate_layers: bool | None,
-              notes: list[str], run: dict[str, Any]) -> dict[str, dict[str, int]]:
-    """Per-phase class splits of the step: by depth extrapolation where exact and wanted, else in full."""
+              notes: list[str], run: dict[str, Any]) -> tuple[dict[str, dict[str, int]], dict[str, Any]]:
+    """Per-phase class splits and details of the step: by depth extrapolation where exact and wanted.
+
+    The details (logits) do not depend on depth: the deeper short simulation's are kept.
+    """
     stack = homogeneous_layers(model, config) if extrapolate_layers is not False else None
     depth = getattr(config, "num_hidden_layers", 0) or 0
     if stack is not None and (extrapolate_layers or depth >= AUTO_MIN_LAYERS):
-        short = {}
+        short, details = {}, {}
         for layers in SHORT_DEPTHS:
             with truncated(stack, config, layers):
-                short[layers] = simulate_step(model, fake_mode, **run).phase_classes
+                simulation = simulate_step(model, fake_mode, **run)
+            short[layers], details = simulation.phase_classes, simulation.phase_details
         extended = extrapolate(short, depth)
         if extended is not None:
             notes.append(f"depth extrapolated from {SHORT_DEPTHS[0]} and {SHORT_DEPTHS[1]} simulated layers")
-            return extended
-    return simulate_step(model, fake_mode, **run).phase_classes
+            return extended, details
+    simulation = simulate_step(model, fake_mode, **run)
+    return simulation.phase_classes, simulation.phase_details
 
 
 def largest_fitting_batch(

@@ -32,6 +32,7 @@ from types import MethodType
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from ..measure.saved_tensors import SavedTensorRegistry
 from ..measure.tracker import StorageTracker
@@ -48,6 +49,12 @@ class StepSimulation:
 
     phase_classes: dict[str, dict[str, int]]
     notes: list[str] = field(default_factory=list)
+    # per phase, inside each class, the bytes of named tensors at that high (see LOGITS)
+    phase_details: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict)
+
+
+LOGITS = "logits"
+LOGITS_FP32 = "logits_fp32_upcast"
 
 
 class EstimateTracker(StorageTracker):
@@ -67,6 +74,32 @@ class EstimateTracker(StorageTracker):
         self.bnb_cpu_kernels = bnb_cpu_kernels
         self.snapshot: tuple[dict[int, Any], set[int]] | None = None
         self.kernel_workspaces = device_type == "cpu" and round_to == 1
+        self.named: dict[int, tuple[Any, str]] = {}  # storage key -> (its ref, detail name)
+        self._logits_shape: tuple[int, int] | None = None
+        self._mixed = False
+
+    def name_logits(self, vocab: int, rows: int, mixed: bool) -> None:
+        """Name every new storage shaped (>= ``rows`` rows) x ``vocab``: the logits and their kin.
+
+        That is the LM head's output, its fp32 copy in the loss (``logits_fp32_upcast`` under
+        mixed precision), the loss's log-softmax and the gradients of each: the largest single
+        tensors of a language-model step.
+        """
+        self._logits_shape = (vocab, rows)
+        self._mixed = mixed
+
+    def _track_plain(self, tensor: torch.Tensor) -> None:
+        shape = self._logits_shape
+        if shape is None or tensor.dim() < 2 or tensor.shape[-1] != shape[0] or tensor.numel() < shape[0] * shape[1]:
+            super()._track_plain(tensor)
+            return
+        key = tensor.untyped_storage()._cdata
+        before = self._live.get(key)
+        super()._track_plain(tensor)
+        ref = self._live.get(key)
+        if ref is not None and ref is not before:
+            upcast = self._mixed and tensor.dtype == torch.float32
+            self.named[key] = (ref, LOGITS_FP32 if upcast else LOGITS)
 
     def on_new_peak(self) -> None:
         # C-speed shallow copies: the refs keep each storage's size even after it dies
@@ -111,6 +144,14 @@ class EstimateTracker(StorageTracker):
             out = super().__torch_dispatch__(func, types, args, kwargs)
             self.transient(sdpa_cpu_workspace(func, args))
             return out
+        if self.kernel_workspaces and func in _CPU_GEMM_OPS and _low_precision(args):
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            self.transient(gemm_cpu_workspace(func, args, kwargs or {}))
+            return out
+        if func is torch.ops.aten.nonzero.default and is_fake(args[0]):
+            return super().__torch_dispatch__(_nonzero_of_all_true, types, args, kwargs)
+        if func in _GROUPED_MM_OPS and _meta_rejects_dtype(args):
+            return super().__torch_dispatch__(_grouped_mm_via_bf16(func), types, args, kwargs)
         if self.bnb_cpu_kernels and func.namespace == "bitsandbytes" and "optimizer_update" in func.__name__:
             kernel = _bnb_cpu_kernel(func.__name__)
             if kernel is not None:
@@ -154,6 +195,43 @@ _SDPA_CPU_OPS = {
 }
 
 
+def _nonzero_of_all_true(tensor: torch.Tensor) -> torch.Tensor:
+    """``nonzero`` as the estimate's batches answer it: every element true.
+
+    Its output size depends on values, which fake tensors do not have (``DynamicOutputShapeException``).
+    The estimate's batches are full rows with valid labels (no padding, no ``-100``), so masks
+    and label filters built from them are all true — DeBERTa-v2's classification loss indexes the
+    labelled rows with ``(labels >= 0).nonzero()``.
+    """
+    return torch.empty((tensor.numel(), tensor.dim()), dtype=torch.long, device=tensor.device)
+
+
+_GROUPED_MM_OPS = {torch.ops.aten._grouped_mm.default}
+
+
+def _meta_rejects_dtype(args: tuple) -> bool:
+    """torch's shape function for ``_grouped_mm`` accepts only bf16 (the CUDA kernel's rule)."""
+    return any(isinstance(a, torch.Tensor) and a.is_floating_point() and a.dtype != torch.bfloat16 for a in args[:2])
+
+
+def _grouped_mm_via_bf16(func: Any) -> Any:
+    """``_grouped_mm`` of fp32/fp16 operands, shaped through the bf16 shape function.
+
+    The CPU kernel (mixture-of-experts layers: Mixtral, Qwen2-MoE, ... through transformers'
+    ``grouped_mm`` experts) computes in any floating dtype, but the fake-tensor shape function
+    rejects all but bf16. The output has the same shape in the operands' dtype; the casts in
+    between are fake and untracked (only the returned tensor is counted).
+    """
+
+    def run(*args: Any, **kwargs: Any) -> torch.Tensor:
+        dtype = args[0].dtype
+        cast = [a.to(torch.bfloat16) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                for a in args]
+        return func(*cast, **kwargs).to(kwargs.get("out_dtype") or dtype)
+
+    return run
+
+
 def sdpa_cpu_workspace(func: Any, args: tuple) -> int:
     """Bytes the CPU flash-attention kernel allocates for its per-thread buffers.
 
@@ -179,6 +257,83 @@ def sdpa_cpu_workspace(func: Any, args: tuple) -> int:
     per_thread = (q_split * kv_split + 2 * q_split + q_split * head_dim) * 4 + (
         q_split * kv_split * low if reduced else 0)
     return threads * per_thread
+
+
+_CPU_GEMM_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+                 torch.ops.aten.baddbmm.default}
+_GEMM_WORKSPACES: dict[tuple, int] = {}
+GEMM_PROBE_MAX_BYTES = 64 * 2**20  # operands larger than this are not probed (workspace taken as 0)
+
+
+def _low_precision(args: tuple) -> bool:
+    return any(isinstance(a, torch.Tensor) and a.dtype in (torch.bfloat16, torch.float16) for a in args)
+
+
+def gemm_cpu_workspace(func: Any, args: tuple, kwargs: dict[str, Any]) -> int:
+    """Bytes a bf16/fp16 CPU matrix product allocates inside itself (oneDNN's packed operand blocks).
+
+    Invisible at the dispatcher but counted by the CPU allocator: 18 KB to 1.6 MB for the small
+    models' shapes (more when the left operand arrives transposed), which sets the step's peak
+    where a backward GEMM meets the highest live set (ALBERT in bf16: -3.3% without it). The
+    blocking depends on oneDNN's heuristics and the thread count, so the kernel is probed once
+    per (op, shapes, strides, dtype, threads): run on real operands of the same layout, its
+    allocator events read from the profiler. Not probed (0) when a profiler is already running
+    or the operands exceed ``GEMM_PROBE_MAX_BYTES``.
+    """
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    key = (func, tuple((tuple(t.shape), t.stride(), t.dtype) for t in tensors),
+           tuple(sorted((k, v) for k, v in kwargs.items() if not isinstance(v, torch.Tensor))),
+           torch.get_num_threads())
+    if key not in _GEMM_WORKSPACES:
+        _GEMM_WORKSPACES[key] = _probe_gemm(func, args, kwargs)
+    return _GEMM_WORKSPACES[key]
+
+
+def _probe_gemm(func: Any, args: tuple, kwargs: dict[str, Any]) -> int:
+    """Highest allocator bytes inside one real run of ``func`` beyond its output (see above)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    size = sum(a.untyped_storage().nbytes() for a in args if isinstance(a, torch.Tensor))
+    if size > GEMM_PROBE_MAX_BYTES or torch._C._autograd._profiler_enabled():
+        return 0
+    with _disable_current_modes():
+        real = [torch.empty_strided(a.shape, a.stride(), dtype=a.dtype).zero_() if isinstance(a, torch.Tensor) else a
+                for a in args]
+        with warnings.catch_warnings(), _quiet_stderr():
+            warnings.simplefilter("ignore")
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                        profile_memory=True) as prof:
+                out = func(*real, **kwargs)
+        cpu = torch._C._autograd.DeviceType.CPU
+        running = peak = 0
+        for event in sorted(prof.profiler.kineto_results.events(), key=lambda e: e.start_ns()):
+            if event.name() == "[memory]" and event.device_type() == cpu:
+                running += event.nbytes()
+                peak = max(peak, running)
+        del out
+    return max(0, peak - running)
+
+
+@contextlib.contextmanager
+def _quiet_stderr() -> Any:
+    """Silence file descriptor 2 (kineto prints a line at every profiler start and stop)."""
+    import os
+    import sys
+
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):  # no real descriptor (embedded interpreters): leave it
+        yield
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
 
 
 def _bnb_cpu_kernel(op_name: str) -> Any:
@@ -297,13 +452,16 @@ def real_batch_masks() -> Any:
 
 # -- classification --------------------------------------------------------------------------
 def classify(snapshot: tuple[dict[int, Any], set[int]], live_now: dict[int, Any], weights: dict[int, Any],
-             gradients: set[int], states: set[int], other: dict[int, Any]) -> dict[str, int]:
+             gradients: set[int], states: set[int], other: dict[int, Any],
+             named: dict[int, tuple[Any, str]] | None = None,
+             details: dict[str, dict[str, int]] | None = None) -> dict[str, int]:
     """Split a live-set snapshot into the six classes (each storage once, first class wins).
 
     Storage keys are addresses and get reused once a storage dies, so a snapshot entry belongs to
     a class only when it is the *same* storage: the tracker's reference object (one per storage
     lifetime) must match the one recorded for the class (``weights``/``other``: key -> ref) or
-    the one live now (``gradients``/``states``: keys read now).
+    the one live now (``gradients``/``states``: keys read now). Entries of ``named`` (key -> (ref,
+    name)) are also added to ``details[class][name]`` when given.
     """
     live, saved = snapshot
     classes = dict.fromkeys(("weights", "gradients", "optimizer_states", "activations", "temporaries", "other"), 0)
@@ -321,6 +479,11 @@ def classify(snapshot: tuple[dict[int, Any], set[int]], live_now: dict[int, Any]
         else:
             name = "temporaries"
         classes[name] += ref.nbytes
+        if named is not None and details is not None:
+            label = named.get(key)
+            if label is not None and label[0] is ref:
+                inner = details.setdefault(name, {})
+                inner[label[1]] = inner.get(label[1], 0) + ref.nbytes
     return classes
 
 
@@ -354,15 +517,19 @@ class _Phases:
         self.tracker, self.model, self.optimizer = tracker, model, optimizer
         self.weights, self.other = weights, other
         self.best: dict[str, dict[str, int]] = {}
+        self.details: dict[str, dict[str, dict[str, int]]] = {}
 
     def close(self, phase: str) -> None:
         tracker = self.tracker
         if tracker.snapshot is not None:
             grads = _keys(p.grad for p in self.model.parameters())
             states = _keys(_state_tensors(self.optimizer))
-            classes = classify(tracker.snapshot, tracker.live_refs(), self.weights, grads, states, self.other)
+            details: dict[str, dict[str, int]] = {}
+            classes = classify(tracker.snapshot, tracker.live_refs(), self.weights, grads, states, self.other,
+                               tracker.named, details)
             if sum(classes.values()) > sum(self.best.get(phase, {}).values() or [-1]):
                 self.best[phase] = classes
+                self.details[phase] = details
         tracker.reset_peak()
 
 
@@ -385,6 +552,7 @@ def simulate_step(
     if checkpointing:
         enable_checkpointing(model)
     saved_forward = model.__dict__.get("forward")
+    saved_use_cache = _disable_kv_cache(model)
     target, device = device, "cpu"  # a CUDA target is simulated on fake CPU tensors (see module doc)
     if precision in MIXED_DTYPES:
         wrap_autocast(model, device, precision)
@@ -404,6 +572,10 @@ def simulate_step(
     )
     weight_tensors = list(model.parameters()) + list(model.buffers())
     tracker.register(weight_tensors)
+    _name_frozen_weights(tracker, model)
+    vocab = getattr(config, "vocab_size", None)
+    if task != "seq-cls" and isinstance(vocab, int) and vocab > 1:  # after the weights: never named
+        tracker.name_logits(vocab, batch_size, precision in MIXED_DTYPES)
     weights = _refs(tracker, weight_tensors)
     other: dict[int, Any] = {}
     phases = _Phases(tracker, model, optimizer, weights, other)
@@ -469,7 +641,48 @@ def simulate_step(
         finally:
             saved.stop()
             _restore_forward(model, saved_forward)
-    return StepSimulation(dict(phases.best), notes)
+            _restore_kv_cache(model, saved_use_cache)
+    return StepSimulation(dict(phases.best), notes, dict(phases.details))
+
+
+def _name_frozen_weights(tracker: EstimateTracker, model: torch.nn.Module) -> None:
+    """With frozen parameters (PEFT, a frozen backbone), split weights into ``frozen``/``trainable``.
+
+    Buffers count as frozen. A full fine-tune gets no split (everything is trainable).
+    """
+    params = list(model.parameters())
+    if all(p.requires_grad for p in params):
+        return
+    for tensor in params + list(model.buffers()):
+        key = tensor.untyped_storage()._cdata
+        ref = tracker._live.get(key)
+        if ref is not None:
+            trainable = isinstance(tensor, torch.nn.Parameter) and tensor.requires_grad
+            tracker.named[key] = (ref, "trainable" if trainable else "frozen")
+
+
+_NO_CONFIG = object()
+
+
+def _disable_kv_cache(model: torch.nn.Module) -> Any:
+    """``config.use_cache = False``, as ``Trainer.__init__`` sets it (``args.use_cache``, default False).
+
+    With the cache on, a training forward builds a ``DynamicCache`` whose update copies strided
+    key/value views (GPT-NeoX, Phi-3: slices of a fused QKV projection) into fresh storages, so
+    autograd saves the copies instead of views of the fused output. Returns the previous value.
+    """
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "use_cache"):
+        return _NO_CONFIG
+    previous = config.use_cache
+    config.use_cache = False
+    return previous
+
+
+def _restore_kv_cache(model: torch.nn.Module, previous: Any) -> None:
+    """Undo :func:`_disable_kv_cache`."""
+    if previous is not _NO_CONFIG:
+        model.config.use_cache = previous
 
 
 def _restore_forward(model: torch.nn.Module, saved_forward: Any) -> None:

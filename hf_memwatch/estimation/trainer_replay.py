@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from ..measure.held_models import held_models
+
 SCAN_ITEMS = 4096  # map-style datasets: items whose lengths are compared for the worst case
 
 
@@ -211,21 +213,6 @@ def longest_allowed_length(trainer: Any) -> int | None:
 def fake_batch(batch: Mapping[str, Any]) -> dict[str, Any]:
     """A copy of ``batch`` whose tensors are created under the active fake mode (counted, no memory)."""
     return {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
-
-
-def held_models(trainer: Any) -> dict[str, torch.nn.Module]:
-    """Other models the Trainer holds beside the one it trains (TRL's ``ref_model``, a teacher, a reward
-    model): attribute name -> module, wrappers and the trained model excluded."""
-    trained = {id(m) for m in (getattr(trainer, "model", None), getattr(trainer, "model_wrapped", None),
-                                getattr(getattr(trainer, "model", None), "module", None)) if m is not None}
-    found = {}
-    for name, value in vars(trainer).items():
-        if not isinstance(value, torch.nn.Module) or id(value) in trained:
-            continue
-        inner = getattr(value, "module", None)
-        if inner is None or id(inner) not in trained:
-            found[name] = value
-    return found
 
 
 def plain_counters(trainer: Any) -> dict[str, Any]:

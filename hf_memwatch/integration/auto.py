@@ -25,7 +25,9 @@ now asks, and the log says so.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import gc
 import json
 import logging
 import os
@@ -35,7 +37,7 @@ from typing import Any
 
 import torch
 
-from ..core.errors import MemWatchConfigError, PlanError
+from ..core.errors import MemWatchConfigError, PlanError, is_oom_error
 from ..core.run_config import RunConfig
 from ..core.units import format_bytes
 from ..estimation.trainer_replay import training_dataset
@@ -51,6 +53,10 @@ from .patches import keep_effective_batch
 
 logger = logging.getLogger("hf_memwatch")
 
+# The safety net: out-of-memory errors in the first step recovered at most this many times, each
+# planning against this share of the last failed plan's predicted peak.
+MAX_RECOVERIES = 3
+RECOVERY_SHRINK = 0.7
 # Checkpointing is switched on between steps once a measured peak reaches this share of the budget.
 CHECKPOINT_TRIGGER = 0.95
 # The configuration a plan was made for: a resumed run keeps the plan only when these are unchanged.
@@ -77,6 +83,10 @@ def plan_record(result: PlanResult, run: RunConfig, budget: Budget, sample: dict
     }
 
 
+class EstimatorUnavailable(RuntimeError):
+    """The estimator cannot replay this Trainer's step: the run trains as configured, with a warning."""
+
+
 class AutoMode:
     """Plans before ``train()`` and keeps the run under budget between steps.
 
@@ -89,6 +99,8 @@ class AutoMode:
         self.budget: Budget | None = None
         self.plan: dict[str, Any] | None = None
         self.planning_seconds: float | None = None
+        self.recoveries: list[dict[str, Any]] = []  # oom_recovered records (written again at train begin)
+        self._custom_optimizer = False
         self._checkpointing_refused = False
         self.installed = False  # train() wrapped: planning happens before the loop is built
 
@@ -108,11 +120,67 @@ class AutoMode:
                 raise  # the run cannot fit, or was misconfigured: stop before training
             except Exception as exc:  # noqa: BLE001 - a fault of ours must never kill the run
                 self._planning_failed(trainer, exc)
-            return original(*args, **kwargs)
+            return self._train_with_safety_net(trainer, original, resume, args, kwargs)
 
         train._memwatch_auto = True  # type: ignore[attr-defined]
         trainer.train = train
         self.installed = True
+
+    def _train_with_safety_net(self, trainer: Any, original: Callable[..., Any], resume: Any,
+                               args: tuple, kwargs: dict[str, Any]) -> Any:
+        """``original(*args, **kwargs)``; an out-of-memory in the first optimizer step (no weight
+        updated yet) is recovered: planned again under a lower limit and the step run again from the
+        same RNG states — same samples, same order, the effective batch kept — at most
+        :data:`MAX_RECOVERIES` times. Later OOMs propagate (the post-mortem has been written)."""
+        rng = RngStates.capture()
+        while True:
+            try:
+                return original(*args, **kwargs)
+            except Exception as exc:
+                if not self._recoverable(trainer, exc, resume):
+                    raise
+                self._recover(trainer, exc)
+                rng.restore()
+
+    def _recoverable(self, trainer: Any, exc: BaseException, resume: Any) -> bool:
+        return (is_oom_error(exc) and self.plan is not None and self.plan.get("status") != "failed"
+                and resume in (None, False) and int(trainer.state.global_step) == 0
+                and len(self.recoveries) < MAX_RECOVERIES and not self._custom_optimizer)
+
+    def _recover(self, trainer: Any, exc: BaseException) -> None:
+        """Plan again below what failed, undo what the failed attempt built, record it."""
+        assert self.plan is not None and self.budget is not None
+        failed = dict(self.plan)
+        trainer.optimizer, trainer.lr_scheduler = None, None  # built again by train(), with the new plan
+        trainer.model.zero_grad(set_to_none=True)
+        trainer.accelerator.free_memory()
+        gc.collect()
+        # Learn from the failure: the limit is below what the failed plan was predicted to need.
+        limit = int(RECOVERY_SHRINK * min(self.budget.usable, int(failed.get("predicted_peak") or self.budget.usable)))
+        self.budget = dataclasses.replace(self.budget, total=limit + self.budget.margin,
+                                          source=f"{RECOVERY_SHRINK:.0%} of the plan that ran out of memory")
+        run = RunConfig.from_trainer(trainer).replace(
+            micro_batch_size=int(failed["configured"]["micro_batch_size"]),
+            gradient_accumulation_steps=int(failed["configured"]["gradient_accumulation_steps"]))
+        apply_plan(trainer, Plan.of(run))  # back to the configuration as given, then plan it again
+        record = self._decide_with_peers(trainer, RunConfig.from_trainer(trainer), self.budget)
+        apply_plan(trainer, Plan.from_dict(record))
+        recovered = {
+            "event": "oom_recovered", "attempt": len(self.recoveries) + 1, "error": f"{type(exc).__name__}: {str(exc)[:200]}",
+            "failed_plan": {k: failed.get(k) for k in ("micro_batch_size", "gradient_accumulation_steps",
+                                                      "activation_checkpointing", "optim", "predicted_peak")},
+            "budget": limit,
+        }
+        self.recoveries.append(recovered)
+        self.plan = dict(record, recovered_from_oom=len(self.recoveries))
+        logger.warning("hf-memwatch: out of memory in the first step (%s); planned again: %s",
+                       recovered["error"].splitlines()[0][:120], record["reason"])
+        self.record(recovered)
+        self.record(self.plan)
+
+    def timeline_records(self) -> list[dict[str, Any]]:
+        """What a timeline started at train begin must hold: the recoveries, then the plan in force."""
+        return [*self.recoveries, *([self.plan] if self.plan else [])]
 
     def check_installed(self) -> None:
         """Warn when training starts without a plan: the callback came too late to wrap ``train()``."""
@@ -128,13 +196,16 @@ class AutoMode:
                   "with monitoring but no plan")
         logger.warning("hf-memwatch: auto mode %s", reason)
         run = RunConfig.from_args(trainer.args)
-        self.record({
+        # Kept as the plan in force (status "failed": nothing applied), so the timeline started at
+        # train begin carries it too.
+        self.plan = {
             "event": "plan", "status": "failed",
             "micro_batch_size": run.micro_batch_size,
             "gradient_accumulation_steps": run.gradient_accumulation_steps,
             "activation_checkpointing": None, "optim": None, "predicted_peak": None,
             "budget": None if self.budget is None else int(self.budget.total), "reason": reason,
-        })
+        }
+        self.record(self.plan)
 
     # -- before train -------------------------------------------------------------------------
     def before_train(self, trainer: Any, resume_from_checkpoint: Any = None) -> dict[str, Any]:
@@ -143,6 +214,7 @@ class AutoMode:
         With ``auto_find_batch_size`` set by the user, the Trainer's retry stays the last resort for an
         OOM the plan did not prevent, and each retry keeps the plan's effective batch.
         """
+        self._custom_optimizer = RunConfig.from_trainer(trainer).custom_optimizer  # before train() builds one
         record = self._plan_and_apply(trainer, resume_from_checkpoint)
         if RunConfig.from_args(trainer.args).auto_find_batch_size:
             keep_effective_batch(trainer, record["micro_batch_size"] * record["gradient_accumulation_steps"])
@@ -221,10 +293,13 @@ class AutoMode:
             )
         worst = worst_batch_of(trainer, run)
         predictor = EstimatorPredictor(trainer, run, sample_index=worst.index if worst is not None else None)
-        given_estimate = predictor.estimate(Plan.of(run))
-        run = run.replace(seq_len=int(given_estimate.config.get("seq_len") or 1))
-        predictor.run = run
-        result = plan_run(run, predictor, budget.usable)
+        try:
+            given_estimate = predictor.estimate(Plan.of(run))
+            run = run.replace(seq_len=int(given_estimate.config.get("seq_len") or 1))
+            predictor.run = run
+            result = plan_run(run, predictor, budget.usable)
+        except MemWatchConfigError as exc:  # the model, not the user's configuration: not fatal
+            raise EstimatorUnavailable(f"the estimator cannot replay this run: {exc}") from exc
         self.planning_seconds = time.perf_counter() - started
         if result.chosen is None:
             raise PlanError(no_fit_message(result, budget.describe()))
@@ -289,6 +364,35 @@ def worst_batch_of(trainer: Any, run: RunConfig) -> WorstBatch | None:
         packing=run.packing,
         model_max_length=model_max_length if isinstance(model_max_length, int) and model_max_length < 10**9 else None,
     )
+
+
+class RngStates:
+    """Python, NumPy, torch (and CUDA) RNG states, to run a step again from the same draws."""
+
+    def __init__(self, states: dict[str, Any]) -> None:
+        self.states = states
+
+    @classmethod
+    def capture(cls) -> RngStates:
+        import random
+
+        import numpy
+
+        states = {"python": random.getstate(), "numpy": numpy.random.get_state(), "torch": torch.get_rng_state()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            states["cuda"] = torch.cuda.get_rng_state_all()
+        return cls(states)
+
+    def restore(self) -> None:
+        import random
+
+        import numpy
+
+        random.setstate(self.states["python"])
+        numpy.random.set_state(self.states["numpy"])
+        torch.set_rng_state(self.states["torch"])
+        if "cuda" in self.states:
+            torch.cuda.set_rng_state_all(self.states["cuda"])
 
 
 # -- distributed agreement -----------------------------------------------------------------------

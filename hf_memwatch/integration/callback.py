@@ -347,8 +347,9 @@ class MemWatch(TrainerCallback, ExportableState):
         fresh = state.global_step == 0 and not self._eval_only_timeline
         self._eval_only_timeline = False
         writer = TimelineWriter(self.memwatch_dir(args), rank=rank, fresh=fresh)
-        if fresh and self.auto_plan:
-            writer.write(self.auto_plan)
+        if fresh and self._auto is not None:
+            for record in self._auto.timeline_records():
+                writer.write(record)
         # Under DDP/DeepSpeed the monitor also counts the engine's buckets and partitions.
         self.monitor = make_monitor(backend, writer, rank, self.trainer)
         self.monitor.attach(model, kwargs.get("optimizer"))

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from .held_models import HeldModels, held_models
 from .monitor import StepMonitor
 from .storage import collect_storages, nested_tensors
 
@@ -408,4 +409,7 @@ def make_monitor(backend: Any, writer: Any, rank: int, trainer: Any = None) -> S
     wrapped = getattr(trainer, "model_wrapped", None) if trainer is not None else None
     if find_ddp(wrapped) is not None or getattr(trainer, "is_deepspeed_enabled", False):
         monitor.add_contributor(EngineStorages(wrapped))
+    held = held_models(trainer) if trainer is not None else {}
+    if held:  # TRL's reference model, a teacher: frozen weights, shown apart
+        monitor.add_contributor(HeldModels(held))
     return monitor

@@ -178,14 +178,30 @@ def plan_run(run: RunConfig, predictor: Predictor, budget: int, *, larger_micro_
     for plan in plans:
         lines.setdefault((plan.activation_checkpointing, plan.optim), []).append(plan)
     in_hand = [given] if given_fits else []
+    largest_micro = max(p.micro_batch_size for p in plans)
+    if not given_fits:
+        # The line with every remedy needs the least memory at each micro-batch: its largest fitting
+        # micro-batch bounds every other line's (a plan with fewer remedies needs at least as much).
+        saving = max(lines.values(), key=lambda line: (line[0].activation_checkpointing, line[0].optim != given.optim))
+        best_saving = _largest_fitting(sorted(saving, key=lambda p: p.micro_batch_size), peak, limit)
+        if best_saving is None:
+            return _result(None, given, plans, budget, run, predictor)
+        in_hand.append(best_saving)
+        largest_micro = best_saving.micro_batch_size
     for line in sorted(lines.values(), key=lambda line: -max(p.relative_throughput for p in line)):
         current = pick(given, in_hand, budget)
-        if current is not None and max(p.relative_throughput for p in line) < current.relative_throughput - THROUGHPUT_TIE:
-            continue
-        others = sorted((p for p in line if p.key() != given.key()), key=lambda p: p.micro_batch_size)
+        # Only plans that could beat (or tie) the plan in hand, and could fit, are worth a prediction.
+        floor = -1.0 if current is None else current.relative_throughput - THROUGHPUT_TIE
+        others = sorted((p for p in line if p.key() != given.key() and p.relative_throughput >= floor
+                         and p.micro_batch_size <= largest_micro and p.key() not in peak.peaks),
+                        key=lambda p: p.micro_batch_size)
         if others and (best := _largest_fitting(others, peak, limit)) is not None:
             in_hand.append(best)
-    chosen = pick(given, in_hand, budget)
+    return _result(pick(given, in_hand, budget), given, plans, budget, run, predictor)
+
+
+def _result(chosen: Plan | None, given: Plan, plans: list[Plan], budget: int, run: RunConfig,
+            predictor: Predictor) -> PlanResult:
     result = PlanResult(chosen, given, plans, budget, unavailable_remedies(run), predictor.calls)
     if chosen is not None:
         chosen.reason = explain(result, run)

@@ -21,13 +21,15 @@ from .chooser import PlanResult, plan_run
 from .predict import EstimatorPredictor
 
 
-def plan_for(model_or_config: Any, run: RunConfig, budget: int | str, *, estimator: Any = None) -> PlanResult:
+def plan_for(model_or_config: Any, run: RunConfig, budget: int | str, *, estimator: Any = None,
+             estimate_kwargs: dict[str, Any] | None = None) -> PlanResult:
     """The plan of ``run`` on ``model_or_config`` (a config, a path, a model or a Trainer) for ``budget``.
 
-    ``estimator`` replaces :func:`hf_memwatch.estimate` (same keywords), e.g. a memoised one.
+    ``estimator`` replaces :func:`hf_memwatch.estimate` (same keywords), e.g. a memoised one;
+    ``estimate_kwargs`` are passed to every estimate (``lora=``, ``adapter=``: what is trained).
     """
     if run.seq_len is None:
         raise MemWatchConfigError("plan_for needs the run's seq_len")
     budget_bytes = parse_bytes(budget, what="budget")
-    predictor = EstimatorPredictor(model_or_config, run, estimator=estimator)
+    predictor = EstimatorPredictor(model_or_config, run, estimator=estimator, extra=estimate_kwargs)
     return plan_run(run, predictor, budget_bytes)

@@ -26,16 +26,18 @@ class EstimatorPredictor:
     """Exact predictions of plans of ``run`` by the estimator, cached per plan.
 
     ``subject``: a Trainer, a model, a config or a config path. ``estimator`` replaces
-    :func:`hf_memwatch.estimate` (same keywords), e.g. a memoised one in tests.
+    :func:`hf_memwatch.estimate` (same keywords), e.g. a memoised one in tests; ``extra`` keywords go
+    to every estimate (``lora=``, ``adapter=``).
     """
 
     def __init__(self, subject: Any, run: RunConfig, *, margin: float = ESTIMATE_MARGIN,
-                 estimator: Any = None, sample_index: int | None = None) -> None:
+                 estimator: Any = None, sample_index: int | None = None, extra: dict[str, Any] | None = None) -> None:
         self.subject = subject
         self.run = run
         self.margin = margin
         self.estimator = estimator
         self.sample_index = sample_index
+        self.extra = dict(extra or {})
         self.estimates: dict[tuple, Any] = {}
         self.calls = 0
 
@@ -48,6 +50,7 @@ class EstimatorPredictor:
             kwargs = plan.configure(self.run).estimate_kwargs()
             if self.sample_index is not None:
                 kwargs["sample_index"] = self.sample_index
+            kwargs.update(self.extra)
             self.calls += 1
             self.estimates[plan.key()] = estimate(self.subject, **kwargs)
         return self.estimates[plan.key()]

@@ -134,6 +134,8 @@ def describe_plan(plan: Mapping[str, Any] | None) -> str:
     """
     if not plan:
         return "none (auto mode off)"
+    if plan.get("status") == "failed":
+        return "none (planning failed: trained as configured)"
     parts = []
     if "micro_batch_size" in plan:
         parts.append(f"micro-batch {plan['micro_batch_size']} × accum {plan.get('gradient_accumulation_steps', 1)}")

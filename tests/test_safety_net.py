@@ -1,0 +1,70 @@
+"""The auto mode's safety net: an out-of-memory in the first step, despite the plan, is recovered.
+
+A real CPU out-of-memory: a subprocess under ``RLIMIT_AS`` with a budget larger than the real limit
+(the plan "fits" the budget and dies). The run completes — planned again, the step run again from
+the same RNG states, the effective batch kept — and the timeline says so; the losses are those of
+the hand-configured run of the final plan.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import gpt2_model, loss_history, token_dataset, training_args
+from transformers import Trainer
+
+TESTS = Path(__file__).resolve().parent
+
+SCRIPT = r"""
+import json, os, resource, sys
+sys.path.insert(0, sys.argv[2])
+from conftest import gpt2_model, loss_history, token_dataset, training_args
+from transformers import Trainer
+from hf_memwatch import MemWatch
+
+out = sys.argv[1]
+args = training_args(out, per_device_train_batch_size=32, max_steps=2)
+trainer = Trainer(model=gpt2_model(), args=args, train_dataset=token_dataset(64, 256, 1000),
+                  callbacks=[MemWatch(auto=True, budget="4GiB", detail="light", report=False, summary=False)])
+with open("/proc/self/status") as fh:
+    vm = next(int(line.split()[1]) * 1024 for line in fh if line.startswith("VmSize:"))
+resource.setrlimit(resource.RLIMIT_AS, (vm + (300 << 20), resource.getrlimit(resource.RLIMIT_AS)[1]))
+trainer.train()
+print("RESULT " + json.dumps({"losses": loss_history(trainer), "steps": trainer.state.global_step,
+                              "micro": trainer.args.per_device_train_batch_size,
+                              "accum": trainer.args.gradient_accumulation_steps,
+                              "ckpt": bool(trainer.args.activation_checkpointing), "optim": str(trainer.args.optim.value)}))
+"""
+
+
+def test_an_oom_in_the_first_step_is_recovered_with_the_effective_batch_kept(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    env_script = tmp_path / "run.py"
+    env_script.write_text(SCRIPT)
+    proc = subprocess.run([sys.executable, str(env_script), str(out), str(TESTS)], capture_output=True, text=True,
+                          timeout=600, env={"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": "131072",
+                                            "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline",
+                                            "PATH": "/usr/bin:/bin"})
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    result = json.loads(lines[0][len("RESULT "):])
+    records = [json.loads(line) for line in (out / "memwatch" / "timeline.jsonl").read_text().splitlines()]
+    recovered = [r for r in records if r["event"] == "oom_recovered"]
+    plans = [r for r in records if r["event"] == "plan"]
+    assert 1 <= len(recovered) <= 3 and result["steps"] == 2
+    assert recovered[0]["failed_plan"]["micro_batch_size"] == 32  # 4 GiB "fitted" the configuration as given
+    assert plans[-1]["recovered_from_oom"] == len(recovered)
+    assert result["micro"] * result["accum"] == 32  # the effective batch kept
+    assert "can't allocate memory" in recovered[0]["error"] or "DefaultCPUAllocator" in recovered[0]["error"]
+
+    # The recovered run is the hand-configured run of its final plan (same samples, same order).
+    hand = Trainer(model=gpt2_model(), train_dataset=token_dataset(64, 256, 1000),
+                   args=training_args(tmp_path / "hand", per_device_train_batch_size=result["micro"],
+                                      gradient_accumulation_steps=result["accum"], max_steps=2,
+                                      activation_checkpointing=result["ckpt"], optim=result["optim"]))
+    hand.train()
+    assert result["losses"] == pytest.approx(loss_history(hand), rel=1e-6)
