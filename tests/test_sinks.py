@@ -136,18 +136,28 @@ def test_scalars_land_under_exact_names_at_the_loss_step_in_tensorboard_and_wand
         assert sum(row[f"memory/{c}"] for c in LIVE_CLASSES) == row["memory/allocated"]
         assert row["memory/allocated"] + row["memory/spike"] == row["memory/peak"]
     # Every memory scalar at exactly the loss's steps (TB), in the loss's rows only (W&B).
-    memory_tags = {tag for tag in tb if tag.startswith("memory/")}
+    memory_tags = {tag for tag in tb if tag.startswith("memory/") and not tag.startswith("memory/eval_")}
     assert memory_tags == {f"memory/{name}" for name in ("peak", "allocated", "spike", *LIVE_CLASSES)}
     assert all(sorted(tb[tag]) == [2, 4] for tag in memory_tags)
-    assert all("train/loss" in row for row in history if any(k.startswith("memory/") for k in row))
+    assert all("train/loss" in row for row in history
+               if any(k.startswith("memory/") and not k.startswith("memory/eval_") for k in row))
     # No duplicate under the integrations' ``train/`` prefix, anywhere.
     assert not [tag for tag in tb if "memory/" in tag and not tag.startswith("memory/")]
     assert not [k for row in history for k in row if "memory/" in k and not k.startswith("memory/")]
     # CPU: PyTorch keeps no reserved/fragmentation figures; nothing is made up for them.
     assert "memory/reserved" not in tb and "memory/fragmentation" not in tb
-    # Evaluation logs get no memory keys; the console line stays as it was; log_history keeps them.
+    # Evaluation logs get the eval loop's figures (memory/eval_*), beside eval/loss, at the same step;
+    # the console line stays as it was; log_history keeps them.
+    loops = {r["step"]: r for r in read_records(out) if r["event"] == "eval"}
     eval_rows = [row for row in history if "eval/loss" in row]
-    assert eval_rows and not any("memory/" in k for r in eval_rows for k in r)
+    assert [row["train/global_step"] for row in eval_rows] == [2, 4] == sorted(loops)
+    for row in eval_rows:
+        loop = loops[row["train/global_step"]]
+        assert row["memory/eval_peak"] == loop["peak"]
+        assert tb["memory/eval_peak"][row["train/global_step"]] == pytest.approx(loop["peak"], rel=1e-6)
+        assert row["memory/eval_outputs"] == loop["live"]["outputs"]
+        assert not [k for k in row if k.startswith("memory/") and not k.startswith("memory/eval_")]
+    assert sorted(tb["eval/loss"]) == sorted(tb["memory/eval_peak"]) == [2, 4]
     assert "'loss'" in console and "memory/" not in console
     logged = [e for e in trainer.state.log_history if "loss" in e]
     assert [e["memory/peak"] for e in logged] == [steps[2]["peak"], steps[4]["peak"]]

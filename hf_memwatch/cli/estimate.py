@@ -49,6 +49,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shard", choices=SHARDS, default="none", help="ZeRO stage or FSDP full shard")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     add_peft_arguments(parser)
+    add_eval_arguments(parser)
+
+
+def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of the evaluation loop's estimate (``eval_peak_bytes``, ``eval_peak_phase``, ``eval_classes``)."""
+    group = parser.add_argument_group("evaluation loop (Trainer.evaluate / predict)")
+    group.add_argument("--eval-batch-size", type=int, default=None, help="per_device_eval_batch_size")
+    group.add_argument("--eval-samples", type=int, default=None, help="examples in the eval dataset")
+    group.add_argument("--eval-accumulation-steps", type=int, default=None,
+                       help="eval_accumulation_steps (default: outputs stay on the device until the end)")
+    group.add_argument("--eval-seq-len", type=int, default=None, help="tokens per eval sample (default: --seq-len)")
+    group.add_argument("--prediction-loss-only", action="store_true", help="keep only the loss (no logits, labels)")
+
+
+def eval_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``estimate()`` keywords of the evaluation options (empty without ``--eval-batch-size``)."""
+    if args.eval_batch_size is None and args.eval_samples is None:
+        return {}
+    return dict(eval_batch_size=args.eval_batch_size, eval_samples=args.eval_samples,
+                eval_accumulation_steps=args.eval_accumulation_steps, eval_seq_len=args.eval_seq_len,
+                prediction_loss_only=args.prediction_loss_only)
+
+
+def print_eval(payload: dict[str, Any], console: Any) -> None:
+    """The evaluation loop's predicted peak and split, when it was asked for."""
+    peak = payload.get("eval_peak_bytes")
+    if peak is None:
+        return
+    from rich.table import Table
+
+    table = Table(title=f"evaluation loop · peak at {payload['eval_peak_phase']}")
+    table.add_column("class")
+    table.add_column("bytes", justify="right")
+    table.add_column("", justify="right")
+    for name, value in payload["eval_classes"].items():
+        table.add_row(name, f"{value:,}", format_bytes(value))
+    table.add_row("eval peak", f"{peak:,}", format_bytes(peak), style="bold")
+    console.print(table)
 
 
 def add_peft_arguments(parser: argparse.ArgumentParser) -> None:
@@ -132,7 +170,8 @@ def run(args: argparse.Namespace) -> int:
     # libraries print on import (transformers' W&B offline notice): stdout is for our output only,
     # stderr for one line on error
     with contextlib.redirect_stdout(io.StringIO()):
-        result = estimate(args.model, budget=budget, **_run_config(args).estimate_kwargs(), **peft_kwargs(args))
+        result = estimate(args.model, budget=budget, **_run_config(args).estimate_kwargs(), **peft_kwargs(args),
+                          **eval_kwargs(args))
         payload = result.to_dict()
         if budget is not None:
             payload["remedies"] = remedies(args, budget, result)
@@ -173,6 +212,7 @@ def _print_table(payload: dict[str, Any]) -> None:
                   f"(trainable {payload['trainable_params']:,}) · target {cfg['device']}")
     for note in payload["notes"]:
         console.print(f"note: {note}")
+    print_eval(payload, console)
     if payload.get("budget") is None:
         return
     verdict = "[green]fits[/green]" if payload["fits"] else "[red]does not fit[/red]"

@@ -18,6 +18,7 @@ class MemClass(str, Enum):
     OPTIMIZER_STATES = "optimizer_states"
     ACTIVATIONS = "activations"
     OTHER = "other"
+    OUTPUTS = "outputs"  # evaluation only: predictions/logits/labels accumulated by the eval loop
     TEMPORARIES = "temporaries"
     OVERHEAD = "allocator_overhead"
 
@@ -29,5 +30,8 @@ LIVE_CLASSES: tuple[str, ...] = (
     MemClass.ACTIVATIONS.value,
     MemClass.OTHER.value,
 )
+
+# Live classes of an evaluation snapshot: the training ones plus the accumulated outputs.
+EVAL_LIVE_CLASSES: tuple[str, ...] = LIVE_CLASSES[:-1] + (MemClass.OUTPUTS.value, MemClass.OTHER.value)
 
 PHASES: tuple[str, ...] = ("step_begin", "after_forward", "after_backward", "after_optimizer", "step_end")

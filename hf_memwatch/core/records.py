@@ -98,6 +98,28 @@ class PlanRecord(_PlanRequired, total=False):
     recovered_from_oom: int
 
 
+class _EvalRequired(TypedDict):
+    event: Literal["eval"]
+    stage: str  # "eval" (evaluate, the eval inside train) or "predict"
+    step: int  # the global step the loop ran at (0 before training)
+    rank: int
+    peak: Bytes | None
+    peak_batch: int | None
+    live: dict[str, Any] | None  # the live classes at the peak, ``outputs`` included; + spike = peak
+    outputs: Bytes | None  # what the loop held at its end
+    batches: int
+
+
+class EvalRecord(_EvalRequired, total=False):
+    """One evaluation/prediction loop (:mod:`hf_memwatch.integration.eval_watch`); its snapshots carry
+    ``stage`` and ``batch`` (training snapshots have no ``stage``)."""
+
+    peak_phase: str | None
+    spike: Bytes | None
+    outputs_at_peak: Bytes | None
+    time: float
+
+
 class MetaRecord(TypedDict):
     """The run: model and batch, for the picture's title and the summary."""
 
@@ -125,6 +147,7 @@ class OomRecord(TypedDict):
     allocated_at_failure: Bytes | None
     live_at_failure: LiveClasses | None
     error: str
+    # an OOM inside an eval loop also has: stage, batch, outputs_at_failure (live_at_failure has outputs)
 
 
 LeakRecord = TypedDict("LeakRecord", {
@@ -155,6 +178,7 @@ RECORDS: dict[str, type] = {
     "plan": PlanRecord,
     "meta": MetaRecord,
     "oom": OomRecord,
+    "eval": EvalRecord,
     "leak": LeakRecord,
     "oom_recovered": OomRecoveredRecord,
 }

@@ -76,6 +76,11 @@ class MemoryEstimate:
     frozen_models: dict[str, int] = field(default_factory=dict)
     # inside a class at the peak, the bytes of named tensors: {"activations": {"logits": ...}, ...}
     details: dict[str, dict[str, int]] = field(default_factory=dict)
+    # The evaluation loop (with ``eval_batch_size``/``eval_samples``; None when not asked):
+    # its peak, the phase holding it (eval_forward | eval_accumulate | eval_gather) and its split.
+    eval_peak_bytes: int | None = None
+    eval_peak_phase: str | None = None
+    eval_classes: dict[str, int] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain-data form (the CLI's ``--json`` object)."""
@@ -314,6 +319,12 @@ def estimate(
     sample_index: int | None = None,
     lora: LoraSpec | None = None,
     adapter: str | os.PathLike | None = None,
+    eval_batch_size: int | None = None,
+    eval_samples: int | None = None,
+    eval_accumulation_steps: int | None = None,
+    eval_seq_len: int | None = None,
+    prediction_loss_only: bool = False,
+    eval_in_training: bool = True,
 ) -> MemoryEstimate:
     """Predict the peak memory of one Trainer optimizer step (per device), split by class.
 
@@ -334,6 +345,12 @@ def estimate(
     ``save_pretrained`` wrote; ``model_or_config`` None = its ``base_model_name_or_path``) applies
     PEFT's ``get_peft_model`` to the fake base: frozen base, trainable adapters. A model path that
     is itself an adapter folder is taken as ``adapter``.
+
+    With ``eval_batch_size`` and ``eval_samples`` the evaluation loop is predicted too
+    (``eval_peak_bytes``, ``eval_peak_phase``, ``eval_classes``; :mod:`hf_memwatch.estimation.eval_loop`):
+    ``eval_accumulation_steps``, ``eval_seq_len`` (default ``seq_len``), ``prediction_loss_only``
+    as the ``TrainingArguments`` of those names; ``eval_in_training``: the loop runs inside
+    ``train()``, the optimizer state live (False: a standalone ``evaluate()``).
 
     Example:
         >>> from transformers import GPT2Config                                   # doctest: +SKIP
@@ -370,6 +387,7 @@ def estimate(
         batch_size=batch_size, seq_len=seq_len, task=task, precision=precision, optim=optim, accum=accum,
         device=device, world_size=world_size, shard=shard, seq2seq_target_len=seq2seq_target_len,
     )
+    _validate_eval(eval_batch_size, eval_samples, eval_accumulation_steps, eval_seq_len)
     budget_bytes = None if budget is None else parse_bytes(budget)
     model_or_config, peft_config = _resolve_adapter(model_or_config, lora, adapter)
     # Outer dispatch modes (a live MemWatch tracker, a profiler's) must not see the fake step.
@@ -432,6 +450,17 @@ def estimate(
     phase_peaks = {phase: sum(classes.values()) for phase, classes in per_phase.items()}
     peak_phase = max(phase_peaks, key=lambda p: phase_peaks[p])
     peak = phase_peaks[peak_phase]
+    evaluation = None
+    if eval_batch_size is not None:
+        states = per_phase.get("step_end", {}).get("optimizer_states", 0) if eval_in_training else 0
+        evaluation = _estimate_eval_loop(
+            model, fake_mode, config=config, task=task, batch_size=eval_batch_size, samples=eval_samples,
+            seq_len=eval_seq_len or seq_len, target_len=seq2seq_target_len or eval_seq_len or seq_len,
+            accumulation_steps=eval_accumulation_steps, prediction_loss_only=prediction_loss_only,
+            precision=precision, device=device, optimizer_state_bytes=states)
+        notes.extend(evaluation.notes)
+        if shard != "none":
+            notes.append("eval: the weights are counted whole (sharded evaluation is not modelled)")
     return MemoryEstimate(
         peak_bytes=peak,
         peak_phase=peak_phase,
@@ -452,7 +481,103 @@ def estimate(
         notes=notes,
         frozen_models=frozen_models,
         details=phase_details.get(peak_phase, {}),
+        eval_peak_bytes=None if evaluation is None else evaluation.peak_bytes,
+        eval_peak_phase=None if evaluation is None else evaluation.peak_phase,
+        eval_classes=None if evaluation is None else evaluation.classes,
     )
+
+
+def _validate_eval(batch_size: Any, samples: Any, accumulation_steps: Any, seq_len: Any) -> None:
+    """Fail fast on evaluation arguments: batch size and samples come together."""
+    if (batch_size is None) != (samples is None):
+        raise MemWatchConfigError("eval_batch_size and eval_samples go together (the loop's batches and its length)")
+    if batch_size is None:
+        if accumulation_steps is not None or seq_len is not None:
+            raise MemWatchConfigError("eval_accumulation_steps / eval_seq_len need eval_batch_size and eval_samples")
+        return
+    _check_positive("eval_batch_size", batch_size)
+    _check_positive("eval_samples", samples)
+    if accumulation_steps is not None:
+        _check_positive("eval_accumulation_steps", accumulation_steps)
+    if seq_len is not None:
+        _check_positive("eval_seq_len", seq_len)
+
+
+def _estimate_eval_loop(model: torch.nn.Module, fake_mode: Any, **run: Any) -> Any:
+    """:func:`~hf_memwatch.estimation.eval_loop.simulate_eval`, outer dispatch modes disabled, one-line errors."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from .eval_loop import simulate_eval
+
+    with _disable_current_modes():
+        try:
+            return simulate_eval(model, fake_mode, **run)
+        except (MemWatchConfigError, KeyboardInterrupt):
+            raise
+        except Exception as exc:
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise MemWatchConfigError(
+                f"{type(model).__name__} cannot run a {run.get('task')} evaluation loop with these settings: "
+                f"{type(exc).__name__}: {first}"
+            ) from exc
+
+
+def estimate_eval(
+    model_or_config: Any,
+    *,
+    eval_batch_size: int,
+    eval_samples: int,
+    seq_len: int,
+    task: str | None = None,
+    precision: str = "fp32",
+    device: str = "cpu",
+    eval_accumulation_steps: int | None = None,
+    prediction_loss_only: bool = False,
+    seq2seq_target_len: int | None = None,
+    optimizer_state_bytes: int = 0,
+    preprocess_argmax: bool = False,
+) -> Any:
+    """Predict one evaluation loop's peak (no training step simulated): for planners and remedies.
+
+    Returns an :class:`~hf_memwatch.estimation.eval_loop.EvalSimulation` (``peak_bytes``,
+    ``peak_phase``, ``classes`` summing to the peak, ``host_bytes``, ``notes``).
+    ``optimizer_state_bytes``: optimizer state live beside the loop (an eval inside ``train()``;
+    e.g. ``estimate(...).classes["optimizer_states"]``). ``preprocess_argmax``: the loop keeps
+    ``logits.argmax(-1)`` (``preprocess_logits_for_metrics``) instead of the logits.
+
+    Example:
+        >>> estimate_eval(cfg, eval_batch_size=64, eval_samples=512, seq_len=32).peak_bytes   # doctest: +SKIP
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    _check_positive("seq_len", seq_len)
+    _validate_eval(eval_batch_size, eval_samples, eval_accumulation_steps, None)
+    if precision not in PRECISIONS:
+        raise MemWatchConfigError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
+    if device not in DEVICES:
+        raise MemWatchConfigError(f"unknown device {device!r}; choose one of {', '.join(DEVICES)}")
+    with _disable_current_modes():
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        model, config, task = _fake_model(model_or_config, task, fake_mode)
+    return _estimate_eval_loop(
+        model, fake_mode, config=config, task=task, batch_size=eval_batch_size, samples=eval_samples,
+        seq_len=seq_len, target_len=seq2seq_target_len or seq_len, accumulation_steps=eval_accumulation_steps,
+        prediction_loss_only=prediction_loss_only, precision=precision, device=device,
+        optimizer_state_bytes=optimizer_state_bytes, preprocess_argmax=preprocess_argmax)
+
+
+def _fake_model(model_or_config: Any, task: str | None, fake_mode: Any) -> tuple[torch.nn.Module, Any, str]:
+    """(fake model, its config, task) from a config, a path or a built module (never copied)."""
+    if isinstance(model_or_config, torch.nn.Module):
+        model = fake_copy(model_or_config, fake_mode, "cpu")
+        return model, getattr(model, "config", None), task or _task_of_module(model)
+    config = load_config(model_or_config)
+    task = task or infer_task(config)
+    if task not in TASKS:
+        raise MemWatchConfigError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
+    model = build_fake_model(config, task, fake_mode, "cpu")
+    return model, model.config, task
 
 
 _DEFAULTS = dict(precision="fp32", optim="adamw_torch", checkpointing=False, accum=1, device="cpu",

@@ -8,6 +8,8 @@ Timeline records (``<output_dir>/memwatch/timeline.jsonl``) — see README "Time
   ``allocated``), ``spike``, ``allocator_overhead``, ``fragmentation``, ``num_alloc_retries``,
   ``num_ooms``, ``device_free``, ``device_total``, ``host_rss``, ``detail`` (full|light).
 * ``step`` once per optimizer step: ``peak``, ``peak_phase``, ``dominant``.
+* ``eval`` once per evaluation/prediction loop (snapshots of the loop carry ``stage``: ``eval`` or
+  ``predict``; training snapshots have no ``stage``). See :mod:`hf_memwatch.integration.eval_watch`.
 * ``leak`` once per class found growing step after step at ``step_end`` (``measure/leaks.py``).
 """
 
@@ -26,7 +28,7 @@ import torch
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
-from ..core.errors import MemWatchConfigError
+from ..core.errors import MemWatchConfigError, is_oom_error
 from ..core.run_config import RunConfig
 from ..core.timeline import TIMELINE_DIRNAME, TimelineWriter
 from ..core.units import format_bytes
@@ -44,6 +46,7 @@ from ..reporting.oom import (
 )
 from ..reporting.report import run_meta
 from ..reporting.sinks import (
+    eval_scalars,
     install_scalar_logging,
     known_budget,
     known_prediction,
@@ -54,6 +57,7 @@ from ..reporting.sinks import (
 from ..reporting.summary import PICTURE_NAME, finish_reports
 from .auto import AutoMode
 from .compiled import hook_target, hooks_for, runs_compiled, tracing
+from .eval_watch import container_tensors, held_tensors, install_eval_watch
 
 logger = logging.getLogger("hf_memwatch")
 
@@ -174,6 +178,11 @@ class MemWatch(TrainerCallback, ExportableState):
         self._first_step: int | None = None
         self._logging_steps = 0
         self.last_seq_len: int | None = None
+        self._eval_hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self._eval_containers: list[Any] = []  # the running eval loop's EvalLoopContainers
+        self._eval_only_timeline = False  # an eval before train() opened the timeline: train appends
+        self._eval_logged: dict[str, Any] | None = None  # the eval record whose scalars went out
+        self._eval_oom_reported: BaseException | None = None  # an OOM an eval loop already reported
         self.leaks = LeakWatch()
         if not isinstance(auto, bool):
             raise MemWatchConfigError(f"MemWatch(auto=...) must be True or False; got {auto!r}")
@@ -257,9 +266,10 @@ class MemWatch(TrainerCallback, ExportableState):
         trainer = self.trainer
         if trainer is not None:
             if self.scalars:
-                install_scalar_logging(trainer, self.memory_scalars)
+                install_scalar_logging(trainer, self.memory_scalars, self.eval_scalars)
             if self.oom_report:
                 install_oom_guard(trainer, self._on_oom)
+            install_eval_watch(trainer, self)
 
     def memory_scalars(self, step: int) -> dict[str, int] | None:
         """``memory/*`` figures of optimizer step ``step`` when it was the last one measured."""
@@ -276,7 +286,8 @@ class MemWatch(TrainerCallback, ExportableState):
 
     def _on_oom(self, exc: BaseException) -> None:
         trainer = self.trainer
-        if trainer is not None and self.monitor is not None:
+        eval_reported = self._eval_oom_reported is exc  # an eval loop's report stands
+        if trainer is not None and self.monitor is not None and not eval_reported:
             write_oom_report(
                 self.memwatch_dir(trainer.args), exc, self.monitor, trainer,
                 seq_len=self.last_seq_len, plan=self.plan_in_force(),
@@ -333,7 +344,8 @@ class MemWatch(TrainerCallback, ExportableState):
         backend = backend_for(torch.device(args.device))
         # A run from step 0 starts its timeline anew (the auto mode's plan, decided inside train()
         # before this event, is written again); a resumed run appends to the one it continues.
-        fresh = state.global_step == 0
+        fresh = state.global_step == 0 and not self._eval_only_timeline
+        self._eval_only_timeline = False
         writer = TimelineWriter(self.memwatch_dir(args), rank=rank, fresh=fresh)
         if fresh and self._auto is not None:
             for record in self._auto.timeline_records():
@@ -449,6 +461,99 @@ class MemWatch(TrainerCallback, ExportableState):
     def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
         # The integrations have the memory keys by now; the progress printer (added last) runs next.
         strip_memory_keys(logs)
+
+    # -- evaluation loops (driven by hf_memwatch.integration.eval_watch) -----------------------
+    @_guarded
+    def eval_loop_begin(self, stage: str, containers: list[Any]) -> None:
+        """An ``evaluate()``/``predict()`` loop starts: open its peak window (and a monitor if none).
+
+        ``containers`` fills with the loop's ``EvalLoopContainer``s as the Trainer creates them.
+        """
+        self._eval_containers = containers
+        trainer = self.trainer
+        if trainer is None:
+            return
+        monitor = self._monitor_for_eval(trainer)
+        monitor.begin_eval(stage, int(trainer.state.global_step), written_batches=self.full_steps)
+        model = trainer.model
+        if isinstance(model, torch.nn.Module) and monitor.backend.tracking:
+            self._eval_hooks.append(model.register_forward_pre_hook(self._eval_inputs, with_kwargs=True))
+
+    def _monitor_for_eval(self, trainer: Any) -> StepMonitor:
+        """The training monitor while it is open; else one for this loop, appending to the timeline."""
+        monitor = self.monitor
+        if monitor is not None and monitor.writer is not None and monitor.writer.is_open:
+            return monitor
+        args = trainer.args
+        rank = int(getattr(args, "process_index", 0))
+        fresh = monitor is None  # the first thing this callback writes: a new timeline
+        writer = TimelineWriter(self.memwatch_dir(args), rank=rank, fresh=fresh)
+        self._eval_only_timeline = self._eval_only_timeline or fresh
+        self.monitor = make_monitor(backend_for(torch.device(args.device)), writer, rank, trainer)
+        self.monitor.attach(trainer.model, trainer.optimizer)
+        return self.monitor
+
+    @_guarded
+    def _eval_inputs(self, module: Any, args: Any, kwargs: Any) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if isinstance(ids, torch.Tensor) and ids.dim() >= 2:
+            self.last_seq_len = int(ids.shape[-1])  # for the OOM post-mortem's estimates
+        monitor = self.monitor
+        if monitor is not None and monitor.eval is not None:
+            tensors = [a for a in args if isinstance(a, torch.Tensor)]
+            tensors.extend(v for v in kwargs.values() if isinstance(v, torch.Tensor))
+            monitor.register_inputs(tensors)
+
+    @_guarded
+    def eval_forward_done(self) -> None:
+        """After each batch's no-grad forward (``prediction_step`` returned)."""
+        monitor = self.monitor
+        if monitor is not None and monitor.eval is not None:
+            monitor.eval_snapshot("eval_forward", container_tensors(self._eval_containers))
+
+    @_guarded
+    def on_prediction_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        monitor = self.monitor
+        if monitor is not None and monitor.eval is not None:  # the containers hold the batch now
+            monitor.eval_snapshot("eval_accumulated", container_tensors(self._eval_containers))
+            monitor.eval.batch += 1
+
+    @_guarded
+    def eval_loop_end(self, output: Any, error: BaseException | None) -> None:
+        """The loop returned ``output`` (an ``EvalLoopOutput``) or raised ``error``."""
+        for handle in self._eval_hooks:
+            handle.remove()
+        self._eval_hooks.clear()
+        monitor = self.monitor
+        if monitor is None or monitor.eval is None:
+            return
+        loop = monitor.eval
+        if output is not None:
+            held = list(held_tensors((getattr(output, "predictions", None), getattr(output, "label_ids", None))))
+        elif error is not None:
+            held = container_tensors(self._eval_containers)
+        else:
+            held = []
+        del self._eval_containers[:]  # the loop's own list: nothing of ours keeps its outputs
+        record = monitor.end_eval(held, batches=loop.batch)
+        del held  # the post-mortem's estimator may need the memory
+        trainer = self.trainer
+        if error is None or record is None or not self.oom_report or trainer is None or not is_oom_error(error):
+            return
+        from ..reporting.eval_oom import write_eval_oom_report
+
+        self._eval_oom_reported = error
+        write_eval_oom_report(self.memwatch_dir(trainer.args), error, record, loop.last, trainer,
+                              seq_len=self.last_seq_len, writer=monitor.writer)
+
+    def eval_scalars(self) -> dict[str, int] | None:
+        """``memory/eval_*`` figures of the eval loop that just ended (once per loop)."""
+        monitor = self.monitor
+        record = None if self._failed or monitor is None else monitor.last_eval
+        if record is None or record is self._eval_logged or record.get("stage") != "eval":
+            return None
+        self._eval_logged = record
+        return eval_scalars(record)
 
     @_guarded
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

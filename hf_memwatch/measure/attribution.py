@@ -78,11 +78,13 @@ def split_live(
     gradients: Mapping[int, int],
     optimizer_states: Mapping[int, int],
     saved: Mapping[int, int],
+    outputs: Mapping[int, int] | None = None,
 ) -> dict[str, int | None]:
     """Split ``allocated`` into the five live classes, each storage counted once.
 
     ``other`` is the remainder (inputs, logits, autocast caches, ...); ``None`` when the
-    allocator cannot be read.
+    allocator cannot be read. With ``outputs`` (an evaluation loop's accumulated predictions,
+    logits and labels) a sixth class ``outputs`` comes before ``other``.
 
     Example:
         >>> split_live(100, {1: 40}, {2: 10}, {}, {1: 40, 3: 20})
@@ -95,6 +97,7 @@ def split_live(
         (MemClass.GRADIENTS.value, gradients),
         (MemClass.OPTIMIZER_STATES.value, optimizer_states),
         (MemClass.ACTIVATIONS.value, saved),
+        *(((MemClass.OUTPUTS.value, outputs),) if outputs is not None else ()),
     ):
         figures[name] = sum(nbytes for key, nbytes in storages.items() if key not in seen)
         seen.update(storages)

@@ -26,7 +26,7 @@ from .attribution import (
 from .backends import AllocatorBackend
 from .footprint import host_rss
 from .saved_tensors import SavedTensorRegistry
-from .storage import nested_tensors
+from .storage import collect_storages, nested_tensors
 
 
 class StorageContributor(Protocol):
@@ -86,6 +86,9 @@ class StepMonitor:
         self._previous_allocated: int | None = None
         self.contributors: list[StorageContributor] = []
         self._last_full: dict[tuple[str, int], dict[str, Any]] = {}
+        self.eval: EvalLoopState | None = None  # the evaluation loop in progress, if any
+        self.last_eval: dict[str, Any] | None = None  # the last loop's ``eval`` record
+        self._after_eval = False
 
     # -- lifecycle --------------------------------------------------------------------------
     def attach(self, model: torch.nn.Module | None, optimizer: Any) -> None:
@@ -96,6 +99,9 @@ class StepMonitor:
     def begin_step(self, step: int, full: bool) -> dict[str, Any]:
         self.step, self.micro_step, self.full, self.in_step = step, 0, full, True
         self.step_snapshots = []
+        if self._after_eval:  # what an eval loop left until evaluate() returned is not this step's
+            self.backend.reset_peak()
+            self._after_eval = False
         if full:
             self._register_known()
             if not self._untracked_compiled_step():
@@ -289,3 +295,97 @@ class StepMonitor:
     def _write(self, record: dict[str, Any]) -> None:
         if self.writer is not None:
             self.writer.write(record)
+
+    # -- evaluation loops (Trainer.evaluate / predict) --------------------------------------
+    # An eval loop is a peak window of its own: the peak counter is reset when it starts and when
+    # it ends, so its peak never shows in a training step's figures. On the CPU it is always
+    # tracked in full (the tracker runs only for the loop's forward passes).
+    def begin_eval(self, stage: str, step: int, written_batches: int = 3) -> dict[str, Any]:
+        """Start measuring an evaluation loop of ``stage`` (``eval``/``predict``) at global ``step``."""
+        started = not self.backend.tracking
+        if started:
+            self._register_known()
+            self.backend.start_tracking()
+        self.eval = EvalLoopState(stage, step, started, written_batches, self._previous_allocated)
+        self.backend.reset_peak()
+        self._previous_allocated = None
+        return self.eval_snapshot("eval_begin", ())
+
+    def eval_snapshot(self, phase: str, outputs: Iterable[torch.Tensor]) -> dict[str, Any]:
+        """A snapshot inside the eval loop; ``outputs`` are the tensors the loop has accumulated."""
+        loop = self.eval
+        assert loop is not None, "eval_snapshot outside begin_eval/end_eval"
+        weights, grads, states, saved = self._class_storages()
+        held = collect_storages(list(outputs), self.device)
+        reading = self.backend.read()
+        allocated, peak = reading.allocated, reading.peak
+        live_storages = self.backend.live_storages()
+        if live_storages is not None:  # tracked device: allocated = union of the live storages
+            union = dict(live_storages)
+            for storages in (weights, grads, states, saved, held):
+                union.update(storages)
+            allocated = sum(union.values())
+            peak = max(peak or 0, allocated)
+        live = split_live(allocated, weights, grads, states, saved, held)
+        record = self._record(phase, loop.batch, reading, allocated, peak, live, "full")
+        record.update(step=loop.step, stage=loop.stage, batch=loop.batch, outputs=live["outputs"])
+        self.backend.reset_peak()
+        self._previous_allocated = record["allocated"]
+        loop.observe(record, self._write)
+        return record
+
+    def end_eval(self, outputs: Iterable[torch.Tensor], batches: int) -> dict[str, Any] | None:
+        """Close the loop: its ``eval`` record (written), the peak window reset for training."""
+        loop = self.eval
+        if loop is None:
+            return None
+        self.eval_snapshot("eval_end", outputs)
+        self.eval = None
+        if loop.started_tracking:
+            self.backend.stop_tracking()
+        self.backend.reset_peak()
+        self._after_eval = True
+        self._previous_allocated = loop.previous_allocated
+        record = loop.record(self.rank, batches)
+        self._write(record)
+        if self.writer is not None:
+            self.writer.flush()
+        self.last_eval = record
+        return record
+
+
+class EvalLoopState:
+    """Bookkeeping of one evaluation loop: the batch counter, written snapshots and the peak."""
+
+    def __init__(self, stage: str, step: int, started_tracking: bool, written_batches: int,
+                 previous_allocated: int | None) -> None:
+        self.stage, self.step = stage, step
+        self.started_tracking = started_tracking
+        self.written_batches = written_batches  # snapshots of the first batches go to the timeline
+        self.previous_allocated = previous_allocated
+        self.batch = 0
+        self.peak: dict[str, Any] | None = None  # the snapshot closing the highest interval
+        self.peak_live: dict[str, Any] | None = None  # classes live at that peak (the higher end)
+        self.last: dict[str, Any] | None = None
+
+    def observe(self, record: dict[str, Any], write: Callable[[dict[str, Any]], None]) -> None:
+        """Keep the highest interval's figures; write the first batches' snapshots and the ends."""
+        if record["phase"] in ("eval_begin", "eval_end") or record["batch"] < self.written_batches:
+            write(record)
+        higher = record
+        if self.last is not None and (self.last["allocated"] or 0) > (record["allocated"] or 0):
+            higher = self.last
+        if record["peak"] is not None and (self.peak is None or record["peak"] > self.peak["peak"]):
+            self.peak, self.peak_live = record, higher
+        self.last = record
+
+    def record(self, rank: int, batches: int) -> dict[str, Any]:
+        """The ``eval`` timeline record of the loop."""
+        peak, live = self.peak or {}, self.peak_live or {}
+        return {
+            "event": "eval", "stage": self.stage, "step": self.step, "rank": rank,
+            "peak": peak.get("peak"), "peak_batch": peak.get("batch"), "peak_phase": peak.get("phase"),
+            "live": live.get("live"), "spike": None if not peak else peak.get("spike"),
+            "outputs": (self.last or {}).get("outputs"), "outputs_at_peak": (live.get("live") or {}).get("outputs"),
+            "batches": batches, "time": time.time(),
+        }

@@ -54,6 +54,7 @@ class RankTimeline:
     snapshots: list[dict[str, Any]] = field(default_factory=list)
     steps: list[dict[str, Any]] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)  # plan, remedy, oom
+    evals: list[dict[str, Any]] = field(default_factory=list)  # one ``eval`` record per eval/predict loop
     meta: dict[str, Any] = field(default_factory=dict)
 
 
@@ -67,8 +68,10 @@ def load_run(path: str | os.PathLike[str]) -> list[RankTimeline]:
         run = RankTimeline(rank=_rank_of(file))
         for record in read_timeline(file):
             kind = record.get("event")
-            if kind == "snapshot" and record.get("allocated") is not None:
-                run.snapshots.append(record)
+            if kind == "snapshot" and record.get("allocated") is not None and "stage" not in record:
+                run.snapshots.append(record)  # eval loops are drawn from their ``eval`` records
+            elif kind == "eval" and record.get("peak") is not None:
+                run.evals.append(record)
             elif kind == "step":
                 run.steps.append(record)
             elif kind == "meta":
@@ -158,7 +161,7 @@ def draw(runs: list[RankTimeline], budget: int | None = None) -> Any:
     budget = budget if budget is not None else budget_of(runs)
     highest = max(
         [max((s.get("peak") or 0), s["allocated"] + (s.get("spike") or 0)) for r in runs for s in r.snapshots]
-        + [budget or 0]
+        + [e["peak"] for r in runs for e in r.evals] + [budget or 0]
     )
     unit, scale = choose_unit(highest)
     panels = [run for run in runs if run.snapshots] or runs
@@ -191,6 +194,7 @@ def _draw_rank(ax: Any, run: RankTimeline, unit: str, scale: int, budget: int | 
         ax.axhline(predicted / scale, color="purple", linestyle="-.", linewidth=1.0,
                    label=f"predicted peak {format_bytes(predicted)}")
     _mark_events(ax, run, snaps)
+    _mark_evals(ax, run, snaps, scale)
     _step_ticks(ax, snaps)
     ax.set_ylabel(f"memory ({unit})")
     ax.set_ylim(bottom=0)
@@ -250,6 +254,20 @@ def _mark_events(ax: Any, run: RankTimeline, snaps: list[dict[str, Any]]) -> Non
         ax.axvline(x, color="purple", linestyle=":", linewidth=1.4, label=None if labelled else "plan / remedy / oom")
         ax.annotate(label, (x, 1.0), xycoords=("data", "axes fraction"), xytext=(3, -12),
                     textcoords="offset points", fontsize=8, color="purple")
+        labelled = True
+
+
+def _mark_evals(ax: Any, run: RankTimeline, snaps: list[dict[str, Any]], scale: int) -> None:
+    """Each eval/predict loop: a dashed line after the step it followed, its peak as a diamond."""
+    labelled = False
+    for loop in run.evals:
+        after = [i for i, s in enumerate(snaps) if s["step"] <= (loop.get("step") or 0)]
+        x = (after[-1] + 0.5) if after else -0.5
+        label = None if labelled else "eval / predict loop (its peak)"
+        ax.axvline(x, color="darkorange", linestyle="--", linewidth=1.2, label=label)
+        ax.plot([x], [loop["peak"] / scale], linestyle="none", marker="D", color="darkorange", markersize=6)
+        ax.annotate(f"{loop.get('stage')} {format_bytes(loop['peak'])}", (x, loop["peak"] / scale),
+                    textcoords="offset points", xytext=(4, 4), fontsize=8, color="darkorange")
         labelled = True
 
 

@@ -26,8 +26,8 @@ project supports get writer-level code.
 
 The console progress line stays as it was because :func:`strip_memory_keys` removes the keys
 from ``logs`` in ``MemWatch.on_log``, which runs after the integrations and before the progress
-printer (added last by the Trainer). Evaluation and end-of-training logs get no memory keys (only
-logs that carry a training ``loss`` at a step the monitor measured). A fault in our code is logged
+printer (added last by the Trainer). Evaluation logs get the ``memory/eval_*`` figures of the loop
+that produced them (:func:`eval_scalars`); end-of-training logs get no memory keys. A fault in our code is logged
 once per occurrence and the log goes on; a fault of the integration itself propagates as before.
 
 Distributed: every rank calls ``Trainer.log`` at a logging step, so the wrapper gathers each rank's
@@ -44,7 +44,7 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ..core.categories import LIVE_CLASSES
+from ..core.categories import EVAL_LIVE_CLASSES, LIVE_CLASSES
 
 logger = logging.getLogger("hf_memwatch")
 
@@ -91,6 +91,30 @@ def step_scalars(
     _put(scalars, "predicted_peak", predicted_peak)
     _put(scalars, "leak_bytes_per_step", leak_bytes_per_step)  # once a leak was found (measure/leaks.py)
     return scalars
+
+
+def eval_scalars(eval_record: Mapping[str, Any]) -> dict[str, int]:
+    """``memory/eval_*`` figures (bytes) of one evaluation loop's ``eval`` record.
+
+    ``memory/eval_peak``, the classes live at that peak (``memory/eval_weights``, ...,
+    ``memory/eval_outputs``, ``memory/eval_other``) and ``memory/eval_spike``; they sum to the peak.
+
+    Example:
+        >>> eval_scalars({"peak": 120, "spike": 20, "live": {"weights": 40, "outputs": 60, "other": 0}})
+        {'memory/eval_peak': 120, 'memory/eval_weights': 40, 'memory/eval_outputs': 60, 'memory/eval_other': 0, 'memory/eval_spike': 20}
+    """
+    scalars: dict[str, int] = {}
+    _put(scalars, "eval_peak", eval_record.get("peak"))
+    live = eval_record.get("live") or {}
+    for name in EVAL_LIVE_CLASSES:
+        _put(scalars, "eval_" + name, live.get(name))
+    _put(scalars, "eval_spike", eval_record.get("spike"))
+    return scalars
+
+
+def is_eval_log(logs: Mapping[str, Any]) -> bool:
+    """The metrics ``Trainer.evaluate`` logs (``eval_loss``, ``eval_<metric>``, ...)."""
+    return "loss" not in logs and any(isinstance(k, str) and k.startswith("eval_") for k in logs)
 
 
 def _put(scalars: dict[str, int], name: str, value: Any) -> None:
@@ -291,7 +315,11 @@ def _safely(writer: Writer, callback: Any, memory: Mapping[str, Any], step: int)
         return False
 
 
-def install_scalar_logging(trainer: Any, scalars_for_step: Callable[[int], dict[str, int] | None]) -> bool:
+def install_scalar_logging(
+    trainer: Any,
+    scalars_for_step: Callable[[int], dict[str, int] | None],
+    scalars_for_eval: Callable[[], dict[str, int] | None] | None = None,
+) -> bool:
     """Wrap ``trainer.log`` so ``memory/*`` scalars join training logs before the integrations see them.
 
     ``scalars_for_step(global_step)`` returns this rank's figures for that step, or None when the
@@ -301,15 +329,18 @@ def install_scalar_logging(trainer: Any, scalars_for_step: Callable[[int], dict[
     Each call also routes the TensorBoard and W&B callbacks present now (:func:`route_exact_names`),
     so that integrations added between two calls are covered too.
 
+    ``scalars_for_eval()``, when given, returns the ``memory/eval_*`` figures of the eval loop whose
+    metrics are being logged (``evaluate()`` logs them right after its loop), joined to those logs.
+
     Returns True when ``log`` was wrapped now, False when it already was.
     """
     route_exact_names(getattr(getattr(trainer, "callback_handler", None), "callbacks", None))
     current = trainer.log
     if getattr(current, _WRAPPED_MARK, False):
         # A callback rebuilt from checkpoint state (restore_callback_states_from_checkpoint) takes over.
-        current._memwatch_source[0] = scalars_for_step
+        current._memwatch_source[:] = [scalars_for_step, scalars_for_eval]
         return False
-    source = [scalars_for_step]
+    source = [scalars_for_step, scalars_for_eval]
 
     @functools.wraps(current)
     def log(logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
@@ -320,6 +351,15 @@ def install_scalar_logging(trainer: Any, scalars_for_step: Callable[[int], dict[
             except Exception as exc:  # noqa: BLE001 - a logging fault of ours must not stop training
                 logger.warning("hf-memwatch: memory scalars not logged (%s: %s)", type(exc).__name__, exc)
             # Every rank joins the gather, with or without figures, so no rank waits forever.
+            figures = gather_over_ranks(mine)
+            if figures:
+                logs.update({k: v for k, v in figures.items() if k not in logs})
+        elif isinstance(logs, dict) and source[1] is not None and is_eval_log(logs):
+            mine = None
+            try:
+                mine = source[1]()
+            except Exception as exc:  # noqa: BLE001 - a logging fault of ours must not stop training
+                logger.warning("hf-memwatch: eval memory scalars not logged (%s: %s)", type(exc).__name__, exc)
             figures = gather_over_ranks(mine)
             if figures:
                 logs.update({k: v for k, v in figures.items() if k not in logs})

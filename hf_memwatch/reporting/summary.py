@@ -162,7 +162,7 @@ def load_summary_inputs(
     snapshots: list[dict[str, Any]] = []
     for record in read_timeline(files[0]) if files else []:
         kind = record.get("event")
-        if kind == "snapshot":
+        if kind == "snapshot" and "stage" not in record:  # eval loops' snapshots: load_eval_records
             snapshots.append(record)
         elif kind == "step":
             steps.append(record)
@@ -173,16 +173,54 @@ def load_summary_inputs(
     return steps, meta, plan, snapshots
 
 
+def load_eval_records(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The ``eval`` records (one per evaluation/prediction loop) of rank 0's timeline under ``path``."""
+    from ..core.timeline import find_timelines, read_timeline
+
+    files = find_timelines(path)
+    return [r for r in (read_timeline(files[0]) if files else []) if r.get("event") == "eval"]
+
+
+def highest_moment(steps: list[Mapping[str, Any]], evals: list[Mapping[str, Any]]) -> str | None:
+    """One line naming the run's highest moment, a training step or an eval loop.
+
+    Example:
+        >>> highest_moment([{"step": 3, "peak": 10 * 2**20, "peak_phase": "after_backward"}],
+        ...                [{"stage": "eval", "step": 2, "peak": 40 * 2**20, "peak_batch": 7, "live": {"outputs": 2**25}}])
+        'highest moment of the run: the eval loop after step 2, batch 7 — 40.00 MiB (accumulated outputs 32.00 MiB), above the highest training step (step 3, 10.00 MiB)'
+    """
+    step = peak_step(list(steps))
+    loops = [e for e in evals if e.get("peak") is not None]
+    loop = max(loops, key=lambda e: e["peak"]) if loops else None
+    if loop is not None and (step is None or loop["peak"] > step["peak"]):
+        outputs = (loop.get("live") or {}).get("outputs")
+        text = (f"highest moment of the run: the {loop.get('stage')} loop after step {loop.get('step')}, batch "
+                f"{loop.get('peak_batch')} — {format_bytes(loop['peak'])} (accumulated outputs {format_bytes(outputs)})")
+        if step is not None:
+            text += f", above the highest training step (step {step['step']}, {format_bytes(step['peak'])})"
+        return text
+    if step is None:
+        return None
+    text = f"highest moment of the run: training step {step['step']} at {step.get('peak_phase')} — {format_bytes(step['peak'])}"
+    if loop is not None:
+        text += f"; eval loops peaked at {format_bytes(loop['peak'])}"
+    return text
+
+
 def print_summary(path: str | os.PathLike[str], plan: Mapping[str, Any] | None = None, console: Any = None) -> Any:
     """Print the table for the run under ``path``; returns it (None when there is nothing to show)."""
     from rich.console import Console
 
     steps, meta, recorded_plan, snapshots = load_summary_inputs(path)
     table = build_table(steps, meta, plan or recorded_plan, snapshots)
-    if table is not None:
+    moment = highest_moment(steps, load_eval_records(path))
+    if table is not None or moment:
         console = console or Console()
         console.print()  # the progress bar may still hold the current line
-        console.print(table)
+        if table is not None:
+            console.print(table)
+        if moment:
+            console.print(moment)
     return table
 
 

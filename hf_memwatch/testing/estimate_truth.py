@@ -79,3 +79,35 @@ def trainer_peak(
         with cpu_memory_profile() as prof:  # collects earlier runs' garbage first
             trainer.train()
     return window_peak(prof, baseline)
+
+
+def _no_metrics(prediction: Any) -> dict[str, float]:
+    """A ``compute_metrics`` that makes the Trainer gather predictions and labels, computing nothing."""
+    return {}
+
+
+def evaluate_peak(
+    model: torch.nn.Module, *, task: str, batch_size: int, samples: int, seq_len: int,
+    target_len: int | None = None, accumulation_steps: int | None = None, prediction_loss_only: bool = False,
+    precision: str = "fp32",
+) -> int:
+    """Peak live CPU bytes of one real ``Trainer.evaluate()`` (``compute_metrics`` set), from the profiler.
+
+    The model's storages are the baseline; no training ran, so no optimizer state is live.
+    """
+    from transformers import Trainer, TrainingArguments
+
+    config = model.config
+    dataset = synthetic_dataset(config, task, samples, seq_len, target_len or seq_len)
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        args = TrainingArguments(
+            output_dir=tmp, per_device_eval_batch_size=batch_size, eval_accumulation_steps=accumulation_steps,
+            prediction_loss_only=prediction_loss_only, report_to=[], use_cpu=True,
+            bf16=precision == "bf16", fp16=precision == "fp16", disable_tqdm=True, dataloader_num_workers=0,
+        )
+        trainer = Trainer(model=model, args=args, eval_dataset=dataset, compute_metrics=_no_metrics)
+        baseline = sum(weight_storages(model, None).values())
+        with cpu_memory_profile() as prof:
+            trainer.evaluate()
+    return window_peak(prof, baseline)

@@ -1,0 +1,347 @@
+"""The Trainer's evaluation loop (``evaluate()``/``predict()``), replayed on a fake model.
+
+:func:`simulate_eval` mirrors ``Trainer.evaluation_loop`` / ``prediction_step`` /
+``EvalLoopContainer`` (transformers 5.x) batch by batch, every tensor fake, the CPU tracker of
+:mod:`hf_memwatch.estimation.step` counting storages:
+
+* the eval dataloader is accelerate's ``DataLoaderShard``: the next batch is collated before the
+  current one is handed out (two batches of inputs live);
+* ``prediction_step``: ``num_items_in_batch`` (when the model takes loss kwargs), the model's
+  no-grad forward in eval mode (autocast and the fp32 output conversion under mixed precision, the
+  KV cache a causal LM builds with ``use_cache``), ``loss.detach().mean()``, the outputs but
+  ``loss`` and ``config.keys_to_ignore_at_inference`` kept as logits;
+* the containers: ``losses.repeat(batch_size)``, logits and labels each concatenated with
+  ``nested_concat`` onto what is held (``torch.cat``: the old and the new tensor live together);
+  every ``eval_accumulation_steps`` batches ``to_cpu_and_numpy``;
+* ``get_arrays`` at the end (``nested_numpify``: bf16 becomes fp32 first).
+
+What "moving to the CPU" frees depends on the device. On CUDA the device tensors are dropped. On the
+CPU the device *is* the host: ``Tensor.numpy()`` is a view, so the first flushed chunk keeps its torch
+storage alive, and from the second flush on ``np.concatenate`` copies everything into numpy's own
+memory (not a torch allocation, so invisible to PyTorch's accounting and not counted here; it is
+reported in ``notes``) and the torch storages die. Without ``eval_accumulation_steps`` everything
+stays on the device until the end.
+
+Only a few batches are replayed: the first two, the last two, the two before the second and the
+last flush;
+between them the containers are fast-forwarded to the sizes they would have (fresh tensors of the
+same shapes: the same bytes).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..measure.saved_tensors import SavedTensorRegistry
+from .step import (
+    CUDA_BLOCK,
+    MIXED_DTYPES,
+    EstimateTracker,
+    _refs,
+    _restore_forward,
+    accepts_loss_kwargs,
+    loss_shifts_labels,
+    make_batch,
+    real_batch_masks,
+    wrap_autocast,
+)
+
+EVAL_CLASSES = ("weights", "optimizer_states", "outputs", "other", "temporaries")
+
+
+@dataclass
+class EvalSimulation:
+    """The eval loop's predicted peak, the phase holding it and its split (summing to the peak)."""
+
+    peak_bytes: int
+    peak_phase: str
+    classes: dict[str, int]
+    host_bytes: int = 0  # numpy copies of the outputs on the host (not torch allocations)
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Container:
+    """``EvalLoopContainer`` with concatenation on (the Trainer's default) and device-aware flushing."""
+
+    cpu_target: bool
+    tensors: Any = None
+    torch_arrays: Any = None  # on a CPU target: the first flushed chunk, numpy views of torch storage
+    host_bytes: int = 0
+    flushes: int = 0
+
+    def add(self, value: Any) -> None:
+        from transformers.trainer_pt_utils import nested_concat
+
+        self.tensors = value if self.tensors is None else nested_concat(self.tensors, value, padding_index=-100)
+
+    def flush(self) -> None:
+        """``to_cpu_and_numpy``: what leaves torch's accounting and what stays."""
+        if self.tensors is None:
+            return
+        self.flushes += 1
+        if self.cpu_target:
+            converted = _map(self.tensors, lambda t: t.to(torch.float32) if t.dtype == torch.bfloat16 else t)
+            if self.torch_arrays is None:
+                self.torch_arrays = converted  # numpy views keep these storages
+            else:  # np.concatenate copies into numpy memory; the torch storages die
+                self.host_bytes = _nbytes(self.torch_arrays) + _nbytes(converted) + self.host_bytes
+                self.torch_arrays = None
+            del converted
+        else:
+            self.host_bytes += _nbytes(self.tensors)
+        self.tensors = None
+
+    def leaves(self) -> list[torch.Tensor]:
+        return _leaves(self.tensors) + _leaves(self.torch_arrays)
+
+
+def _map(value: Any, fn: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_map(v, fn) for v in value)
+    if isinstance(value, dict):
+        return {k: _map(v, fn) for k, v in value.items()}
+    return value
+
+
+def _leaves(value: Any) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    _map(value, found.append)
+    return found
+
+
+def _nbytes(value: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in _leaves(value))
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """Shape past the first dimension and dtype of one accumulated tensor (per example)."""
+
+    tail: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def row_bytes(self) -> int:
+        return math.prod(self.tail) * torch.empty((), dtype=self.dtype).element_size()
+
+
+def _spec(value: Any) -> Any:
+    """The per-example :class:`_Spec` of every tensor in ``value`` (same nesting)."""
+    if isinstance(value, torch.Tensor):
+        return _Spec(tuple(value.shape[1:]), value.dtype)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_spec(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _spec(v) for k, v in value.items()}
+    return value
+
+
+def _specs(value: Any) -> list[_Spec]:
+    if isinstance(value, _Spec):
+        return [value]
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else []
+    return [s for v in items for s in _specs(v)]
+
+
+def _resized(spec: Any, rows: int, fp32_for_bf16: bool = False) -> Any:
+    """Fresh tensors for ``spec`` with ``rows`` on the first dimension (bf16 as fp32 when asked)."""
+    if isinstance(spec, _Spec):
+        dtype = torch.float32 if fp32_for_bf16 and spec.dtype == torch.bfloat16 else spec.dtype
+        return torch.empty((rows, *spec.tail), dtype=dtype)
+    if isinstance(spec, (list, tuple)):
+        return type(spec)(_resized(v, rows, fp32_for_bf16) for v in spec)
+    if isinstance(spec, dict):
+        return {k: _resized(v, rows, fp32_for_bf16) for k, v in spec.items()}
+    return spec
+
+
+def replayed_batches(batches: int, accumulation_steps: int | None) -> list[int]:
+    """Batch indices worth replaying: first two, last two, the two before the second and the last flush.
+
+    Example:
+        >>> replayed_batches(100, None), replayed_batches(100, 8)
+        ([0, 1, 98, 99], [0, 1, 14, 15, 94, 95, 98, 99])
+    """
+    picked = {0, 1, batches - 2, batches - 1}
+    if accumulation_steps:
+        k = accumulation_steps
+        last_flush = (batches // k) * k - 1  # index of the last flush batch
+        # On the CPU the first flushed chunk stays torch memory until the second flush: the window
+        # before the second flush holds it beside a full window of outputs.
+        picked |= {last_flush - 1, last_flush, 2 * k - 2, 2 * k - 1}
+    return sorted(i for i in picked if 0 <= i < batches)
+
+
+def simulate_eval(
+    model: torch.nn.Module, fake_mode: Any, *, config: Any, task: str, batch_size: int, samples: int,
+    seq_len: int, target_len: int, accumulation_steps: int | None, prediction_loss_only: bool,
+    precision: str, device: str, optimizer_state_bytes: int = 0, preprocess_argmax: bool = False,
+    use_cache: bool = False,
+) -> EvalSimulation:
+    """Replay ``Trainer.evaluation_loop`` over ``samples`` examples in batches of ``batch_size``.
+
+    ``optimizer_state_bytes``: optimizer state live during the loop (an eval inside ``train()``).
+    ``preprocess_argmax``: ``preprocess_logits_for_metrics`` returns ``logits.argmax(-1)``.
+    ``use_cache``: ``TrainingArguments.use_cache`` (the Trainer sets ``config.use_cache`` from it,
+    default False: no KV cache in the eval forward).
+    """
+    target, device = device, "cpu"  # a CUDA target is simulated on fake CPU tensors (see step.py)
+    was_training = model.training
+    model.eval()
+    model_config = getattr(model, "config", None)
+    saved_use_cache = getattr(model_config, "use_cache", None)
+    if model_config is not None and saved_use_cache is not None:
+        model_config.use_cache = use_cache
+    saved_forward = model.__dict__.get("forward")
+    if precision in MIXED_DTYPES:
+        wrap_autocast(model, device, precision)
+    takes_loss_kwargs = accepts_loss_kwargs(model)
+    shifts = loss_shifts_labels(model)
+    ignore = list(getattr(config, "keys_to_ignore_at_inference", ["past_key_values"]) or []) + ["loss"]
+    tracker = EstimateTracker(device, SavedTensorRegistry(), round_to=CUDA_BLOCK if target == "cuda" else 1)
+    weight_tensors = list(model.parameters()) + list(model.buffers())
+    tracker.register(weight_tensors)
+    weights = _refs(tracker, weight_tensors)
+    batches = math.ceil(samples / batch_size)
+    sizes = [batch_size] * (batches - 1) + [samples - (batches - 1) * batch_size]
+    containers = {name: _Container(target == "cpu") for name in ("losses", "preds", "labels")}
+    best: dict[str, Any] = {"bytes": -1}
+    template: dict[str, Any] = {}
+
+    def close(phase: str, outputs: dict[int, Any], other: dict[int, Any]) -> None:
+        snapshot = tracker.snapshot
+        if snapshot is not None:
+            classes = dict.fromkeys(EVAL_CLASSES, 0)
+            for key, ref in snapshot[0].items():
+                if weights.get(key) is ref:
+                    name = "weights"
+                elif outputs.get(key) is ref:
+                    name = "outputs"
+                elif other.get(key) is ref:
+                    name = "other"
+                else:
+                    name = "temporaries"
+                classes[name] += ref.nbytes
+            total = sum(classes.values())
+            if total > best["bytes"]:
+                best.update(bytes=total, phase=phase, classes=classes)
+        tracker.reset_peak()
+
+    def held() -> dict[int, Any]:
+        return _refs(tracker, [t for c in containers.values() for t in c.leaves()])
+
+    with warnings.catch_warnings(), real_batch_masks(), fake_mode, tracker:
+        warnings.simplefilter("ignore")
+        try:
+            lookahead = make_batch(config, task, sizes[0], seq_len, target_len, device)
+            previous = -1
+            for index in replayed_batches(batches, accumulation_steps):
+                if index != previous + 1:
+                    lookahead = make_batch(config, task, sizes[index], seq_len, target_len, device)
+                    _fast_forward(containers, template, index, batch_size, accumulation_steps)
+                previous = index
+                inputs = lookahead
+                lookahead = (make_batch(config, task, sizes[index + 1], seq_len, target_len, device)
+                             if index + 1 < batches else None)
+                other = _refs(tracker, list(inputs.values()) + list((lookahead or {}).values()))
+                tracker.reset_peak()
+                loss, logits, labels = _prediction_step(
+                    model, inputs, takes_loss_kwargs, shifts, ignore, prediction_loss_only, preprocess_argmax)
+                other.update(_refs(tracker, [loss, *_leaves(logits)]))
+                close("eval_forward", held(), other)
+                outputs_before = held()
+                losses = loss.repeat(sizes[index])
+                containers["losses"].add(losses)
+                if logits is not None:
+                    containers["preds"].add(logits)
+                if labels is not None:
+                    containers["labels"].add(labels)
+                if not template:
+                    template.update(losses=_spec(losses), preds=_spec(logits), labels=_spec(labels))
+                del losses, loss, logits, labels
+                close("eval_accumulate", {**outputs_before, **held()}, other)
+                if accumulation_steps and (index + 1) % accumulation_steps == 0:
+                    for container in containers.values():
+                        container.flush()
+                    close("eval_accumulate", held(), other)
+                del inputs
+            outputs_before = held()
+            for container in containers.values():  # get_arrays
+                container.flush()
+            close("eval_gather", {**outputs_before, **held()}, {})
+        finally:
+            _restore_forward(model, saved_forward)
+            model.train(was_training)
+            if model_config is not None and saved_use_cache is not None:
+                model_config.use_cache = saved_use_cache
+
+    classes = dict(best["classes"])
+    classes["optimizer_states"] = optimizer_state_bytes
+    host = sum(c.host_bytes for c in containers.values())
+    notes = []
+    if task == "seq2seq" and not prediction_loss_only:
+        notes.append("eval: the loop modelled is the forward with labels (Seq2SeqTrainer without "
+                     "predict_with_generate); generation (generated tokens, the KV cache of generation_max_length "
+                     "x beams) is not modelled")
+    if host:
+        notes.append(f"eval: {host} bytes of outputs copied into numpy memory on the host (not torch allocations)")
+    return EvalSimulation(sum(classes.values()), best["phase"], classes, host, notes)
+
+
+def _fast_forward(containers: dict[str, _Container], template: dict[str, Any], index: int, batch_size: int,
+                  accumulation_steps: int | None) -> None:
+    """Set the containers to what they hold before batch ``index`` (full batches before it)."""
+    flushes = index // accumulation_steps if accumulation_steps else 0
+    on_device = index - flushes * (accumulation_steps or 0)
+    for name, container in containers.items():
+        spec = template.get(name)
+        if spec is None:
+            continue
+        container.tensors = _resized(spec, on_device * batch_size) if on_device else None
+        container.torch_arrays = None
+        container.flushes = flushes
+        container.host_bytes = 0
+        if not flushes:
+            continue
+        chunk = sum(s.row_bytes * (2 if s.dtype == torch.bfloat16 else 1) for s in _specs(spec))
+        chunk *= (accumulation_steps or 0) * batch_size
+        if container.cpu_target and flushes == 1:
+            container.torch_arrays = _resized(spec, (accumulation_steps or 0) * batch_size, fp32_for_bf16=True)
+        elif container.cpu_target:
+            container.host_bytes = flushes * chunk
+        else:
+            container.host_bytes = flushes * chunk
+
+
+def _prediction_step(model: torch.nn.Module, inputs: dict[str, torch.Tensor], takes_loss_kwargs: bool,
+                     shifts: bool, ignore: list[str], loss_only: bool, argmax: bool) -> tuple[Any, Any, Any]:
+    """``Trainer.prediction_step`` with labels: (loss, logits or None, labels or None)."""
+    labels = inputs["labels"].detach()
+    kwargs = dict(inputs)
+    with torch.no_grad():
+        if takes_loss_kwargs:
+            counted = inputs["labels"][..., 1:] if shifts else inputs["labels"]
+            kwargs["num_items_in_batch"] = counted.ne(-100).sum()
+        outputs = model(**kwargs)
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs[0]
+        loss = loss.detach().mean()
+        if isinstance(outputs, dict):
+            logits: Any = tuple(v for k, v in outputs.items() if k not in ignore)
+        else:
+            logits = outputs[1:]
+    if loss_only:
+        return loss, None, None
+    logits = tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in logits)
+    logits = logits[0] if len(logits) == 1 else logits
+    del outputs, kwargs
+    if argmax:  # preprocess_logits_for_metrics = lambda logits, labels: logits.argmax(-1)
+        logits = _map(logits, lambda t: t.argmax(-1))
+    return loss, logits, labels

@@ -1,0 +1,161 @@
+"""Watching the Trainer's evaluation and prediction loops (``evaluate()``, ``predict()``, eval during training).
+
+The Trainer has callback events around an eval loop's batches (``on_prediction_step``) but none at
+its start or end, and the outputs it accumulates (``EvalLoopContainer``s ``all_preds``,
+``all_labels``, ``all_losses``, ``all_inputs``) are locals of ``Trainer.evaluation_loop``. So, per
+Trainer *instance* (the class is untouched):
+
+* ``trainer.evaluation_loop`` is wrapped: the monitor opens a peak window of its own before the
+  loop and closes it after, writing one ``eval`` record; a forward pre-hook on the model registers
+  each batch's inputs with the CPU tracker for the loop's duration.
+* ``trainer.prediction_step`` is wrapped: a snapshot ``eval_forward`` after each batch's no-grad
+  forward; the callback's ``on_prediction_step`` takes ``eval_accumulated`` once the containers
+  hold the batch.
+
+The accumulated tensors are those of the loop's containers, registered as the Trainer creates them
+(:func:`registering_containers`): their public ``tensors`` (on the device) and ``arrays`` (numpy,
+which on the CPU may still be views of torch storages, counted through their ``base``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+CONTAINER_NAMES = ("all_losses", "all_preds", "all_labels", "all_inputs")
+_WRAPPED_MARK = "_hf_memwatch_eval"
+
+
+def loop_stage(description: str) -> str:
+    """``predict`` for ``Trainer.predict``'s loop (description ``"Prediction"``), else ``eval``.
+
+    Example:
+        >>> loop_stage("Prediction"), loop_stage("Evaluation")
+        ('predict', 'eval')
+    """
+    return "predict" if description == "Prediction" else "eval"
+
+
+def held_tensors(value: Any) -> Iterator[torch.Tensor]:
+    """Torch tensors behind ``value``: nested containers, eval-loop containers and numpy views.
+
+    Example:
+        >>> t = torch.zeros(3)
+        >>> [x.shape for x in held_tensors([t.numpy(), {"b": t}])]
+        [torch.Size([3]), torch.Size([3])]
+    """
+    if value is None:
+        return
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif hasattr(value, "tensors") and hasattr(value, "arrays"):  # transformers' EvalLoopContainer
+        yield from held_tensors(value.tensors)
+        yield from held_tensors(value.arrays)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from held_tensors(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from held_tensors(item)
+    else:
+        base = getattr(value, "base", None)  # a numpy array made by Tensor.numpy() keeps the tensor
+        for _ in range(4):
+            if base is None or isinstance(base, torch.Tensor):
+                break
+            base = getattr(base, "base", None)
+        if isinstance(base, torch.Tensor):
+            yield base
+
+
+def container_tensors(containers: list[Any]) -> list[torch.Tensor]:
+    """Tensors held by the eval loop's containers (device tensors and numpy views of torch storage)."""
+    return [t for container in containers for t in held_tensors(container)]
+
+
+@contextlib.contextmanager
+def registering_containers(found: list[Any]) -> Iterator[None]:
+    """While the loop runs, every ``EvalLoopContainer`` the Trainer creates is appended to ``found``.
+
+    ``Trainer.evaluation_loop`` builds its four containers through the name ``EvalLoopContainer`` of
+    the ``transformers.trainer`` module; for the loop's duration that name is a subclass whose only
+    addition is to register each instance (the containers behave exactly as before). Reading them
+    from the loop's frame instead would not do: on Python < 3.13, ``frame.f_locals`` caches a dict
+    holding every local of the running frame — the previous batch's logits among them — until the
+    next read, which would keep a batch of logits alive that the Trainer has already dropped.
+    """
+    try:
+        from transformers import trainer as trainer_module
+    except ImportError:  # pragma: no cover - no transformers, no containers
+        yield
+        return
+    base = getattr(trainer_module, "EvalLoopContainer", None)
+    if not isinstance(base, type):  # another transformers layout: outputs are then counted as other
+        yield
+        return
+
+    class RegisteredContainer(base):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            found.append(self)
+
+    RegisteredContainer.__name__ = RegisteredContainer.__qualname__ = base.__name__
+    trainer_module.EvalLoopContainer = RegisteredContainer
+    try:
+        yield
+    finally:
+        trainer_module.EvalLoopContainer = base
+
+
+def install_eval_watch(trainer: Any, watcher: Any) -> bool:
+    """Wrap ``trainer.evaluation_loop`` and ``trainer.prediction_step`` (this instance) for ``watcher``.
+
+    ``watcher`` (the ``MemWatch`` callback) provides ``eval_loop_begin(stage, containers)`` (the list
+    the loop's containers are registered in while it runs),
+    ``eval_loop_end(output, error)`` and ``eval_forward_done()``; its faults are its own to
+    contain (they must never stop the loop). Returns False when already installed (``watcher`` then
+    takes over: a callback rebuilt from checkpoint state).
+    """
+    installed = getattr(trainer.evaluation_loop, _WRAPPED_MARK, None)
+    if installed is not None:
+        installed[0] = watcher  # a callback rebuilt from checkpoint state takes over
+        return False
+    holder = [watcher]
+    trainer.evaluation_loop = _wrap_loop(trainer.evaluation_loop, holder)
+    trainer.prediction_step = _wrap_prediction_step(trainer.prediction_step, holder)
+    return True
+
+
+def _wrap_loop(original: Callable[..., Any], holder: list[Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def evaluation_loop(dataloader: Any, description: str, *args: Any, **kwargs: Any) -> Any:
+        watcher = holder[0]
+        containers: list[Any] = []
+        watcher.eval_loop_begin(loop_stage(description), containers)
+        try:
+            with registering_containers(containers):
+                output = original(dataloader, description, *args, **kwargs)
+        except BaseException as exc:
+            watcher.eval_loop_end(None, exc)
+            raise
+        finally:
+            del containers[:]  # never keep the loop's outputs beyond it
+        watcher.eval_loop_end(output, None)
+        return output
+
+    setattr(evaluation_loop, _WRAPPED_MARK, holder)
+    return evaluation_loop
+
+
+def _wrap_prediction_step(original: Callable[..., Any], holder: list[Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def prediction_step(*args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        holder[0].eval_forward_done()
+        return result
+
+    setattr(prediction_step, _WRAPPED_MARK, holder)
+    return prediction_step

@@ -1,0 +1,216 @@
+"""OOM post-mortem of an evaluation loop: ``memwatch/oom_report.md`` naming the loop, the batch, the
+outputs accumulated when it failed, and the eval remedies with their predicted savings.
+
+Written by the ``MemWatch`` callback when ``Trainer.evaluation_loop`` (``evaluate()``, ``predict()``,
+the eval inside ``train()``) raises an out-of-memory error; the error itself propagates unchanged
+(same object, same traceback). Remedies, each predicted by
+:func:`hf_memwatch.estimation.estimate.estimate_eval` at the loop's configuration:
+
+* a smaller ``per_device_eval_batch_size`` (half);
+* ``eval_accumulation_steps=1`` (on CUDA the outputs leave the device every batch; on the CPU the
+  device is the host: numpy holds the same bytes, its concatenation the old and the new array at
+  once, which the predicted figure adds, so it saves nothing there);
+* ``preprocess_logits_for_metrics`` returning ``logits.argmax(-1)`` (token ids instead of logits);
+* ``prediction_loss_only=True`` (no logits, no labels kept).
+
+A CPU OOM leaves no memory in the dying process: the failed loop's frames (finished, reachable only
+through the traceback) still hold its accumulated outputs and the failing batch. They are cleared
+(``frame.clear()``: their locals go, the traceback's frames and line numbers stay) before the
+estimator runs, after the measured part of the report is on disk.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..core.categories import EVAL_LIVE_CLASSES
+from ..core.units import format_bytes
+from .oom import REPORT_NAME, cpu_memory_exhausted, requested_bytes
+
+logger = logging.getLogger("hf_memwatch")
+
+
+@dataclasses.dataclass
+class EvalRunConfig:
+    """The eval loop's settings the estimator needs (read from the Trainer at the failure)."""
+
+    batch_size: int
+    samples: int | None
+    seq_len: int | None
+    accumulation_steps: int | None
+    precision: str
+    device: str
+    optimizer_state_bytes: int = 0
+
+    @classmethod
+    def from_trainer(cls, trainer: Any, seq_len: int | None, optimizer_state_bytes: int) -> EvalRunConfig:
+        args = trainer.args
+        dataloader = getattr(getattr(trainer, "callback_handler", None), "eval_dataloader", None)
+        dataset = getattr(dataloader, "dataset", None)
+        samples = len(dataset) if hasattr(dataset, "__len__") else None
+        return cls(
+            batch_size=int(args.per_device_eval_batch_size), samples=samples, seq_len=seq_len,
+            accumulation_steps=args.eval_accumulation_steps,
+            precision="bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
+            device=torch.device(args.device).type, optimizer_state_bytes=optimizer_state_bytes,
+        )
+
+
+def clear_failed_loop_frames(exc: BaseException) -> int:
+    """Clear the finished frames from ``evaluation_loop`` inwards in ``exc``'s traceback; how many."""
+    tb, cleared, inside = exc.__traceback__, 0, False
+    while tb is not None:
+        frame = tb.tb_frame
+        inside = inside or frame.f_code.co_name == "evaluation_loop"
+        if inside:
+            try:
+                frame.clear()
+                cleared += 1
+            except RuntimeError:  # a frame still executing (ours, on the way out)
+                pass
+        tb = tb.tb_next
+    return cleared
+
+
+def eval_remedies(
+    model: Any, config: EvalRunConfig, estimate_eval: Callable[..., Any]
+) -> tuple[int | None, list[tuple[str, int | None, str]], str]:
+    """(predicted peak of the failing loop, [(remedy, predicted peak, note)], note on the whole)."""
+    if config.seq_len is None or config.samples is None:
+        return None, [], "the eval batch's sequence length or the dataset's size is unknown"
+    subject = getattr(model, "config", None) or model
+
+    def peak_of(**changes: Any) -> tuple[int, int]:
+        fields = dict(batch_size=config.batch_size, accumulation_steps=config.accumulation_steps)
+        extra = {k: changes.pop(k) for k in ("preprocess_argmax", "prediction_loss_only") if k in changes}
+        fields.update(changes)
+        sim = estimate_eval(
+            subject, eval_batch_size=fields["batch_size"], eval_samples=config.samples, seq_len=config.seq_len,
+            eval_accumulation_steps=fields["accumulation_steps"], precision=config.precision,
+            device=config.device, optimizer_state_bytes=config.optimizer_state_bytes, **extra)
+        return int(sim.peak_bytes), int(sim.host_bytes)
+
+    try:
+        baseline, _ = peak_of()
+    except Exception as exc:  # noqa: BLE001 - report what we can
+        return None, [], f"the estimator failed on this loop's configuration ({type(exc).__name__}: {exc})"
+    variants: list[tuple[str, dict[str, Any], str]] = []
+    if config.batch_size > 1:
+        variants.append((f"per_device_eval_batch_size {config.batch_size} → {config.batch_size // 2}",
+                         {"batch_size": config.batch_size // 2}, ""))
+    if config.accumulation_steps != 1:
+        note = ("on the CPU numpy holds the same bytes in host memory: no saving in RAM"
+                if config.device == "cpu" else "")
+        variants.append(("eval_accumulation_steps=1 (outputs leave the device every batch)",
+                         {"accumulation_steps": 1}, note))
+    variants.append(("preprocess_logits_for_metrics = lambda logits, labels: logits.argmax(-1)",
+                     {"preprocess_argmax": True}, ""))
+    variants.append(("prediction_loss_only=True (no logits or labels kept; no metrics beyond the loss)",
+                     {"prediction_loss_only": True}, ""))
+    rows: list[tuple[str, int | None, str]] = []
+    for description, changes, note in variants:
+        try:
+            peak, host = peak_of(**changes)
+            if config.device == "cpu" and "accumulation_steps" in changes:
+                # The host *is* the device: numpy's copies count against the same RAM, and each
+                # np.concatenate holds the old and the new array at once.
+                peak += 2 * host
+            rows.append((description, peak, note))
+        except Exception as exc:  # noqa: BLE001
+            rows.append((description, None, f"estimator failed: {type(exc).__name__} {exc}".strip()))
+    return baseline, rows, ""
+
+
+def write_eval_oom_report(
+    directory: str | os.PathLike[str], exc: BaseException, loop: Mapping[str, Any],
+    failure: Mapping[str, Any] | None, trainer: Any, seq_len: int | None, writer: Any = None,
+) -> Path:
+    """Write ``<directory>/oom_report.md`` for an OOM inside an eval loop (and an ``oom`` record)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    live = dict((failure or {}).get("live") or {})
+    config = EvalRunConfig.from_trainer(trainer, seq_len, int(live.get("optimizer_states") or 0))
+    model = getattr(trainer, "model", None)
+    record = {
+        "event": "oom", "stage": loop.get("stage"), "step": loop.get("step"), "batch": loop.get("batches"),
+        "micro_step": loop.get("batches"), "rank": loop.get("rank", 0),
+        "last_phase": (failure or {}).get("phase"), "time": time.time(), "requested": requested_bytes(exc),
+        "allocated_at_failure": (failure or {}).get("allocated"), "live_at_failure": live or None,
+        "outputs_at_failure": live.get("outputs"), "error": f"{type(exc).__name__}: {str(exc)[:300]}",
+    }
+    if writer is not None:
+        writer.write(record)
+        writer.flush()
+    path = directory / REPORT_NAME
+
+    def render(baseline: int | None, remedies: list[tuple[str, int | None, str]], note: str) -> None:
+        text = render_eval_oom_report(exc, loop, failure, config, model, baseline, remedies, note)
+        partial = path.with_suffix(".md.partial")
+        partial.write_text(text, encoding="utf-8")
+        os.replace(partial, path)
+
+    render(None, [], "the estimator did not finish (the process may have had no memory left to run it)")
+    if cpu_memory_exhausted(exc):
+        clear_failed_loop_frames(exc)
+        gc.collect()
+    from ..estimation.estimate import estimate_eval
+
+    render(*eval_remedies(model, config, estimate_eval))
+    logger.warning("hf-memwatch: out of memory in the %s loop (batch %s); post-mortem in %s",
+                   loop.get("stage"), loop.get("batches"), path)
+    return path
+
+
+def render_eval_oom_report(
+    exc: BaseException, loop: Mapping[str, Any], failure: Mapping[str, Any] | None, config: EvalRunConfig,
+    model: Any, baseline: int | None, remedies: list[tuple[str, int | None, str]], note: str,
+) -> str:
+    """The Markdown text of an eval loop's post-mortem."""
+    name = type(model).__name__ if model is not None else "?"
+    stage = loop.get("stage")
+    call = "predict()" if stage == "predict" else "evaluate()"
+    first = (str(exc).strip().splitlines() or [""])[0][:400]
+    batches = "?" if config.samples is None else -(-config.samples // config.batch_size)
+    lines = [
+        "# hf-memwatch: out-of-memory post-mortem (evaluation loop)", "",
+        f"- **Error:** `{type(exc).__name__}: {first}`",
+        f"- **Where:** the {stage} loop (`Trainer.{call}`) at global step {loop.get('step')}, "
+        f"eval batch {loop.get('batches')} of {batches} (0-based)",
+        f"- **Loop:** {name}, per_device_eval_batch_size {config.batch_size}, {config.samples or '?'} samples, "
+        f"sequence length {config.seq_len or '?'}, eval_accumulation_steps {config.accumulation_steps}, "
+        f"{config.precision}, device {config.device}",
+    ]
+    requested = requested_bytes(exc)
+    if requested is not None:
+        lines.append(f"- **Failed allocation:** {format_bytes(requested)}")
+    live = (failure or {}).get("live") or {}
+    if failure is not None:
+        lines.append(f"- **Live when it failed:** {format_bytes(failure.get('allocated'))}, of which "
+                     f"**{format_bytes(live.get('outputs'))} accumulated outputs** (predictions, logits, labels "
+                     "held by the loop until it ends)")
+        lines += ["", "## Live memory when the allocation failed", "", "| class | bytes |", "|---|---:|"]
+        lines += [f"| {c} | {format_bytes(live.get(c))} |" for c in EVAL_LIVE_CLASSES]
+        lines.append(f"| **allocated** | **{format_bytes(failure.get('allocated'))}** |")
+    if loop.get("peak") is not None:
+        lines.append(f"\nHighest point of the loop before it failed: {format_bytes(loop['peak'])} "
+                     f"(batch {loop.get('peak_batch')}).")
+    lines += ["", "## Eval remedies and what each would save", ""]
+    if baseline is None:
+        lines.append(f"No estimator figures: {note}.")
+    else:
+        lines += [f"Predicted peak of this loop: **{format_bytes(baseline)}** "
+                  "(hf_memwatch.estimation.estimate_eval).", "",
+                  "| remedy | predicted peak | saves | note |", "|---|---:|---:|---|"]
+        for description, peak, problem in sorted(remedies, key=lambda r: r[1] if r[1] is not None else 1 << 62):
+            saves = "-" if peak is None else format_bytes(max(baseline - peak, 0))
+            lines.append(f"| {description} | {format_bytes(peak)} | {saves} | {problem} |")
+    return "\n".join(lines) + "\n"
