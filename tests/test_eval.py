@@ -8,7 +8,7 @@ import torch
 from conftest import gpt2_model, read_records, token_dataset, training_args
 from transformers import Trainer
 
-from hf_memwatch import MemWatch
+from hf_memwatch import MemWatch, PlanError
 from hf_memwatch.core.categories import EVAL_LIVE_CLASSES
 from hf_memwatch.measure.attribution import optimizer_state_storages, weight_storages
 from hf_memwatch.testing.truth import cpu_memory_profile, window_peak
@@ -154,7 +154,7 @@ import torch
 torch.set_num_threads(2)
 from conftest import gpt2_model, token_dataset, training_args
 from transformers import Trainer
-from hf_memwatch import MemWatch
+from hf_memwatch import MemWatch, PlanError
 
 out, margin = sys.argv[1], int(sys.argv[2]) << 20
 
@@ -287,3 +287,60 @@ def test_estimate_gains_eval_fields_and_the_cli_flags(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "hf_memwatch.cli", "estimate", str(tmp_path), "--eval-batch-size", "8"],
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "eval_samples" in bad.stderr
+
+
+def _argmax(logits, labels):
+    return logits.argmax(-1)
+
+
+def _token_accuracy(prediction) -> dict[str, float]:
+    return {"accuracy": float((prediction.predictions[:, :-1] == prediction.label_ids[:, 1:]).mean())}
+
+
+def _planned_trainer(out_dir, callbacks, *, reduce=True, **overrides):
+    """Eval with the logits reduced to tokens (small outputs): the eval batch's own logits dominate."""
+    model = gpt2_model(n_layer=2, n_embd=32, vocab=1000)
+    values = dict(max_steps=2, per_device_train_batch_size=4, per_device_eval_batch_size=64, eval_strategy="steps",
+                  eval_steps=2)
+    values.update(overrides)
+    return Trainer(model=model, args=training_args(out_dir, **values), train_dataset=token_dataset(16, 32, 1000),
+                   eval_dataset=token_dataset(256, 32, 1000, seed=1),
+                   compute_metrics=_token_accuracy if reduce else accuracy,
+                   preprocess_logits_for_metrics=_argmax if reduce else None, callbacks=callbacks)
+
+
+def test_auto_mode_plans_evaluation_too(tmp_path):
+    """A budget between the training peak and the eval peak: the eval batch is planned before training, the
+    eval loop fits, the metrics are those of the hand-configured run."""
+    given = _planned_trainer(tmp_path / "given", [MemWatch(detail="full", report=False, summary=False)])
+    given.train()
+    records = read_records(tmp_path / "given")
+    train_peak = max(r["peak"] for r in records if r["event"] == "step")
+    eval_peak = max(r["peak"] for r in records if r["event"] == "eval")
+    budget = (train_peak + eval_peak) // 2
+    assert train_peak < budget < eval_peak
+
+    auto = _planned_trainer(tmp_path / "auto", [MemWatch(auto=True, budget=budget, detail="full", report=False,
+                                                         summary=False)])
+    auto.train()
+    records = read_records(tmp_path / "auto")
+    [plan] = [r for r in records if r["event"] == "plan"]
+    [loop] = [r for r in records if r["event"] == "eval"]
+    assert plan["eval_batch_size"] < 64 and plan["eval_predicted_peak"] <= budget
+    assert loop["peak"] <= budget and loop["peak"] <= plan["eval_predicted_peak"]
+    assert auto.args.per_device_eval_batch_size == plan["eval_batch_size"]
+
+    hand = _planned_trainer(tmp_path / "hand", [], per_device_eval_batch_size=plan["eval_batch_size"])
+    hand.train()
+    metrics = [{k: v for k, v in e.items() if not k.startswith("memory/") and not k.endswith(("runtime", "per_second"))}
+               for t in (auto, hand) for e in t.state.log_history if "eval_loss" in e]
+    assert metrics[0] == metrics[1]
+
+
+def test_only_a_metrics_change_would_fit_stops_before_training(tmp_path):
+    # Logits of 256 x 32 tokens x 1000 words (32 MiB) kept by the loop: no eval batch fits 24 MiB.
+    trainer = _planned_trainer(tmp_path, [MemWatch(auto=True, budget="24MiB", report=False, summary=False)],
+                               reduce=False)
+    with pytest.raises(PlanError, match=r"preprocess_logits_for_metrics .* saved"):
+        trainer.train()
+    assert trainer.state.global_step == 0 and trainer.args.per_device_eval_batch_size == 64  # nothing changed

@@ -96,6 +96,10 @@ class PlanRecord(_PlanRequired, total=False):
     resumed: bool
     status: str
     recovered_from_oom: int
+    eval_batch_size: int
+    eval_accumulation_steps: int | None
+    eval_predicted_peak: Bytes
+    eval_reason: str
 
 
 class _EvalRequired(TypedDict):

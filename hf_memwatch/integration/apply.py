@@ -50,3 +50,13 @@ def enable_checkpointing_now(trainer: Any) -> None:
         target.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         target.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def apply_eval_plan(trainer: Any, record: dict[str, Any]) -> None:
+    """Write a plan record's evaluation fields (when it has them) into the arguments, as a user would."""
+    if record.get("eval_batch_size") is None:
+        return
+    args = trainer.args
+    args.per_device_eval_batch_size = int(record["eval_batch_size"])
+    if record.get("eval_accumulation_steps") is not None:
+        args.eval_accumulation_steps = int(record["eval_accumulation_steps"])

@@ -30,6 +30,7 @@ import functools
 import gc
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Callable
@@ -40,15 +41,16 @@ import torch
 from ..core.errors import MemWatchConfigError, PlanError, is_oom_error
 from ..core.run_config import RunConfig
 from ..core.units import format_bytes
-from ..estimation.trainer_replay import training_dataset
+from ..estimation.trainer_replay import is_one_pass, training_dataset
 from ..measure.attribution import weight_storages
 from ..measure.backends import backend_for
 from ..planning.budget import Budget, BudgetSpec, resolve_budget
 from ..planning.chooser import PlanResult, no_fit_message, plan_run
+from ..planning.eval_plan import plan_eval
 from ..planning.lengths import WorstBatch, worst_batch
 from ..planning.plan import Plan
-from ..planning.predict import EstimatorPredictor
-from .apply import apply_plan, enable_checkpointing_now
+from ..planning.predict import ESTIMATE_MARGIN, EstimatorPredictor
+from .apply import apply_eval_plan, apply_plan, enable_checkpointing_now
 from .patches import keep_effective_batch
 
 logger = logging.getLogger("hf_memwatch")
@@ -165,6 +167,7 @@ class AutoMode:
         apply_plan(trainer, Plan.of(run))  # back to the configuration as given, then plan it again
         record = self._decide_with_peers(trainer, RunConfig.from_trainer(trainer), self.budget)
         apply_plan(trainer, Plan.from_dict(record))
+        apply_eval_plan(trainer, record)
         recovered = {
             "event": "oom_recovered", "attempt": len(self.recoveries) + 1, "error": f"{type(exc).__name__}: {str(exc)[:200]}",
             "failed_plan": {k: failed.get(k) for k in ("micro_batch_size", "gradient_accumulation_steps",
@@ -228,6 +231,7 @@ class AutoMode:
         if saved is not None and all(saved.get("configured", {}).get(name) == getattr(run, name)
                                      for name in CONFIGURED_FIELDS):
             apply_plan(trainer, Plan.from_dict(saved))
+            apply_eval_plan(trainer, saved)
             self.plan = saved  # unchanged: trainer_state.json stays that of an uninterrupted run
             logger.warning("hf-memwatch plan (resumed from checkpoint, kept): %s", saved.get("reason", ""))
             self.record(dict(saved, resumed=True))
@@ -240,6 +244,7 @@ class AutoMode:
             )
         record = self._decide_with_peers(trainer, run, self.budget)
         apply_plan(trainer, Plan.from_dict(record))
+        apply_eval_plan(trainer, record)
         self.plan = record
         logger.warning("hf-memwatch plan: %s", record["reason"])
         self.record(record)
@@ -306,13 +311,43 @@ class AutoMode:
         if result.chosen.key() != result.given.key():
             for name, why in result.unavailable.items():
                 logger.warning("hf-memwatch: remedy %s unavailable: %s", name, why)
+        eval_fields = self._plan_eval(trainer, run, budget, predictor, result.chosen)
         sample = {"index": None if worst is None else worst.index, "seq_len": run.seq_len,
                   "source": None if worst is None else worst.source,
                   "notes": [*(worst.notes if worst is not None else ()), *given_estimate.notes]}
-        record = plan_record(result, run, budget, sample)
+        record = dict(plan_record(result, run, budget, sample), **eval_fields)
         # The rank that must cut the most from the configured run decides (issue 7): its plan fits
         # every rank with a larger budget. A chosen plan's own peak would pick the laxest rank.
         return agree(record, int(result.given.predicted_peak or 0) - budget.usable)
+
+    def _plan_eval(self, trainer: Any, run: RunConfig, budget: Budget, predictor: EstimatorPredictor,
+                   chosen: Plan) -> dict[str, Any]:
+        """The evaluation loop planned too (:mod:`hf_memwatch.planning.eval_plan`), when there is an eval
+        dataset the loop can be predicted for; the fields the ``plan`` record gains."""
+        dataset = getattr(trainer, "eval_dataset", None)
+        if dataset is None or isinstance(dataset, dict) or is_one_pass(dataset) or len(dataset) == 0:
+            return {}
+        from ..estimation.estimate import estimate_eval
+
+        worst = worst_batch(dataset, trainer.data_collator, micro_batch_size=int(run.eval_batch_size or 8),
+                            max_length=run.max_length, truncation=run.max_length is not None)
+        seq_len = int(worst.length or run.seq_len or 1)
+        states = int(predictor.estimate(chosen).classes.get("optimizer_states", 0))
+        eval_run = run.replace(seq_len=seq_len)
+        # A preprocess_logits_for_metrics is taken to reduce the logits as argmax does (what the Trainer's
+        # documentation proposes it for); its own code is not replayed.
+        reduces = getattr(trainer, "preprocess_logits_for_metrics", None) is not None
+
+        def predict(batch: int, steps: int | None, argmax: bool = reduces) -> int:
+            loop = estimate_eval(
+                trainer.model, eval_batch_size=batch, eval_samples=len(dataset), seq_len=seq_len,
+                precision=run.precision, device="cuda" if run.device == "cuda" else "cpu",
+                eval_accumulation_steps=steps, prediction_loss_only=run.prediction_loss_only,
+                optimizer_state_bytes=states, preprocess_argmax=argmax,
+            )
+            return int(math.ceil(loop.peak_bytes * (1.0 + ESTIMATE_MARGIN)))
+
+        return plan_eval(eval_run, predict, budget.usable).record_fields()
 
     # -- between steps ------------------------------------------------------------------------
     def after_step(self, trainer: Any, step_record: dict[str, Any] | None) -> dict[str, Any] | None:
