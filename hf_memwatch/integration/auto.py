@@ -347,7 +347,14 @@ class AutoMode:
             )
             return int(math.ceil(loop.peak_bytes * (1.0 + ESTIMATE_MARGIN)))
 
-        return plan_eval(eval_run, predict, budget.usable).record_fields()
+        try:
+            return plan_eval(eval_run, predict, budget.usable).record_fields()
+        except PlanError:
+            raise  # only a change of the metrics code would fit: stop before training
+        except Exception as exc:  # noqa: BLE001 - the training plan stands without an eval plan
+            logger.warning("hf-memwatch: the evaluation loop was not planned (%s: %s); eval runs as configured.",
+                           type(exc).__name__, exc)
+            return {"eval_reason": f"not planned ({type(exc).__name__}: {exc})"}
 
     # -- between steps ------------------------------------------------------------------------
     def after_step(self, trainer: Any, step_record: dict[str, Any] | None) -> dict[str, Any] | None:
