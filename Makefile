@@ -35,6 +35,7 @@ bench: venv
 	$(PY) benchmarks/fixed_cost.py --out benchmarks/results/fixed_cost.md
 	$(PY) benchmarks/accuracy.py
 	$(PY) benchmarks/peft_accuracy.py
+	$(PY) benchmarks/trl_accuracy.py
 	$(PY) benchmarks/autotune.py
 	$(PY) benchmarks/lengths.py --out benchmarks/results/lengths.md
 	$(PY) benchmarks/eval_accuracy.py

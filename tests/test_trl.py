@@ -56,3 +56,8 @@ def test_dpo_reference_model_is_weights_estimated_and_measured(tmp_path: Path) -
     for step, peak in zip(steps, truth):
         assert abs(step["peak"] - peak) <= 0.02 * peak, (step["peak"], peak)
     assert abs(predicted.peak_bytes - max(truth)) <= 0.01 * max(truth), (predicted.peak_bytes, truth)
+    # The summary names the frozen model inside the weights.
+    from hf_memwatch.reporting.summary import build_table
+
+    [meta] = [r for r in read_records(tmp_path) if r["event"] == "meta"]
+    assert "ref_model" in build_table(steps, meta, None, snapshots).caption

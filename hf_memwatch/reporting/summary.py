@@ -95,14 +95,15 @@ def build_table(
     step = peak_step(steps)
     if step is None:
         return None
+    step_snaps = [s for s in snapshots or [] if s.get("step") == step["step"]]
+    frozen = next((s["frozen_models"] for s in step_snaps if s.get("frozen_models")), None)
     table = Table(
         title=f"hf-memwatch: peak step {step['step']} — {format_bytes(step['peak'])} at {step.get('peak_phase')}",
-        caption=_caption(meta, plan),
+        caption=_caption(meta, plan, frozen),
     )
     for header, justify in (("class", "left"), ("at peak", "right"), ("share", "right"),
                             ("max in step", "right"), ("B/param", "right"), ("guide", "right")):
         table.add_column(header, justify=justify, no_wrap=True)  # type: ignore[arg-type]
-    step_snaps = [s for s in snapshots or [] if s.get("step") == step["step"]]
     for row in summary_rows(step, meta, step_snaps):
         table.add_row(
             row["class"],
@@ -115,11 +116,15 @@ def build_table(
     return table
 
 
-def _caption(meta: Mapping[str, Any], plan: Mapping[str, Any] | None) -> str:
+def _caption(meta: Mapping[str, Any], plan: Mapping[str, Any] | None,
+             frozen_models: Mapping[str, int] | None = None) -> str:
     parts = []
     if meta.get("model"):
         parts.append(f"{meta['model']}, {meta.get('params', 0):,} params, batch {meta.get('batch_size')} × "
                      f"accum {meta.get('gradient_accumulation_steps')}, {meta.get('precision')}, {meta.get('optim')}")
+    if frozen_models:  # models the Trainer holds beside the trained one (TRL's ref_model): in weights
+        parts.append("weights include frozen models the Trainer holds: " + ", ".join(
+            f"{name} {format_bytes(nbytes)}" for name, nbytes in frozen_models.items()))
     parts.append(f"plan in force: {describe_plan(plan)}")
     return "\n".join(parts)
 
