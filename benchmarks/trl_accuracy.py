@@ -21,18 +21,9 @@ from typing import Any
 
 import torch
 
+from hf_memwatch.testing.tokenizers import word_tokenizer
+
 RESULTS = Path(__file__).parent / "results" / "trl_accuracy.md"
-
-
-def tokenizer() -> Any:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {f"w{i}": i for i in range(1000)}
-    vocab.update({"[PAD]": 1000, "[EOS]": 1001})
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", eos_token="[EOS]")
 
 
 def model(family: str, seed: int = 0) -> Any:
@@ -67,7 +58,7 @@ def build(kind: str, family: str, out: str, precision: str, checkpointing: bool)
 
             peft_config = LoraConfig(r=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
         return SFTTrainer(model=model(family), args=SFTConfig(**common), train_dataset=data,
-                          processing_class=tokenizer(), peft_config=peft_config)
+                          processing_class=word_tokenizer(), peft_config=peft_config)
     from trl import DPOConfig, DPOTrainer
 
     data = Dataset.from_list([{"prompt": words(generator, 20), "chosen": words(generator, 20),
@@ -75,7 +66,7 @@ def build(kind: str, family: str, out: str, precision: str, checkpointing: bool)
     args = DPOConfig(**{**common, "per_device_train_batch_size": 4},
                      precompute_ref_log_probs=kind == "dpo-precomputed")
     return DPOTrainer(model=model(family), ref_model=model(family, seed=1), args=args, train_dataset=data,
-                      processing_class=tokenizer())
+                      processing_class=word_tokenizer())
 
 
 def measure(kind: str, family: str, precision: str, checkpointing: bool) -> dict[str, Any]:

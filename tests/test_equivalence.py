@@ -24,6 +24,7 @@ from hf_memwatch.core.run_config import RunConfig
 from hf_memwatch.planning.plan import Plan
 from hf_memwatch.planning.planner import plan_for
 from hf_memwatch.planning.predict import EstimatorPredictor
+from hf_memwatch.testing.tokenizers import word_tokenizer
 
 LIGHT = {"detail": "light", "report": False, "summary": False}
 GIVEN = {"per_device_train_batch_size": 8, "activation_checkpointing": True, "max_steps": 3, "max_grad_norm": 0.05,
@@ -97,17 +98,6 @@ def test_planned_run_is_the_hand_configured_run(tmp_path: Path, optim: str, accu
 
 
 # -- TRL ----------------------------------------------------------------------------------------
-def word_tokenizer() -> Any:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {f"w{i}": i for i in range(1000)}
-    vocab.update({"[PAD]": 1000, "[EOS]": 1001})
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="[PAD]", eos_token="[EOS]")
-
-
 def llama(seed: int = 0) -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -11,11 +11,12 @@ from typing import Any
 
 import torch
 from conftest import read_records
-from test_equivalence import llama, word_tokenizer
+from test_equivalence import llama
 
 from hf_memwatch import MemWatch, estimate
 from hf_memwatch.estimation.trainer_replay import plain_counters
 from hf_memwatch.measure.attribution import weight_storages
+from hf_memwatch.testing.tokenizers import word_tokenizer
 from hf_memwatch.testing.truth import StepMarker, cpu_memory_profile, step_peaks
 
 

@@ -108,17 +108,18 @@ class CudaBackend(AllocatorBackend):
 
     def capacity(self) -> int | None:
         total = torch.cuda.mem_get_info(self.device)[1]
-        return int(total * _memory_fraction(self.device))
+        return int(total * per_process_fraction(self.device))
 
     def available(self) -> int | None:
         # Free memory plus what this process's caching allocator already holds, capped by
         # torch.cuda.set_per_process_memory_fraction (the allocator refuses to reserve beyond it).
         free, total = torch.cuda.mem_get_info(self.device)
         reserved = torch.cuda.memory_reserved(self.device)
-        return min(free + reserved, int(total * _memory_fraction(self.device)))
+        return min(free + reserved, int(total * per_process_fraction(self.device)))
 
 
-def _memory_fraction(device: torch.device) -> float:
+def per_process_fraction(device: torch.device) -> float:
+    """``torch.cuda.set_per_process_memory_fraction``'s cap on ``device`` (1.0 where unset or unknown)."""
     getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
     if getter is None:  # torch < 2.6
         return 1.0

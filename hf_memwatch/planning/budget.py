@@ -28,7 +28,7 @@ import torch
 
 from ..core.errors import MemWatchConfigError
 from ..core.units import format_bytes, parse_bytes
-from ..measure.backends import AllocatorBackend
+from ..measure.backends import AllocatorBackend, per_process_fraction
 from ..measure.footprint import STATUS_PATH, parse_proc_status, read_text
 
 DEFAULT_FRACTION = 0.9
@@ -184,17 +184,6 @@ def host_limits() -> list[Limit]:
         limits.append(group)
     limits += rlimit_limits(read_text(STATUS_PATH))
     return limits
-
-
-def per_process_fraction(device: torch.device) -> float:
-    """``torch.cuda.set_per_process_memory_fraction``'s cap on ``device`` (1.0 where unset or unknown)."""
-    getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
-    if getter is None:  # torch < 2.6
-        return 1.0
-    try:
-        return float(getter(device))
-    except (RuntimeError, AttributeError):
-        return 1.0
 
 
 def cuda_limits(device: torch.device) -> list[Limit]:
