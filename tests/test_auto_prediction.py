@@ -45,7 +45,6 @@ CASES = {
     "trainer-fp32": lambda out, cb, **kw: plain_trainer(out, cb, **kw),
     "trainer-bf16": lambda out, cb, **kw: plain_trainer(out, cb, bf16=True, **kw),
     "sft-full-bf16": lambda out, cb, **kw: sft(out, cb, bf16=True, **kw),
-    "sft-lora-fp32": lambda out, cb, **kw: sft(out, cb, lora=True, **kw),
     "sft-lora-bf16": lambda out, cb, **kw: sft(out, cb, lora=True, bf16=True, **kw),
 }
 

@@ -604,10 +604,17 @@ def simulate_step(
                 labels = [b["labels"][..., 1:] if shifts else b["labels"] for b in batches]
                 num_items = sum(lab.ne(-100).sum() for lab in labels).to(device)
                 other.update(_refs(tracker, [num_items]))
+            replayed = batches[:1]
+            if len(batches) > 1:
+                # Every micro-step after the first runs with the gradients resident and adds into them:
+                # the same live set as the first plus the gradients, so its peak is the step's (the
+                # first one's cannot be higher). It alone is replayed, the gradients made resident as
+                # the first micro-step leaves them; all batches stay prefetched.
+                for param in params:
+                    param.grad = torch.zeros_like(param)
+                replayed = batches[1:2]
             tracker.reset_peak()
-            # Micro-steps after the second are the second again (same live set, gradients
-            # accumulating in place), so at most two are replayed; all batches stay prefetched.
-            for inputs in batches[:2]:
+            for inputs in replayed:
                 if trainer is not None:
                     # The Trainer's own micro-step: forward and loss (subclass overrides included), its
                     # scaling, backward. "after_forward" closes when the model's forward returns.
@@ -630,7 +637,7 @@ def simulate_step(
                 phases.close("after_backward")
                 tr_loss += loss.detach()
                 del loss
-            del batches
+            del batches, replayed
             if max_grad_norm and max_grad_norm > 0:
                 torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
             optimizer.step()
