@@ -31,10 +31,6 @@ from pathlib import Path
 import torch
 import transformers
 from transformers import (
-    AutoModelForCausalLM,
-    AutoModelForMaskedLM,
-    AutoModelForSeq2SeqLM,
-    AutoModelForSequenceClassification,
     BartConfig,
     BertConfig,
     GPT2Config,
@@ -44,17 +40,11 @@ from transformers import (
     T5Config,
 )
 
-from hf_memwatch.estimation.estimate import estimate
+from hf_memwatch.estimation.estimate import auto_class, estimate
 from hf_memwatch.testing.estimate_truth import trainer_peak
 from hf_memwatch.testing.families import FAMILIES, NO_CHECKPOINTING, build_family_model
 
 RESULTS = Path(__file__).parent / "results" / "accuracy.md"
-AUTO = {
-    "causal-lm": AutoModelForCausalLM,
-    "seq-cls": AutoModelForSequenceClassification,
-    "masked-lm": AutoModelForMaskedLM,
-    "seq2seq": AutoModelForSeq2SeqLM,
-}
 SPECIAL = dict(bos_token_id=0, eos_token_id=0, pad_token_id=0)
 ZOO = {
     "bert (seq-cls)": ("seq-cls", lambda: BertConfig(hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -148,7 +138,7 @@ def run_accuracy() -> tuple[list[str], list[float], list[float]]:
     for case in cases():
         task, factory = ZOO[case["name"]]
         torch.manual_seed(0)
-        model = AUTO[task].from_config(factory())
+        model = auto_class(task).from_config(factory())
         row, error, rule_error = measure(model, case)
         lines.append(row)
         ours.append(abs(error))

@@ -24,10 +24,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 from transformers import (  # noqa: E402
-    AutoModelForCausalLM,
-    AutoModelForMaskedLM,
-    AutoModelForSeq2SeqLM,
-    AutoModelForSequenceClassification,
     BartConfig,
     BertConfig,
     GPT2Config,
@@ -35,16 +31,10 @@ from transformers import (  # noqa: E402
     RobertaConfig,
 )
 
-from hf_memwatch.estimation.estimate import estimate_eval  # noqa: E402
+from hf_memwatch.estimation.estimate import auto_class, estimate_eval  # noqa: E402
 from hf_memwatch.testing.estimate_truth import evaluate_peak  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "eval_accuracy.md"
-AUTO = {
-    "causal-lm": AutoModelForCausalLM,
-    "seq-cls": AutoModelForSequenceClassification,
-    "masked-lm": AutoModelForMaskedLM,
-    "seq2seq": AutoModelForSeq2SeqLM,
-}
 SPECIAL = dict(bos_token_id=0, eos_token_id=0, pad_token_id=0)
 ZOO = {
     "gpt2 (causal-lm)": ("causal-lm", lambda: GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=1000,
@@ -86,7 +76,7 @@ def run() -> tuple[list[str], list[float]]:
     for name, (task, factory) in ZOO.items():
         for batch, seq_len, samples, steps, loss_only, precision in SETTINGS:
             torch.manual_seed(0)
-            model = AUTO[task].from_config(factory())
+            model = auto_class(task).from_config(factory())
             target_len = min(seq_len, 32) if task == "seq2seq" else None
             kwargs = dict(task=task, prediction_loss_only=loss_only, precision=precision)
             start = time.perf_counter()
