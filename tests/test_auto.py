@@ -17,7 +17,7 @@ from transformers import Trainer, TrainerCallback
 
 from hf_memwatch import MemWatch, MemWatchConfigError, PlanError
 from hf_memwatch.core.run_config import RunConfig, optim_name
-from hf_memwatch.planning.chooser import THROUGHPUT_TIE, candidates, plan_run
+from hf_memwatch.planning.chooser import THROUGHPUT_TIE, PeakParts, candidates, plan_run
 from hf_memwatch.planning.plan import Plan
 from hf_memwatch.testing.truth import StepMarker, cpu_memory_profile, step_peaks
 
@@ -190,10 +190,11 @@ def test_resume_with_another_batch_configuration_plans_anew(tmp_path: Path, capl
 @given(
     micro=st.integers(1, 16), accum=st.integers(1, 8), weights=st.integers(1, 10**6),
     per_sample=st.integers(0, 10**6), ckpt_saving=st.floats(0.05, 0.95), budget=st.integers(1, 4 * 10**7),
-    bnb=st.booleans(),
+    bnb=st.booleans(), with_parts=st.booleans(),
 )
 def test_chosen_plan_fits_and_keeps_the_effective_batch(micro: int, accum: int, weights: int, per_sample: int,
-                                                        ckpt_saving: float, budget: int, bnb: bool) -> None:
+                                                        ckpt_saving: float, budget: int, bnb: bool,
+                                                        with_parts: bool) -> None:
     run_config = RunConfig(micro, accum, seq_len=128, optim="adamw_torch" if bnb else "sgd")
 
     class Toy:
@@ -201,11 +202,27 @@ def test_chosen_plan_fits_and_keeps_the_effective_batch(micro: int, accum: int, 
 
         def peak(self, plan: Plan) -> int:
             self.calls += 1
-            states = weights // 2 if "8bit" in plan.optim else 2 * weights
-            saving = (1 - ckpt_saving) if plan.activation_checkpointing else 1
-            return int(2 * weights + states + per_sample * plan.micro_batch_size * saving)
+            optimizer_step = 3 * weights + self.states(plan)  # weights, gradients, states and a temporary
+            return max(self.forward_backward(plan) + self.states(plan), optimizer_step)
 
-    toy = Toy()
+        @staticmethod
+        def states(plan: Plan) -> int:
+            return weights // 2 if "8bit" in plan.optim else 2 * weights  # fp32 AdamW: 8 B per element
+
+        @staticmethod
+        def forward_backward(plan: Plan) -> int:  # without the optimizer states
+            saving = (1 - ckpt_saving) if plan.activation_checkpointing else 1
+            return int(2 * weights + per_sample * plan.micro_batch_size * saving)
+
+    class ToyWithParts(Toy):
+        """The same peaks, and floors: the chooser may rule plans out without predicting them."""
+
+        def parts(self, plan: Plan) -> PeakParts:
+            return PeakParts(self.forward_backward(plan), weights // 4)
+
+        floor_parts = parts
+
+    toy = ToyWithParts() if with_parts else Toy()
     result = plan_run(run_config, toy, budget)
     predictions = toy.calls
     everything = candidates(run_config)

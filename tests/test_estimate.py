@@ -111,6 +111,20 @@ def test_depth_extrapolation_equals_the_full_simulation():
     assert extrapolated.classes == full.classes
 
 
+@pytest.mark.parametrize("accum", [1, 2])
+def test_forward_backward_only_is_the_step_without_its_optimizer_states(accum):
+    # What the planner's floors rest on: the same forward and backward, minus exactly the resident states.
+    kwargs = dict(batch_size=4, seq_len=64, accum=accum, optim="adamw_torch")
+    full = estimate(gpt2_config(), **kwargs)
+    floor = estimate(gpt2_config(), optimizer_step=False, **kwargs)
+    assert full.peak_phase in ("after_forward", "after_backward")
+    assert set(floor.phase_peaks) == {"after_forward", "after_backward"}
+    assert floor.classes["optimizer_states"] == 0 < full.classes["optimizer_states"]
+    for phase in floor.phase_peaks:
+        assert floor.phase_peaks[phase] + full.classes["optimizer_states"] == full.phase_peaks[phase]
+    assert any("optimizer_step=False" in note for note in floor.notes)
+
+
 def test_sharding_divides_model_states_per_rank():
     config = llama_config()
     kwargs = dict(batch_size=1, seq_len=16)

@@ -534,10 +534,15 @@ class _Phases:
 
 
 # -- the step --------------------------------------------------------------------------------
+# The phases of a step before its optimizer step (keys of ``StepSimulation.phase_classes``).
+FORWARD_BACKWARD_PHASES = ("after_forward", "after_backward")
+
+
 def simulate_step(
     model: torch.nn.Module, fake_mode: Any, *, config: Any, task: str, batch_size: int, seq_len: int,
     target_len: int, precision: str, optim: str, checkpointing: bool, accum: int, device: str,
     max_grad_norm: float, steps: int = 2, trainer: Any = None, sample: dict[str, Any] | None = None,
+    optimizer_step: bool = True,
 ) -> StepSimulation:
     """Run ``steps`` Trainer optimizer steps on the fake ``model``; the peak and its split.
 
@@ -546,6 +551,9 @@ def simulate_step(
     ``num_items_in_batch`` count) — the caller guards the Trainer's state
     (:class:`~hf_memwatch.estimation.trainer_replay.TrainerStateGuard`); with ``sample`` (a collated
     batch of real tensors), every micro-batch is a fake copy of it instead of a synthetic batch.
+    ``optimizer_step=False`` replays the forward and backward alone, without optimizer state
+    (nothing primed, no clipping, no step): only the ``after_forward``/``after_backward`` phases,
+    which lie under the full step's by exactly the optimizer states that would be resident.
     """
     notes: list[str] = []
     model.train()
@@ -588,7 +596,7 @@ def simulate_step(
             tr_loss = torch.tensor(0.0, device=device)
             other.update(_refs(tracker, [tr_loss]))
             lookahead = new_batch()
-            for _ in range(steps - 1):
+            for _ in range(steps - 1 if optimizer_step else 0):
                 _prime_optimizer(optimizer, params)
             phases.close("after_optimizer")
             batches = [lookahead] + [new_batch() for _ in range(accum - 1)]
@@ -638,6 +646,10 @@ def simulate_step(
                 tr_loss += loss.detach()
                 del loss
             del batches, replayed
+            if not optimizer_step:
+                return StepSimulation(
+                    {phase: phases.best[phase] for phase in FORWARD_BACKWARD_PHASES if phase in phases.best},
+                    notes, {phase: phases.details.get(phase, {}) for phase in FORWARD_BACKWARD_PHASES})
             if max_grad_norm and max_grad_norm > 0:
                 torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
             optimizer.step()

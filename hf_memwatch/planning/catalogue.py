@@ -51,6 +51,22 @@ def eight_bit_optim(device: str) -> str:
     return "paged_adamw_8bit" if device == "cuda" else "adamw_bnb_8bit"
 
 
+def state_bytes_floor(optim: str, trainable_params: int) -> int:
+    """The fewest bytes of optimizer states ``optim`` can keep for ``trainable_params`` elements.
+
+    A floor, not an estimate: AdamW keeps two moments per element in the parameters' dtype (at
+    least 2 bytes each), 8-bit AdamW two 1-byte moments (blockwise scales and small fp32 tensors
+    come on top); other optimizers are given 0.
+
+    Example:
+        >>> state_bytes_floor("adamw_torch", 1000), state_bytes_floor("adamw_bnb_8bit", 1000), state_bytes_floor("sgd", 1000)
+        (4000, 2000, 0)
+    """
+    if optim in ADAMW_NAMES:
+        return 4 * trainable_params
+    return 2 * trainable_params if optim in EIGHT_BIT_NAMES else 0
+
+
 @dataclass(frozen=True)
 class Remedy:
     """One memory remedy: the plan field it sets and the values it may give it.

@@ -7,9 +7,9 @@
    (:data:`~hf_memwatch.planning.catalogue.REMEDIES`) that applies to the run; micro-batches are
    divisors of the per-device effective batch, so it is kept *exactly*;
 2. a :class:`Predictor` gives the peak of the plans the choice needs — for each line of plans
-   (one checkpointing setting and optimizer) the largest micro-batch under the limit, by
-   bisection (the peak grows with the micro-batch), lines that cannot beat the plan in hand
-   skipped;
+   (one checkpointing setting and optimizer), fastest first, the largest micro-batch under the
+   limit, by bisection (the peak grows with the micro-batch); plans that could not beat the plan
+   in hand, or that figures in hand already put over the limit, are never predicted;
 3. :func:`pick` keeps the plans under the limit and takes the fastest by the cost model of
    :func:`relative_throughput`, ties going to the fewest changes.
 
@@ -33,12 +33,13 @@ Example (a made-up predictor: 100 bytes of weights + 10 a sample, checkpointing 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from ..core.run_config import RunConfig
 from ..core.units import format_bytes
-from .catalogue import REMEDIES, unavailable_remedies
+from .catalogue import REMEDIES, state_bytes_floor, unavailable_remedies
 from .plan import Plan
 
 T_HALF = 2048  # tokens per micro-batch at which the hardware runs at half its best efficiency
@@ -50,11 +51,38 @@ THROUGHPUT_TIE = 0.02
 
 
 class Predictor(Protocol):
-    """Predicts the step peak (bytes, per device) of one plan exactly; ``calls`` counts predictions."""
+    """Predicts the step peak (bytes, per device) of one plan exactly; ``calls`` counts predictions.
+
+    A predictor may also offer ``parts(plan) -> PeakParts`` (the parts of the prediction already
+    made of ``plan``) and ``floor_parts(plan) -> PeakParts`` (a cheaper replay of the forward and
+    backward alone): the chooser then rules out, without a full prediction, plans that those
+    figures already put over the limit.
+    """
 
     calls: int
 
     def peak(self, plan: Plan) -> int: ...
+
+
+@dataclass(frozen=True)
+class PeakParts:
+    """What bounds a step's peak from below, whatever its optimizer (bytes, per device).
+
+    ``forward_backward``: the highest live bytes of the forward and backward *without* optimizer
+    states (a floor when the states are only known at the step's peak); ``trainable_params``:
+    elements the optimizer keeps state for; ``state_share``: the part of those states each device
+    holds (1/world size when sharded); ``margin``: the predictor's margin on every figure.
+    """
+
+    forward_backward: int
+    trainable_params: int
+    state_share: float = 1.0
+    margin: float = 0.0
+
+    def floor(self, optim: str) -> int:
+        """The least peak (margin included) of the same forward and backward with ``optim``'s states."""
+        states = state_bytes_floor(optim, self.trainable_params) * self.state_share
+        return math.ceil((self.forward_backward + states) * (1.0 + self.margin))
 
 
 def relative_throughput(plan: Plan, run: RunConfig) -> float:
@@ -128,44 +156,114 @@ class PlanResult:
 
 
 class _Exact:
-    """The predictor's figures, one call per plan."""
+    """The predictor's figures, one call per plan, and the floors they put under plans not predicted."""
 
     def __init__(self, predictor: Predictor) -> None:
         self.predictor = predictor
         self.peaks: dict[tuple, int] = {}
+        self.parts: dict[tuple, PeakParts] = {}  # per plan key: exact or cheap, the floor of its micro-step
+        self.floors = 0
 
     def __call__(self, plan: Plan) -> int:
         if plan.key() not in self.peaks:
             self.peaks[plan.key()] = int(self.predictor.peak(plan))
+            parts = getattr(self.predictor, "parts", None)
+            if parts is not None and (found := parts(plan)) is not None:
+                self.parts[plan.key()] = found
         plan.predicted_peak, plan.verified = self.peaks[plan.key()], True
         return plan.predicted_peak
+
+    def over(self, plan: Plan, limit: float, *, cheap: bool = False) -> bool:
+        """Whether ``plan`` peaks over ``limit``: exactly, or — ``cheap`` — by a floor when one settles it.
+
+        A floor over the limit settles it (the plan is ruled out, its peak unknown); any other
+        answer rests on the exact prediction.
+        """
+        if plan.key() not in self.peaks:
+            if self.lower_bound(plan) > limit:
+                return True
+            floor_parts = getattr(self.predictor, "floor_parts", None)
+            if cheap and floor_parts is not None and plan.key() not in self.parts:
+                self.floors += 1
+                self.parts[plan.key()] = floor_parts(plan)
+                if self.lower_bound(plan) > limit:
+                    return True
+        return self(plan) > limit
+
+    def lower_bound(self, plan: Plan) -> int:
+        """A floor under the peak of ``plan`` from the figures already in hand (0: none).
+
+        Plans of the same micro-step (micro-batch, accumulation, checkpointing) run the same forward
+        and backward, whatever their optimizer: each figure of one of them, plus the least optimizer
+        state ``plan``'s optimizer keeps (:func:`~hf_memwatch.planning.catalogue.state_bytes_floor`),
+        is a floor. The optimizer step itself is not compared (8-bit AdamW's CPU kernels can peak
+        above fused AdamW's).
+        """
+        floor = 0
+        for key, parts in self.parts.items():
+            if key[:3] == plan.key()[:3]:
+                floor = max(floor, parts.floor(plan.optim))
+        return floor
+
+
+def _next_to_predict(line: list[Plan], low: int, high: int, peak: _Exact, limit: float) -> int:
+    """Index strictly between ``low`` (fits; -1: none known) and ``high`` (over the limit) to predict next.
+
+    A guess from the straight line through the two figures (exact or floors) of this line's setting
+    (checkpointing, optimizer) nearest to ``line[high]`` — the peak is close to affine in the micro-batch: the
+    largest micro-batch it puts under ``limit``. Only the order of predictions depends on the
+    guess, never the answer of the bisection. Without two figures: the middle.
+    """
+    setting = (line[0].activation_checkpointing, line[0].optim)
+    figures = {key[0]: parts.floor(key[3]) for key, parts in peak.parts.items() if (key[2], key[3]) == setting}
+    figures.update((key[0], figure) for key, figure in peak.peaks.items() if (key[2], key[3]) == setting)
+    known = sorted(figures.items(), key=lambda point: abs(point[0] - line[high].micro_batch_size))[:2]
+    if len(known) < 2 or known[0][0] == known[1][0]:
+        return (low + high) // 2
+    (m1, f1), (m2, f2) = sorted(known)
+    slope = (f2 - f1) / (m2 - m1)
+    if slope <= 0:
+        return (low + high) // 2
+    target = m2 + (limit - f2) / slope
+    fitting = [i for i in range(low + 1, high) if line[i].micro_batch_size <= target]
+    return fitting[-1] if fitting else low + 1
 
 
 def _largest_fitting(line: list[Plan], peak: _Exact, limit: float) -> Plan | None:
     """The plan with the largest micro-batch of ``line`` (sorted by micro-batch) under ``limit``.
 
     Along a line (same checkpointing and optimizer) the peak grows with the micro-batch, so a
-    bisection finds it with about log2(len(line)) predictions, the largest tried first.
+    bisection finds it with at most about log2(len(line)) predictions, the largest tried first and
+    the next guessed from the figures already in hand (:func:`_next_to_predict`). The answer's
+    figure is always exact.
     """
-    if peak(line[-1]) <= limit:
+    # The largest is tried first and, being the likeliest to be over, by a floor when one rules it out.
+    if not peak.over(line[-1], limit, cheap=True):
         return line[-1]
     low, high = -1, len(line) - 1  # line[high] is over the limit; line[low] fits (-1: none known)
     while high - low > 1:
-        middle = (low + high) // 2
-        if peak(line[middle]) <= limit:
+        middle = _next_to_predict(line, low, high, peak, limit)
+        if not peak.over(line[middle], limit):
             low = middle
         else:
             high = middle
     return line[low] if low >= 0 else None
 
 
+def _could_win(plan: Plan, given: Plan, in_hand: list[Plan], budget: int) -> bool:
+    """Whether :func:`pick` would choose ``plan`` over the plans in hand, were it to fit."""
+    hopeful = Plan(*plan.key(), predicted_peak=0, relative_throughput=plan.relative_throughput)
+    return pick(given, [*in_hand, hopeful], budget) is hopeful
+
+
 def plan_run(run: RunConfig, predictor: Predictor, budget: int, *, larger_micro_batches: bool = True) -> PlanResult:
     """Choose the plan of ``run`` for ``budget`` (bytes per device) — see the module docstring.
 
-    Each line of plans (one checkpointing setting and optimizer, every micro-batch) contributes
-    its largest micro-batch that fits, found by bisection on exact predictions; lines that cannot
-    beat the plan already in hand are not predicted at all. Every figure the choice rests on is
-    exact (``verified``).
+    Lines of plans (one checkpointing setting and optimizer, every micro-batch) are visited from
+    the fastest; each contributes its largest micro-batch that fits, found by bisection on exact
+    predictions. A plan is predicted only if it could beat the plan in hand (:func:`_could_win`)
+    and no figure already in hand puts it over the limit (:meth:`_Exact.lower_bound`). The chosen
+    plan's figure is exact (``verified``); plans ruled out may rest on floors.
     """
     peak = _Exact(predictor)
     given = Plan.of(run)
@@ -178,26 +276,15 @@ def plan_run(run: RunConfig, predictor: Predictor, budget: int, *, larger_micro_
     for plan in plans:
         lines.setdefault((plan.activation_checkpointing, plan.optim), []).append(plan)
     in_hand = [given] if given_fits else []
-    # Per optimizer, the checkpointing line needs the least memory at each micro-batch: its largest
-    # fitting micro-batch bounds the line without checkpointing (which needs at least as much).
-    # (No such bound between optimizers: 8-bit AdamW's CPU kernels can peak above fused AdamW's.)
-    bound: dict[str, int] = {}
-    if not given_fits:
-        for (checkpointing, optim), line in lines.items():
-            if checkpointing and run.checkpointing is False and (False, optim) in lines:
-                best = _largest_fitting(sorted(line, key=lambda p: p.micro_batch_size), peak, limit)
-                bound[optim] = 0 if best is None else best.micro_batch_size
-                if best is not None:
-                    in_hand.append(best)
-    for line in sorted(lines.values(), key=lambda line: -max(p.relative_throughput for p in line)):
-        current = pick(given, in_hand, budget)
-        # Only plans that could beat (or tie) the plan in hand, and could fit, are worth a prediction.
-        floor = -1.0 if current is None else current.relative_throughput - THROUGHPUT_TIE
-        ceiling = bound.get(line[0].optim, max(p.micro_batch_size for p in line))
-        others = sorted((p for p in line if p.key() != given.key() and p.relative_throughput >= floor
-                         and p.micro_batch_size <= ceiling and p.key() not in peak.peaks),
-                        key=lambda p: p.micro_batch_size)
-        if others and (best := _largest_fitting(others, peak, limit)) is not None:
+    # Fastest lines first; between equally fast lines the run's own optimizer first, so that the
+    # other optimizer's plans meet the figures that bound them.
+    order = sorted(lines.values(), key=lambda line: (-max(p.relative_throughput for p in line),
+                                                      line[0].optim != run.optim))
+    for line in order:
+        worth = sorted((p for p in line if p.key() != given.key() and p.key() not in peak.peaks
+                        and _could_win(p, given, in_hand, budget) and peak.lower_bound(p) <= limit),
+                       key=lambda p: p.micro_batch_size)
+        if worth and (best := _largest_fitting(worth, peak, limit)) is not None:
             in_hand.append(best)
     return _result(pick(given, in_hand, budget), given, plans, budget, run, predictor)
 

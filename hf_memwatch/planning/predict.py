@@ -17,6 +17,8 @@ import math
 from typing import Any
 
 from ..core.run_config import RunConfig
+from ..estimation.step import FORWARD_BACKWARD_PHASES
+from .chooser import PeakParts
 from .plan import Plan
 
 ESTIMATE_MARGIN = 0.015
@@ -39,22 +41,52 @@ class EstimatorPredictor:
         self.sample_index = sample_index
         self.extra = dict(extra or {})
         self.estimates: dict[tuple, Any] = {}
+        self.floors: dict[tuple, Any] = {}  # forward/backward-only estimates
         self.calls = 0
+        self.floor_calls = 0
 
     def estimate(self, plan: Plan) -> Any:
         """The :class:`~hf_memwatch.estimation.estimate.MemoryEstimate` of ``plan`` (cached)."""
         if plan.key() not in self.estimates:
-            estimate = self.estimator
-            if estimate is None:
-                from ..estimation.estimate import estimate
-            kwargs = plan.configure(self.run).estimate_kwargs()
-            if self.sample_index is not None:
-                kwargs["sample_index"] = self.sample_index
-            kwargs.update(self.extra)
             self.calls += 1
-            self.estimates[plan.key()] = estimate(self.subject, **kwargs)
+            self.estimates[plan.key()] = self._estimate(plan)
         return self.estimates[plan.key()]
+
+    def _estimate(self, plan: Plan, **options: Any) -> Any:
+        estimate = self.estimator
+        if estimate is None:
+            from ..estimation.estimate import estimate
+        kwargs = plan.configure(self.run).estimate_kwargs()
+        if self.sample_index is not None:
+            kwargs["sample_index"] = self.sample_index
+        kwargs.update(self.extra, **options)
+        return estimate(self.subject, **kwargs)
 
     def peak(self, plan: Plan) -> int:
         """Predicted step peak of ``plan`` with the margin, bytes per device."""
-        return int(math.ceil(self.estimate(plan).peak_bytes * (1.0 + self.margin)))
+        return self._with_margin(self.estimate(plan).peak_bytes)
+
+    def parts(self, plan: Plan) -> PeakParts:
+        """The forward/backward part of ``plan``'s estimate (made already), without optimizer states.
+
+        The states are known at the step's peak: when that is the optimizer step, they are at least
+        those resident during the forward and backward, so the figure stays a floor.
+        """
+        return self._parts(self.estimate(plan))
+
+    def floor_parts(self, plan: Plan) -> PeakParts:
+        """The forward and backward of ``plan`` replayed alone (``optimizer_step=False``): cheaper
+        than :meth:`estimate`, a floor under its peak once the optimizer's states are added."""
+        if plan.key() not in self.floors:
+            self.floor_calls += 1
+            self.floors[plan.key()] = self._estimate(plan, optimizer_step=False)
+        return self._parts(self.floors[plan.key()])
+
+    def _parts(self, estimate: Any) -> PeakParts:
+        forward_backward = max(estimate.phase_peaks.get(phase, 0) for phase in FORWARD_BACKWARD_PHASES)
+        sharded = self.run.shard != "none" and self.run.world_size > 1
+        return PeakParts(forward_backward - estimate.classes.get("optimizer_states", 0), estimate.trainable_params,
+                         state_share=1.0 / self.run.world_size if sharded else 1.0, margin=self.margin)
+
+    def _with_margin(self, peak_bytes: int) -> int:
+        return int(math.ceil(peak_bytes * (1.0 + self.margin)))
