@@ -89,14 +89,18 @@ def measure_peak(output_dir: str) -> dict[str, int]:
     baseline = sum(t.untyped_storage().nbytes() for t in [*model.parameters(), *model.buffers()])
     with cpu_memory_profile() as prof:
         trainer.train()
-    # An unassisted optimizer step of the configuration as given, unprofiled (the unit of planning cost).
+    del torch
+    return {"peak": max(step_peaks(prof, baseline)), "baseline": baseline}
+
+
+def unassisted_step_seconds(output_dir: str) -> float:
+    """Seconds of one optimizer step of the configuration as given, unlimited and unprofiled: the unit
+    of planning cost, measured in a child like the contenders' (same threads, same malloc settings)."""
     trainer, clock = build_trainer(output_dir, "as_given", None)
     trainer.args.max_steps = 4
     trainer.train()
     ends = clock.attempts[-1]["step_ends"]
-    step_seconds = (ends[-1] - ends[0]) / (len(ends) - 1)
-    del torch
-    return {"peak": max(step_peaks(prof, baseline)), "baseline": baseline, "step_seconds": step_seconds}
+    return (ends[-1] - ends[0]) / (len(ends) - 1)
 
 
 ACCURACY_PLANS = (
@@ -205,6 +209,7 @@ def child(mode: str, headroom: int, budget: int, output_dir: str) -> dict[str, A
 
 
 def run_child(mode: str, headroom: int, budget: int, workdir: Path) -> dict[str, Any]:
+    """One contender (or ``unassisted``: the step-time unit) in a subprocess; its RESULT line."""
     out = workdir / mode
     # A fixed mmap threshold makes glibc return every large freed block at once, so the address
     # space follows live tensor bytes instead of heap high-water marks (same for every contender).
@@ -230,9 +235,11 @@ def table(results: list[dict[str, Any]], calibration: dict[str, int], headroom: 
         f"{SEQ_LEN}, {MAX_STEPS} optimizer steps, CPU. Unlimited truth peak "
         f"{format_bytes(calibration['peak'])} (model {format_bytes(calibration['baseline'])}); address-space "
         f"headroom {format_bytes(headroom)} above the process at train(); MemWatch budget {format_bytes(budget)}. "
-        f"Load average at start: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (shared machine: timings are "
-        "indicative). One unassisted optimizer step of the configuration as given (unlimited): "
-        f"{calibration['step_seconds']:.2f} s.",
+        f"Load average at start: {calibration['load']:.1f} on {os.cpu_count()} cores (shared machine: timings are "
+        "indicative). One unassisted optimizer step of the configuration as given (unlimited, in a child process "
+        "like the contenders': OMP_NUM_THREADS=1, same malloc settings): "
+        f"{calibration['step_seconds']:.2f} s (mean of "
+        + " s before and ".join(f"{s:.2f}" for s in calibration["step_seconds_measured"]) + " s after the contenders).",
         "",
         "| contender | OOM exceptions | steps wasted | seconds before first useful step (of which planning) | final micro-batch x accum (ckpt, optim) | effective batch | samples/s | outcome |",
         "|---|---|---|---|---|---|---|---|",
@@ -257,21 +264,30 @@ def table(results: list[dict[str, Any]], calibration: dict[str, int], headroom: 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--child", choices=CONTENDERS)
+    parser.add_argument("--child", choices=(*CONTENDERS, "unassisted"))
     parser.add_argument("--headroom", type=int)
     parser.add_argument("--budget", type=int)
     parser.add_argument("--output-dir", default="/tmp/hf_memwatch_autotune")
     parser.add_argument("--no-write", action="store_true", help="print only, do not update results/autotune.md")
     args = parser.parse_args()
+    if args.child == "unassisted":
+        print("RESULT " + json.dumps({"step_seconds": unassisted_step_seconds(args.output_dir)}), flush=True)
+        return 0
     if args.child:
         print("RESULT " + json.dumps(child(args.child, args.headroom, args.budget, args.output_dir)), flush=True)
         return 0
     workdir = Path(args.output_dir)
-    calibration = measure_peak(str(workdir / "calibration"))
+    load = os.getloadavg()[0]
+    calibration: dict[str, Any] = dict(measure_peak(str(workdir / "calibration")), load=load)
     need = calibration["peak"] - calibration["baseline"]
     headroom = need // 2  # about half of what the configuration as given needs
     budget = calibration["baseline"] + int(0.8 * headroom)  # tensors; the rest for Python, threads, malloc
+    # The unit, measured before and after the contenders (the machine is shared): their mean.
+    units = [run_child("unassisted", headroom, budget, workdir)]
     results = [run_child(mode, headroom, budget, workdir) for mode in CONTENDERS]
+    units.append(run_child("unassisted", headroom, budget, workdir))
+    calibration["step_seconds_measured"] = [unit["step_seconds"] for unit in units]
+    calibration["step_seconds"] = sum(calibration["step_seconds_measured"]) / len(units)
     text = table(results, calibration, headroom, budget) + "\n\n" + prediction_accuracy(str(workdir / "accuracy"))
     print(text)
     if not args.no_write:
