@@ -131,6 +131,7 @@ class AutoMode:
         self.kind: FootprintKind | None = None  # what the limit counts (None: not measured)
         self.baseline: FootprintReading | None = None  # the host footprint when training began
         self.measured: list[StepFootprint] = []  # the first steps' footprints
+        self.advised = False  # the expandable-segments advice was logged
 
     # -- wiring -------------------------------------------------------------------------------
     def install(self, trainer: Any) -> None:
@@ -444,7 +445,9 @@ class AutoMode:
         if checkpointed is not None:
             record["predicted_peak"] = checkpointed
             fits = checkpointed <= self.budget.usable
-            record["reason"] += (f" (predicted peak {format_bytes(checkpointed)} with it"
+            tokens = (self.plan.get("sample") or {}).get("seq_len")
+            record["reason"] += (f" (predicted peak {format_bytes(checkpointed)} with it on the planned batch of "
+                                 f"{tokens or '?'} tokens per sample"
                                  + ("" if fits else ", still above the budget with the measured margin: lower the "
                                     "micro-batch in a new run") + ")")
         self.plan = record
@@ -463,9 +466,10 @@ class AutoMode:
         self.measured.append(measured)
         worst = max(self.measured, key=lambda m: m.gap)
         steps = ", ".join(str(m.step) for m in self.measured)
-        self.budget = self.budget.with_margin(
-            worst.gap, f"measured in step(s) {steps}: {self.kind} {format_bytes(worst.gap)} beyond "
-                       f"{format_bytes(worst.allocated_peak)} allocated at the peak (step {worst.step})")
+        if self.kind != "allocated":  # a byte budget on the CPU keeps its zero margin and why
+            self.budget = self.budget.with_margin(
+                worst.gap, f"measured in step(s) {steps}: {self.kind} {format_bytes(worst.gap)} beyond "
+                           f"{format_bytes(worst.allocated_peak)} allocated at the peak (step {worst.step})")
         # The next step needs what this one took plus the states it left, or the planned worst batch
         # (predicted in allocated bytes) with the measured gap, whichever is more.
         planned = int(self.plan.get("predicted_peak") or 0) + worst.gap
@@ -482,8 +486,9 @@ class AutoMode:
             "next_step_need": need, "budget": int(self.budget.total), "fits": need <= self.budget.total,
             "advice": advice,
         }
-        if advice is not None and len(self.measured) == 1:
-            logger.warning("hf-memwatch: %s", advice)  # said once, at the first measured step
+        if advice is not None and not self.advised:
+            self.advised = True  # said once; the records of later steps repeat it for the summary
+            logger.warning("hf-memwatch: %s", advice)
         logger.info("hf-memwatch: %s", self._footprint_text(record))
         self.record(record)
         return record
