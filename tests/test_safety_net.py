@@ -17,6 +17,8 @@ import pytest
 from conftest import gpt2_model, loss_history, token_dataset, training_args
 from transformers import Trainer
 
+from hf_memwatch.core.records import validate_record
+
 TESTS = Path(__file__).resolve().parent
 
 SCRIPT = r"""
@@ -26,10 +28,10 @@ from conftest import gpt2_model, loss_history, token_dataset, training_args
 from transformers import Trainer
 from hf_memwatch import MemWatch
 
-out, budget = sys.argv[1], (None if sys.argv[3] == "default" else sys.argv[3])
+out, budget, detail = sys.argv[1], (None if sys.argv[3] == "default" else sys.argv[3]), sys.argv[4]
 args = training_args(out, per_device_train_batch_size=32, max_steps=2)
 trainer = Trainer(model=gpt2_model(), args=args, train_dataset=token_dataset(64, 256, 1000),
-                  callbacks=[MemWatch(auto=True, budget=budget, detail="light", report=False, summary=False)])
+                  callbacks=[MemWatch(auto=True, budget=budget, detail=detail, report=False, summary=False)])
 with open("/proc/self/status") as fh:
     vm = next(int(line.split()[1]) * 1024 for line in fh if line.startswith("VmSize:"))
 resource.setrlimit(resource.RLIMIT_AS, (vm + (300 << 20), resource.getrlimit(resource.RLIMIT_AS)[1]))
@@ -41,13 +43,14 @@ print("RESULT " + json.dumps({"losses": loss_history(trainer), "steps": trainer.
 """
 
 
-def run_limited(tmp_path: Path, budget: str) -> tuple[dict, list[dict]]:
+def run_limited(tmp_path: Path, budget: str, detail: str = "light") -> tuple[dict, list[dict]]:
     """Train under an address-space limit 300 MiB above the process (the unassisted step needs ~740)."""
     out = tmp_path / "run"
     env_script = tmp_path / "run.py"
     env_script.write_text(SCRIPT)
-    proc = subprocess.run([sys.executable, str(env_script), str(out), str(TESTS), budget], capture_output=True, text=True,
-                          timeout=600, env={"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": "131072",
+    proc = subprocess.run([sys.executable, str(env_script), str(out), str(TESTS), budget, detail], capture_output=True, text=True,
+                          # the package of this checkout, not the one installed in the environment
+                          timeout=600, env={"PYTHONPATH": str(TESTS.parent), "MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": "131072",
                                             "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline",
                                             "PATH": "/usr/bin:/bin"})
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
@@ -57,11 +60,23 @@ def run_limited(tmp_path: Path, budget: str) -> tuple[dict, list[dict]]:
 
 
 def test_the_default_budget_is_the_real_limit_and_the_run_fits(tmp_path: Path) -> None:
-    result, records = run_limited(tmp_path, "default")
+    # Tracked in full: the footprint of each step is measured against its exact allocated peak.
+    result, records = run_limited(tmp_path, "default", detail="full")
     [plan] = [r for r in records if r["event"] == "plan"]
     assert plan["budget_bound_by"] == "RLIMIT_AS" and "RLIMIT_AS" in plan["budget_source"]
     assert not [r for r in records if r["event"] in ("oom_recovered", "oom")]  # 0 OOMs
     assert result["steps"] == 2 and result["micro"] * result["accum"] == 32  # the effective batch kept
+    # The margin: sized before training from the virtual size (what RLIMIT_AS counts), then measured
+    # in each step; every record of the subprocess matches its typed definition.
+    assert "vms" in plan["margin_source"] and "probe" in plan["margin_source"]
+    footprints = [r for r in records if r["event"] == "footprint"]
+    assert [r["step"] for r in footprints] == [1, 2] and {r["kind"] for r in footprints} == {"vms"}
+    print(footprints)
+    for footprint in footprints:
+        assert 0 < footprint["allocated_peak"] <= footprint["next_step_need"]
+        assert footprint["next_step_need"] >= max(footprint["allocated_peak"] + footprint["states_growth"]
+                                                  + footprint["footprint_gap"], plan["predicted_peak"])
+    assert not [problem for r in records for problem in validate_record(r)]
 
 
 def test_an_oom_in_the_first_step_is_recovered_with_the_effective_batch_kept(tmp_path: Path) -> None:

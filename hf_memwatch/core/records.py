@@ -54,6 +54,7 @@ class SnapshotRecord(TypedDict):
     device_total: Bytes | None
     detail: str
     host_rss: Bytes | None
+    host_vms: Bytes | None
 
 
 class StepRecord(TypedDict):
@@ -87,10 +88,14 @@ class PlanRecord(_PlanRequired, total=False):
     """The auto mode's plan (also the callback's saved state). ``status`` is ``"failed"`` when planning
     failed and the run goes on as configured; ``configured`` is the configuration it was made for;
     ``sample`` the sample it planned for (the longest batch of the whole dataset: its index, length,
-    how it was found); ``budget_bound_by`` the real limit the default budget was taken from; ``resumed`` marks a plan kept from a checkpoint."""
+    how it was found); ``budget_bound_by`` the real limit the default budget was taken from; ``margin``
+    the planning margin in force (``budget / (1 + margin)`` is planned against) and ``margin_source``
+    what it was measured from; ``resumed`` marks a plan kept from a checkpoint."""
 
     budget_source: str
     budget_bound_by: str | None
+    margin: float  # footprint beyond the allocated bytes planned for, as a share of them
+    margin_source: str  # what it was measured from (or the prior it still is)
     configured: dict[str, int]
     sample: dict[str, Any] | None
     resumed: bool
@@ -176,6 +181,31 @@ class OomRecoveredRecord(TypedDict):
     budget: Bytes
 
 
+class FootprintRecord(TypedDict):
+    """One of the first steps measured as the limit counts it (:func:`hf_memwatch.measure.footprint.step_footprint`).
+
+    ``kind``: what the limit counts (``reserved``, ``vms``, ``rss``, ``allocated``);
+    ``footprint_gap``: its bytes beyond the allocated ones at the step's peak; ``margin``: the largest
+    gap measured so far — the margin of later plans — as a share of the bytes planned against;
+    ``next_step_need``: the measured step plus the optimizer states it left, or the planned worst
+    batch with the margin (``planned_need``), whichever is more; ``fits``: within ``budget``;
+    ``advice``: on CUDA, the expandable-segments recommendation when the gap calls for it.
+    """
+
+    event: Literal["footprint"]
+    step: int
+    kind: str
+    allocated_peak: Bytes
+    states_growth: Bytes
+    footprint_gap: Bytes
+    margin: float
+    planned_need: Bytes
+    next_step_need: Bytes
+    budget: Bytes
+    fits: bool
+    advice: str | None
+
+
 RECORDS: dict[str, type] = {
     "snapshot": SnapshotRecord,
     "step": StepRecord,
@@ -185,6 +215,7 @@ RECORDS: dict[str, type] = {
     "eval": EvalRecord,
     "leak": LeakRecord,
     "oom_recovered": OomRecoveredRecord,
+    "footprint": FootprintRecord,
 }
 
 

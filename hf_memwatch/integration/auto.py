@@ -14,8 +14,16 @@ before a dataloader, optimizer or scheduler exists — :meth:`AutoMode.before_tr
    as a user would configure it by hand, records it (timeline ``plan`` event, one log line, the
    callback's saved state) and calls the original ``train()``.
 
-During training, :meth:`AutoMode.after_step` turns on activation checkpointing between two steps
-when a measured peak comes within :data:`CHECKPOINT_TRIGGER` of the budget.
+The plan is made against what the limit counts, not the allocated bytes alone: the budget's margin
+is sized from the process's footprint (:func:`~hf_memwatch.planning.budget.margin_before_training`),
+and after each of the first :data:`MEASURED_STEPS` steps :meth:`AutoMode.after_step` measures the
+footprint the step really took (:func:`~hf_memwatch.measure.footprint.step_footprint`: CUDA reserved
+bytes, the host's virtual or resident size) and the optimizer states it left allocated. That gap,
+as a share of the allocated bytes, becomes the margin of any later plan (the safety net's), and
+when the next step — the measured one plus its new states, or the planned worst batch — would not
+fit with it, activation checkpointing is turned on between steps (``footprint`` and ``plan``
+records, one log line with the figures). Later, checkpointing is turned on when a measured peak
+comes within :data:`CHECKPOINT_TRIGGER` of the budget.
 
 On resume from a checkpoint the recorded plan is kept when the run is resumed with the
 configuration the plan was made for (its optimizer state and step count belong to that plan); a
@@ -44,7 +52,16 @@ from ..core.units import format_bytes
 from ..estimation.trainer_replay import is_one_pass, training_dataset
 from ..measure.attribution import weight_storages
 from ..measure.backends import backend_for
-from ..planning.budget import Budget, BudgetSpec, resolve_budget
+from ..measure.footprint import (
+    FootprintKind,
+    FootprintReading,
+    StepFootprint,
+    allocator_settings,
+    expandable_segments_advice,
+    host_reading,
+    step_footprint,
+)
+from ..planning.budget import Budget, BudgetSpec, footprint_kind, margin_before_training, resolve_budget
 from ..planning.chooser import PlanResult, no_fit_message, plan_run
 from ..planning.eval_plan import plan_eval
 from ..planning.lengths import WorstBatch, worst_batch
@@ -61,6 +78,9 @@ MAX_RECOVERIES = 3
 RECOVERY_SHRINK = 0.7
 # Checkpointing is switched on between steps once a measured peak reaches this share of the budget.
 CHECKPOINT_TRIGGER = 0.95
+# The first steps whose footprint is measured against the limit: the first allocates the optimizer
+# states, the second is the first to hold them through a whole step, the third confirms the gap.
+MEASURED_STEPS = 3
 # The configuration a plan was made for: a resumed run keeps the plan only when these are unchanged.
 CONFIGURED_FIELDS = ("micro_batch_size", "gradient_accumulation_steps", "world_size")
 
@@ -79,6 +99,8 @@ def plan_record(result: PlanResult, run: RunConfig, budget: Budget, sample: dict
         "budget": int(budget.total),
         "budget_source": budget.source,
         "budget_bound_by": budget.bound_by,
+        "margin": round(budget.margin_ratio, 4),
+        "margin_source": budget.margin_source,
         "reason": chosen.reason,
         "configured": {name: getattr(run, name) for name in CONFIGURED_FIELDS},
         "sample": sample,
@@ -105,6 +127,11 @@ class AutoMode:
         self._custom_optimizer = False
         self._checkpointing_refused = False
         self.installed = False  # train() wrapped: planning happens before the loop is built
+        self.predictor: EstimatorPredictor | None = None  # the plan's, for a re-plan between steps
+        self.kind: FootprintKind | None = None  # what the limit counts (None: not measured)
+        self.baseline: FootprintReading | None = None  # the host footprint when training began
+        self.measured: list[StepFootprint] = []  # the first steps' footprints
+        self.advised = False  # the expandable-segments advice was logged
 
     # -- wiring -------------------------------------------------------------------------------
     def install(self, trainer: Any) -> None:
@@ -158,9 +185,9 @@ class AutoMode:
         trainer.accelerator.free_memory()
         gc.collect()
         # Learn from the failure: the limit is below what the failed plan was predicted to need.
+        # The margin measured so far (before training, or in the steps before) is kept above it.
         limit = int(RECOVERY_SHRINK * min(self.budget.usable, int(failed.get("predicted_peak") or self.budget.usable)))
-        self.budget = dataclasses.replace(self.budget, total=limit + self.budget.margin,
-                                          source=f"{RECOVERY_SHRINK:.0%} of the plan that ran out of memory")
+        self.budget = self.budget.with_usable(limit, f"{RECOVERY_SHRINK:.0%} of the plan that ran out of memory")
         run = RunConfig.from_trainer(trainer).replace(
             micro_batch_size=int(failed["configured"]["micro_batch_size"]),
             gradient_accumulation_steps=int(failed["configured"]["gradient_accumulation_steps"]))
@@ -219,6 +246,7 @@ class AutoMode:
         """
         self._custom_optimizer = RunConfig.from_trainer(trainer).custom_optimizer  # before train() builds one
         record = self._plan_and_apply(trainer, resume_from_checkpoint)
+        self._start_measuring(trainer)
         if RunConfig.from_args(trainer.args).auto_find_batch_size:
             keep_effective_batch(trainer, record["micro_batch_size"] * record["gradient_accumulation_steps"])
         return record
@@ -226,6 +254,12 @@ class AutoMode:
     def _plan_and_apply(self, trainer: Any, resume_from_checkpoint: Any) -> dict[str, Any]:
         backend = backend_for(torch.device(trainer.args.device))
         self.budget = resolve_budget(self.budget_spec, backend)
+        self.kind = footprint_kind(self.budget, backend)
+        try:
+            self.budget = margin_before_training(self.budget, backend)
+        except Exception as exc:  # noqa: BLE001 - a probe that fails leaves the prior margin, planning goes on
+            logger.warning("hf-memwatch: the footprint margin was not measured before training (%s: %s)",
+                           type(exc).__name__, exc)
         run = RunConfig.from_trainer(trainer)
         saved = self._saved_plan(trainer, resume_from_checkpoint)
         if saved is not None and all(saved.get("configured", {}).get(name) == getattr(run, name)
@@ -249,6 +283,13 @@ class AutoMode:
         logger.warning("hf-memwatch plan: %s", record["reason"])
         self.record(record)
         return record
+
+    def _start_measuring(self, trainer: Any) -> None:
+        """The host footprint as training begins: the first steps' gaps are growths from here."""
+        self.measured = []
+        if self.kind in ("vms", "rss"):
+            weights = sum(weight_storages(trainer.model, torch.device(trainer.args.device)).values())
+            self.baseline = host_reading(weights, self.kind)
 
     def _saved_plan(self, trainer: Any, resume: Any) -> dict[str, Any] | None:
         """The plan recorded in a checkpoint's trainer_state.json (``MemWatch`` attributes)."""
@@ -298,6 +339,7 @@ class AutoMode:
             )
         worst = worst_batch_of(trainer, run)
         predictor = EstimatorPredictor(trainer, run, sample_index=worst.index if worst is not None else None)
+        self.predictor = predictor
         try:
             given_estimate = predictor.estimate(Plan.of(run))
             run = run.replace(seq_len=int(given_estimate.config.get("seq_len") or 1))
@@ -357,40 +399,120 @@ class AutoMode:
             return {"eval_reason": f"not planned ({type(exc).__name__}: {exc})"}
 
     # -- between steps ------------------------------------------------------------------------
-    def after_step(self, trainer: Any, step_record: dict[str, Any] | None) -> dict[str, Any] | None:
-        """Turn on activation checkpointing when a measured step peak approaches the budget."""
+    def after_step(self, trainer: Any, step_record: dict[str, Any] | None,
+                   snapshots: list[dict[str, Any]] | None = None) -> dict[str, Any] | None:
+        """Between two steps: measure the first steps' footprint against the limit, and turn on
+        activation checkpointing when the next step would not fit it, or a measured peak approaches
+        the budget. ``snapshots``: the step's ``snapshot`` records."""
         if self.plan is None or not step_record or trainer is None or self.plan.get("status") == "failed":
             return None
         if self.budget is None:  # a callback the Trainer rebuilt from checkpoint state
             self.budget = resolve_budget(self.budget_spec, backend_for(torch.device(trainer.args.device)))
+        try:
+            measured = self._measure_footprint(step_record, snapshots or [])
+        except Exception as exc:  # noqa: BLE001 - the plan stands without a measured margin
+            logger.warning("hf-memwatch: the footprint of step %s was not measured (%s: %s)",
+                           step_record.get("step"), type(exc).__name__, exc)
+            measured = None
         peak = step_record.get("peak")
         if peak is None or self.plan.get("activation_checkpointing") or self._checkpointing_refused:
+            if measured is not None and not measured["fits"]:
+                logger.warning("hf-memwatch: %s; activation checkpointing is %s, nothing else can change between "
+                               "steps: lower the micro-batch or raise the limit", self._footprint_text(measured),
+                               "on already" if self.plan.get("activation_checkpointing") else "unavailable")
             return None
-        if peak < CHECKPOINT_TRIGGER * self.budget.usable:
+        if measured is not None and not measured["fits"]:
+            why = self._footprint_text(measured)
+        elif peak >= CHECKPOINT_TRIGGER * self.budget.usable:
+            why = (f"step {step_record.get('step')} peaked at {format_bytes(peak)}, "
+                   f"{peak / self.budget.usable:.0%} of the budget {format_bytes(self.budget.usable)}")
+        else:
             return None
-        why = RunConfig.from_trainer(trainer).checkpointing_unavailable
-        if not why and _distributed():
+        refused = RunConfig.from_trainer(trainer).checkpointing_unavailable
+        if not refused and _distributed():
             # Every rank must run the same plan, and agreeing here would be a collective per step
             # that a rank whose monitoring failed would never join: the agreed plan stays.
-            why = "in a distributed run the ranks keep the plan agreed before training"
-        if why:
-            logger.warning("hf-memwatch: step peak %s is near the budget, but %s", format_bytes(peak), why)
+            refused = "in a distributed run the ranks keep the plan agreed before training"
+        if refused:
+            logger.warning("hf-memwatch: %s, but %s", why, refused)
             self._checkpointing_refused = True  # warn once
             return None
         enable_checkpointing_now(trainer)
-        record = dict(
-            self.plan,
-            activation_checkpointing=True,
-            reason=(
-                f"step {step_record.get('step')} peaked at {format_bytes(peak)}, "
-                f"{peak / self.budget.usable:.0%} of the budget {format_bytes(self.budget.usable)}: "
-                "activation checkpointing turned on between steps"
-            ),
-        )
+        record = dict(self.plan, activation_checkpointing=True,
+                      reason=f"{why}: activation checkpointing turned on between steps",
+                      margin=round(self.budget.margin_ratio, 4), margin_source=self.budget.margin_source)
+        checkpointed = self._checkpointed_peak()
+        if checkpointed is not None:
+            record["predicted_peak"] = checkpointed
+            fits = checkpointed <= self.budget.usable
+            tokens = (self.plan.get("sample") or {}).get("seq_len")
+            record["reason"] += (f" (predicted peak {format_bytes(checkpointed)} with it on the planned batch of "
+                                 f"{tokens or '?'} tokens per sample"
+                                 + ("" if fits else ", still above the budget with the measured margin: lower the "
+                                    "micro-batch in a new run") + ")")
         self.plan = record
         logger.warning("hf-memwatch plan: %s", record["reason"])
         self.record(record)
         return record
+
+    def _measure_footprint(self, step_record: dict[str, Any], snapshots: list[dict[str, Any]]) -> dict[str, Any] | None:
+        """The ``footprint`` record of one of the first steps (written), its gap made the budget's margin."""
+        assert self.budget is not None and self.plan is not None
+        if self.kind is None or len(self.measured) >= MEASURED_STEPS:
+            return None
+        measured = step_footprint(step_record, snapshots, self.kind, self.baseline)
+        if measured is None:
+            return None
+        self.measured.append(measured)
+        worst = max(self.measured, key=lambda m: m.gap)
+        steps = ", ".join(str(m.step) for m in self.measured)
+        if self.kind != "allocated":  # a byte budget on the CPU keeps its zero margin and why
+            self.budget = self.budget.with_margin(
+                worst.gap, f"measured in step(s) {steps}: {self.kind} {format_bytes(worst.gap)} beyond "
+                           f"{format_bytes(worst.allocated_peak)} allocated at the peak (step {worst.step})")
+        # The next step needs what this one took plus the states it left, or the planned worst batch
+        # (predicted in allocated bytes) with the measured gap, whichever is more.
+        planned = int(self.plan.get("predicted_peak") or 0) + worst.gap
+        need = max(measured.need, planned)
+        advice = None
+        if self.kind == "reserved":
+            reserved = max((int(s["reserved"]) for s in snapshots if s.get("reserved") is not None), default=None)
+            advice = expandable_segments_advice(reserved, measured.allocated_peak,
+                                                snapshots[-1].get("num_alloc_retries"), allocator_settings())
+        record = {
+            "event": "footprint", "step": measured.step, "kind": self.kind,
+            "allocated_peak": measured.allocated_peak, "states_growth": measured.states_growth,
+            "footprint_gap": measured.gap, "margin": round(self.budget.margin_ratio, 4), "planned_need": planned,
+            "next_step_need": need, "budget": int(self.budget.total), "fits": need <= self.budget.total,
+            "advice": advice,
+        }
+        if advice is not None and not self.advised:
+            self.advised = True  # said once; the records of later steps repeat it for the summary
+            logger.warning("hf-memwatch: %s", advice)
+        logger.info("hf-memwatch: %s", self._footprint_text(record))
+        self.record(record)
+        return record
+
+    @staticmethod
+    def _footprint_text(record: dict[str, Any]) -> str:
+        fits = "fits" if record["fits"] else "would not fit"
+        return (f"step {record['step']} measured {format_bytes(record['allocated_peak'])} allocated at its peak "
+                f"+ {format_bytes(record['states_growth'])} optimizer states allocated after it + "
+                f"{format_bytes(record['footprint_gap'])} {record['kind']} beyond the allocated bytes (margin "
+                f"{record['margin']:.1%}); the next step needs {format_bytes(record['next_step_need'])} as the limit "
+                f"counts it (planned worst batch: {format_bytes(record['planned_need'])}), which {fits} the budget "
+                f"{format_bytes(record['budget'])}")
+
+    def _checkpointed_peak(self) -> int | None:
+        """The plan in force with checkpointing, predicted by the plan's own predictor (None: unknown)."""
+        if self.predictor is None or self.plan is None:
+            return None
+        try:
+            plan = dataclasses.replace(Plan.from_dict(self.plan), activation_checkpointing=True)
+            return self.predictor.peak(plan)
+        except Exception as exc:  # noqa: BLE001 - checkpointing is on either way; only the figure is missing
+            logger.warning("hf-memwatch: the checkpointed step was not predicted (%s: %s)", type(exc).__name__, exc)
+            return None
 
 
 def worst_batch_of(trainer: Any, run: RunConfig) -> WorstBatch | None:

@@ -6,7 +6,7 @@ Timeline records (``<output_dir>/memwatch/timeline.jsonl``) — see README "Time
   ``after_optimizer``, ``step_end``: ``allocated``, ``reserved``, ``peak`` (since the previous
   snapshot), ``live`` (weights, gradients, optimizer_states, activations, other — summing to
   ``allocated``), ``spike``, ``allocator_overhead``, ``fragmentation``, ``num_alloc_retries``,
-  ``num_ooms``, ``device_free``, ``device_total``, ``host_rss``, ``detail`` (full|light).
+  ``num_ooms``, ``device_free``, ``device_total``, ``host_rss``, ``host_vms``, ``detail`` (full|light).
 * ``step`` once per optimizer step: ``peak``, ``peak_phase``, ``dominant``.
 * ``eval`` once per evaluation/prediction loop (snapshots of the loop carry ``stage``: ``eval`` or
   ``predict``; training snapshots have no ``stage``). See :mod:`hf_memwatch.integration.eval_watch`.
@@ -425,7 +425,7 @@ class MemWatch(TrainerCallback, ExportableState):
             self.monitor.end_step()
             self._watch_leaks()
             if self._auto is not None:
-                self._auto.after_step(self.trainer, self.monitor.last_step)
+                self._auto.after_step(self.trainer, self.monitor.last_step, self.monitor.step_snapshots)
 
     def _watch_leaks(self) -> None:
         """After each step end: a class growing step after step is written once and warned about once."""

@@ -9,7 +9,13 @@ These pure functions read both sides so a planner can size its margin from measu
   (``resource`` fallback elsewhere);
 * :func:`cuda_reserve_gap` — reserved − allocated from a ``torch.cuda.memory_stats`` dict;
 * :func:`read_footprint` — one :class:`FootprintReading` at a moment;
-* :func:`footprint_gap` — how much the footprint grew over the allocated bytes between readings.
+* :func:`footprint_gap` — how much the footprint grew over the allocated bytes between readings;
+* :func:`peak_gap` — how much the footprint's peak grew beyond the allocated peak's growth;
+* :func:`probe_host_gap` — that growth for a small allocation made on purpose (before training);
+* :func:`step_footprint` — what one optimizer step measured: its allocated peak, the footprint
+  beyond it, and what the next step will need as the limit counts it;
+* :func:`expandable_segments_advice` — whether ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``
+  would cut the CUDA reserve gap measured.
 """
 
 from __future__ import annotations
@@ -20,7 +26,9 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
+
+from ..core.units import format_bytes
 
 STATM_PATH = "/proc/self/statm"
 STATUS_PATH = "/proc/self/status"
@@ -169,3 +177,220 @@ def footprint_gap(readings: Sequence[FootprintReading]) -> int | None:
     if len(gaps) < 2:
         return None
     return max(gaps[1:]) - gaps[0]
+
+
+def peak_gap(readings: Sequence[FootprintReading]) -> int | None:
+    """Growth of the footprint's peak beyond the growth of the allocated peak, from the first reading on.
+
+    Unlike :func:`footprint_gap` a footprint kept while the allocations are low (malloc's retained
+    heap after a free) does not count twice: the next allocations reuse it. This is what a limit
+    sees on top of the allocated peak. ``None`` with fewer than two usable readings.
+
+    Example:
+        >>> r = [FootprintReading(0, 100, 150), FootprintReading(1, 300, 420), FootprintReading(2, 100, 420)]
+        >>> peak_gap(r), footprint_gap(r)  # 270 of footprint for 200 allocated; 320 retained after the free
+        (70, 270)
+    """
+    usable = [r for r in readings if r.allocated is not None and r.footprint is not None]
+    if len(usable) < 2:
+        return None
+    first = usable[0]
+    footprint = max(int(r.footprint or 0) for r in usable[1:]) - int(first.footprint or 0)
+    allocated = max(int(r.allocated or 0) for r in usable[1:]) - int(first.allocated or 0)
+    return footprint - allocated
+
+
+# -- what a limit counts -------------------------------------------------------------------------
+# ``reserved``: the CUDA caching allocator's reserved bytes; ``vms``: the host virtual size
+# (RLIMIT_AS, RLIMIT_DATA — the data segment grows with the virtual size); ``rss``: the resident size
+# (cgroups, MemAvailable, the OOM killer); ``allocated``: the tensor bytes themselves (a user budget on
+# the CPU is defined in them, so nothing lies between the two).
+FootprintKind = Literal["reserved", "vms", "rss", "allocated"]
+SNAPSHOT_FIELD: dict[str, str] = {"reserved": "reserved", "vms": "host_vms", "rss": "host_rss", "allocated": "allocated"}
+# A probe allocation small beside any budget planned for, split like a step's activations are.
+PROBE_BYTES = 32 << 20
+PROBE_PIECES = 64
+
+
+def host_reading(allocated: int | None, kind: FootprintKind) -> FootprintReading:
+    """A host :class:`FootprintReading` whose ``footprint`` is the size ``kind`` names."""
+    vms, rss = host_sizes()
+    footprint = {"vms": vms, "rss": rss}.get(kind, allocated)
+    return FootprintReading(time=time.time(), allocated=allocated, footprint=footprint, rss=rss, vms=vms)
+
+
+def probe_host_gap(kind: FootprintKind, nbytes: int = PROBE_BYTES, pieces: int = PROBE_PIECES) -> int | None:
+    """Bytes the host footprint of ``kind`` peaked beyond ``nbytes`` of tensors allocated, touched and
+    freed (:func:`peak_gap`): the allocator's own overhead on such allocations.
+
+    After an unmeasured warm-up, two rounds, as in training: glibc serves the first round from fresh mappings and raises its
+    mmap threshold when they are freed, so the second comes from its heap. ``None`` when the sizes
+    cannot be read or the probe itself did not get its memory (a fault of the probe must not stop
+    planning).
+    """
+    import torch
+
+    if kind not in ("vms", "rss") or nbytes <= 0:
+        return None
+    size = max(1, nbytes // pieces // 4)
+    try:
+        # Unmeasured: the first call maps in the code and the allocator's first arena.
+        del_me = [torch.ones(size) for _ in range(2)]
+        del del_me
+        readings = [host_reading(0, kind)]
+        for _ in range(2):
+            tensors = [torch.ones(size) for _ in range(pieces)]  # ones: every page touched
+            readings.append(host_reading(sum(t.nbytes for t in tensors), kind))
+            del tensors
+            readings.append(host_reading(0, kind))
+    except RuntimeError:  # out of memory under a tight limit: nothing learnt
+        return None
+    gap = peak_gap(readings)
+    return None if gap is None else max(0, gap)
+
+
+@dataclass(frozen=True)
+class StepFootprint:
+    """What one optimizer step measured, in the limit's terms.
+
+    ``gap``: footprint bytes beyond the allocated ones at the step's peak (CUDA: reserved − allocated;
+    host: the footprint's peak growth since training began beyond the allocated peak's, see
+    :func:`peak_gap` — the footprint is read at the step's snapshots, so a peak between two of them
+    that the allocator gives back at once is missed; the allocated peak is exact). ``states_growth``:
+    optimizer-state bytes allocated after the step's peak (the first ``optimizer.step()`` creates
+    them) that every later step holds. ``need``: what the next step is measured to need.
+    """
+
+    step: int
+    kind: FootprintKind
+    allocated_peak: int
+    gap: int
+    states_growth: int = 0
+
+    @property
+    def next_allocated(self) -> int:
+        return self.allocated_peak + self.states_growth
+
+    @property
+    def need(self) -> int:
+        return self.next_allocated + self.gap
+
+    @property
+    def ratio(self) -> float:
+        """The gap as a share of the allocated bytes: the planning margin measured."""
+        return self.gap / max(1, self.next_allocated)
+
+
+def step_footprint(step_record: Mapping[str, Any], snapshots: Sequence[Mapping[str, Any]], kind: FootprintKind,
+                   baseline: FootprintReading | None = None) -> StepFootprint | None:
+    """The :class:`StepFootprint` of a ``step`` record and its ``snapshot`` records (the timeline's shapes).
+
+    ``baseline``: the host reading at the start of training (host kinds only; its ``footprint`` of
+    ``kind``). ``None`` where the step has no allocated peak — a CPU step not tracked in full
+    (``detail`` other than ``full``: its figures are the last full step's, or none) — or the
+    footprint was not read.
+
+    Example:
+        >>> step = {"step": 1, "peak": 900, "detail": "light", "live_at_peak": {"optimizer_states": 0}}
+        >>> snaps = [{"allocated": 500, "reserved": 1000, "live": {"optimizer_states": 0}},
+        ...          {"allocated": 700, "reserved": 1200, "live": {"optimizer_states": 200}}]
+        >>> fp = step_footprint(step, snaps, "reserved")
+        >>> fp.gap, fp.states_growth, fp.need, round(fp.ratio, 3)
+        (300, 200, 1400, 0.273)
+    """
+    peak = step_record.get("peak")
+    if peak is None or not snapshots or (kind != "reserved" and step_record.get("detail") != "full"):
+        return None
+    states_at_peak = (step_record.get("live_at_peak") or {}).get("optimizer_states") or 0
+    states_now = (snapshots[-1].get("live") or {}).get("optimizer_states") or 0
+    growth = max(0, int(states_now) - int(states_at_peak))
+    field = SNAPSHOT_FIELD[kind]
+    if kind == "allocated":
+        gap: int | None = 0
+    elif kind == "reserved":
+        # The caching allocator keeps what it reserved (no empty_cache in a step): the most reserved
+        # in the step is what was reserved at its allocated peak, or more.
+        reserved = [int(s[field]) for s in snapshots if s.get(field) is not None]
+        gap = max(reserved) - int(peak) if reserved else None
+    else:
+        if baseline is None:
+            return None
+        footprints = [int(s[field]) for s in snapshots if s.get(field) is not None]
+        if not footprints:
+            return None
+        gap = peak_gap([baseline, FootprintReading(baseline.time, int(peak), max(footprints))])
+    if gap is None:
+        return None
+    return StepFootprint(int(step_record.get("step") or 0), kind, int(peak), max(0, int(gap)), growth)
+
+
+# -- expandable segments -------------------------------------------------------------------------
+# PyTorch's advice for fragmentation: a reserve gap above this share of the reserved bytes at the
+# peak, or any allocation retried after freeing the cache, is what expandable segments address.
+EXPANDABLE_GAP_SHARE = 0.10
+
+
+def allocator_settings() -> str:
+    """The CUDA caching allocator's settings in force: the environment's, then those set in the process.
+
+    ``torch._C._accelerator_getAllocatorSettings()`` holds what ``PYTORCH_ALLOC_CONF`` /
+    ``PYTORCH_CUDA_ALLOC_CONF`` set at start and what ``_accelerator_setAllocatorSettings`` set since;
+    later entries override earlier ones (:func:`expandable_segments_enabled` reads the last).
+    """
+    parts = [os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), os.environ.get("PYTORCH_ALLOC_CONF", "")]
+    try:
+        import torch
+
+        parts.append(str(torch._C._accelerator_getAllocatorSettings()))
+    except (AttributeError, RuntimeError):  # an older torch: the environment is all there is
+        pass
+    return ",".join(part for part in parts if part)
+
+
+def expandable_segments_enabled(settings: str) -> bool:
+    """Whether ``settings`` (``key:value,...``) turn expandable segments on (the last mention wins).
+
+    Example:
+        >>> expandable_segments_enabled("max_split_size_mb:128,expandable_segments:True")
+        True
+        >>> expandable_segments_enabled("expandable_segments:True,expandable_segments:False"), expandable_segments_enabled("")
+        (False, False)
+    """
+    enabled = False
+    for item in settings.split(","):
+        key, _, value = item.partition(":")
+        if key.strip() == "expandable_segments":
+            enabled = value.strip().lower() in ("true", "1")
+    return enabled
+
+
+def expandable_segments_advice(reserved: int | None, allocated: int | None, retries: int | None,
+                               settings: str, share: float = EXPANDABLE_GAP_SHARE) -> str | None:
+    """One sentence recommending ``expandable_segments:True`` with the figures, or ``None``.
+
+    ``reserved``/``allocated``: the reserved bytes and the allocated bytes at the peak; ``retries``:
+    ``num_alloc_retries`` (cudaMalloc failed, the cache was freed and the allocation retried).
+    Nothing is recommended when ``settings`` already turn expandable segments on.
+    """
+    if expandable_segments_enabled(settings) or reserved is None or allocated is None or reserved <= 0:
+        return None
+    gap = max(0, reserved - allocated)
+    if gap <= share * reserved and not retries:
+        return None
+    why = f"{format_bytes(gap)} reserved beyond the {format_bytes(allocated)} allocated at the peak ({gap / reserved:.0%} of " \
+          f"{format_bytes(reserved)} reserved)"
+    if retries:
+        why += f", {retries} allocation(s) retried after freeing the cache"
+    return (f"set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before the process starts: {why}; expandable "
+            "segments grow one mapping instead of caching blocks of fixed sizes, which cuts that gap")
+
+
+def advice_from_stats(stats: Mapping[str, Any], settings: str) -> str | None:
+    """:func:`expandable_segments_advice` from a ``torch.cuda.memory_stats`` dict (its peak keys when
+    present: they are the figures at the peak since the last ``reset_peak_memory_stats``)."""
+    reserved = stats.get("reserved_bytes.all.peak", stats.get("reserved_bytes.all.current"))
+    allocated = stats.get("allocated_bytes.all.peak", stats.get("allocated_bytes.all.current"))
+    return expandable_segments_advice(
+        None if reserved is None else int(reserved), None if allocated is None else int(allocated),
+        int(stats.get("num_alloc_retries") or 0), settings,
+    )

@@ -24,7 +24,7 @@ from .attribution import (
     weight_storages,
 )
 from .backends import AllocatorBackend
-from .footprint import host_rss
+from .footprint import host_sizes
 from .saved_tensors import SavedTensorRegistry
 from .storage import collect_storages, nested_tensors
 
@@ -269,6 +269,7 @@ class StepMonitor:
         overhead = None
         if reading.reserved is not None and allocated is not None:
             overhead = reading.reserved - allocated
+        vms, rss = host_sizes()  # what host limits count: the auto mode measures its margin from them
         return {
             "event": "snapshot",
             "step": self.step,
@@ -288,7 +289,8 @@ class StepMonitor:
             "num_ooms": reading.num_ooms,
             "device_free": reading.device_free,
             "device_total": reading.device_total,
-            "host_rss": host_rss(),  # the process's resident bytes: host-side growth shows too
+            "host_rss": rss,  # the process's resident bytes: host-side growth shows too
+            "host_vms": vms,  # its virtual size (RLIMIT_AS counts it)
             "detail": detail,
         }
 

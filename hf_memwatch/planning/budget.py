@@ -13,13 +13,16 @@ Host limits are what the process may still *take* on top of its present size, so
 held (the loaded weights) are not added back: on the CPU the default budget is conservative by
 the size of what is already allocated.
 
-On devices with a caching allocator (CUDA) a margin is kept below the budget for fragmentation:
-the caching allocator reserves more than it hands out, so a plan is made against
-``budget - margin`` (see :data:`CUDA_FRAGMENTATION_MARGIN`).
+A plan is made against ``usable = total - margin``: the margin is the footprint the limit counts
+beyond the allocated bytes (:mod:`hf_memwatch.measure.footprint`).
+:func:`resolve_budget` starts from a prior (:data:`CUDA_FRAGMENTATION_MARGIN` on caching allocators,
+none on the CPU); :func:`margin_before_training` replaces it with what the process measures before
+training, and the auto mode with what the first steps measure (:meth:`Budget.with_margin`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import resource
 from dataclasses import dataclass, field
@@ -29,12 +32,23 @@ import torch
 from ..core.errors import MemWatchConfigError
 from ..core.units import format_bytes, parse_bytes
 from ..measure.backends import AllocatorBackend, per_process_fraction
-from ..measure.footprint import STATUS_PATH, parse_proc_status, read_text
+from ..measure.footprint import (
+    PROBE_BYTES,
+    STATUS_PATH,
+    FootprintKind,
+    cuda_reserve_gap,
+    parse_proc_status,
+    probe_host_gap,
+    read_text,
+)
 
 DEFAULT_FRACTION = 0.9
 # Share of the budget kept free for allocator fragmentation on caching allocators (CUDA and the
-# torch.accelerator devices). Not yet sized from GPU measurements: see docs/auto.md.
+# torch.accelerator devices) until the run has measured its own (on CUDA the first steps replace it,
+# see hf_memwatch.integration.auto). Not sized from GPU measurements: see docs/auto.md.
 CUDA_FRAGMENTATION_MARGIN = 0.05
+# Host limits that count the virtual size (the data segment is part of it): their footprint is "vms".
+VIRTUAL_SIZE_LIMITS = ("RLIMIT_AS", "RLIMIT_DATA")
 # cgroup v1 writes "no limit" as PAGE_COUNTER_MAX rounded to pages (9223372036854771712 on 4 KiB
 # pages); anything this large is no limit.
 UNLIMITED_CGROUP = 1 << 62
@@ -242,17 +256,46 @@ class Budget:
     source: str  # how it was obtained, for the plan's log line
     bound_by: str | None = None
     limits: tuple[Limit, ...] = field(default=())
+    margin_source: str = ""  # what the margin was sized from, for the log line and the plan record
 
     @property
     def usable(self) -> int:
         return self.total - self.margin
 
     @property
+    def margin_ratio(self) -> float:
+        """The margin as a share of the usable bytes: the footprint planned for beyond the allocated bytes."""
+        return self.margin / max(1, self.usable)
+
+    def with_margin(self, margin: int, source: str) -> Budget:
+        """This budget keeping ``margin`` bytes for the footprint beyond the allocated ones (``source``: measured how).
+
+        Example:
+            >>> Budget(total=1250, margin=0, source="user budget").with_margin(250, "measured").margin_ratio
+            0.25
+        """
+        return dataclasses.replace(self, margin=max(0, min(int(margin), self.total)), margin_source=source)
+
+    def with_ratio(self, ratio: float, source: str) -> Budget:
+        """This budget planning against ``total / (1 + ratio)``: a footprint ``ratio`` beyond the allocated bytes.
+
+        Example:
+            >>> Budget(total=1250, margin=0, source="user budget").with_ratio(0.25, "measured").usable
+            1000
+        """
+        return self.with_margin(self.total - int(self.total / (1.0 + max(0.0, ratio))), source)
+
+    def with_usable(self, usable: int, source: str) -> Budget:
+        """A lower limit planned against, the same margin kept above it (the safety net's after an OOM)."""
+        return dataclasses.replace(self, total=usable + self.margin, source=source)
+
+    @property
     def binding_limit(self) -> Limit | None:
         return next((limit for limit in self.limits if limit.name == self.bound_by), None)
 
     def describe(self) -> str:
-        margin = f" (planning against {format_bytes(self.usable)}, fragmentation margin kept)" if self.margin else ""
+        margin = (f" (planning against {format_bytes(self.usable)}, margin {self.margin_ratio:.1%}: "
+                  f"{self.margin_source or 'fragmentation'})" if self.margin else "")
         return f"{format_bytes(self.total)} [{self.source}]{margin}"
 
     def limits_record(self) -> dict[str, int]:
@@ -308,7 +351,51 @@ def resolve_budget(budget: BudgetSpec, backend: AllocatorBackend) -> Budget:
         total = parse_bytes(budget)
         source = "user budget"
     margin = int(CUDA_FRAGMENTATION_MARGIN * total) if backend.exact else 0
-    return Budget(total=total, margin=margin, source=source, bound_by=bound_by, limits=limits)
+    return Budget(total=total, margin=margin, source=source, bound_by=bound_by, limits=limits,
+                  margin_source="prior for allocator fragmentation, not measured yet" if margin else "")
+
+
+def footprint_kind(budget: Budget, backend: AllocatorBackend) -> FootprintKind | None:
+    """What the limit behind ``budget`` counts (:data:`~hf_memwatch.measure.footprint.FootprintKind`).
+
+    CUDA: reserved bytes. The CPU: the virtual size under ``RLIMIT_AS``/``RLIMIT_DATA``, the resident
+    size under a cgroup or ``MemAvailable``, the allocated bytes for a budget the user gave in bytes
+    (defined in them, see the module doc). ``None``: other devices (the prior margin stays).
+    """
+    if backend.kind == "cuda":
+        return "reserved"
+    if backend.kind != "cpu":
+        return None
+    if budget.bound_by is None:
+        return "allocated"
+    return "vms" if budget.bound_by in VIRTUAL_SIZE_LIMITS else "rss"
+
+
+def margin_before_training(budget: Budget, backend: AllocatorBackend) -> Budget:
+    """``budget`` with its margin sized from what this process can measure before training.
+
+    The CPU under a real limit: :func:`~hf_memwatch.measure.footprint.probe_host_gap` — how much the
+    limit's count grows beyond a small allocation made and freed twice (malloc's retained heap and
+    page rounding). CUDA: the reserve gap now, when it exceeds the prior (nothing of the step is known
+    yet, so the prior stays the floor until the first steps measure their own). A budget the user
+    gave in bytes on the CPU counts allocated bytes: no margin.
+    """
+    kind = footprint_kind(budget, backend)
+    if kind == "allocated":
+        return budget.with_margin(0, "a byte budget on the CPU counts allocated tensor bytes")
+    if kind in ("vms", "rss"):
+        # The allocator's overhead per allocated byte, as a share of every byte planned.
+        probe = min(PROBE_BYTES, max(1, budget.total // 8))
+        gap = probe_host_gap(kind, probe)
+        if gap is None:
+            return budget
+        return budget.with_ratio(gap / probe, f"{kind} peaked {format_bytes(gap)} beyond a "
+                                              f"{format_bytes(probe)} probe allocation, before training")
+    if kind == "reserved":
+        gap = cuda_reserve_gap(torch.cuda.memory_stats(backend.device))
+        if gap is not None and gap > budget.margin:  # the allocator's cache now, if above the prior
+            return budget.with_margin(gap, f"reserved − allocated {format_bytes(gap)} before training")
+    return budget
 
 
 

@@ -28,6 +28,7 @@ from ..core.categories import LIVE_CLASSES
 from ..core.errors import is_oom_error
 from ..core.run_config import RunConfig
 from ..core.units import format_bytes
+from ..measure.footprint import advice_from_stats, allocator_settings
 from ..planning.catalogue import single_remedies
 
 logger = logging.getLogger("hf_memwatch")
@@ -228,6 +229,10 @@ def write_oom_report(
         snapshot_path = _dump_cuda_snapshot(directory)
     model = getattr(trainer, "model", None)
     config = RunConfig.from_trainer(trainer, seq_len)
+    advice = None
+    if getattr(monitor.backend, "kind", None) == "cuda":
+        # The peak figures since the last snapshot: the failed step's, up to the failure.
+        advice = advice_from_stats(torch.cuda.memory_stats(monitor.device), allocator_settings())
     record = {
         "event": "oom", "step": monitor.step, "micro_step": monitor.micro_step, "rank": monitor.rank,
         "time": time.time(), "last_phase": last["phase"] if last else None,
@@ -242,7 +247,8 @@ def write_oom_report(
 
     def render(baseline: int | None, remedies: list[tuple[str, int | None, str]], note: str) -> None:
         text = render_oom_report(
-            exc, monitor, last, config, model, at_failure, baseline, remedies, note, plan, snapshot_path
+            exc, monitor, last, config, model, at_failure, baseline, remedies, note, plan, snapshot_path,
+            allocator_advice=advice,
         )
         partial = path.with_suffix(".md.partial")
         partial.write_text(text, encoding="utf-8")
@@ -302,8 +308,10 @@ def render_oom_report(
     note: str,
     plan: Any,
     snapshot_path: Path | None,
+    allocator_advice: str | None = None,
 ) -> str:
-    """The Markdown text of the post-mortem."""
+    """The Markdown text of the post-mortem; ``allocator_advice``: the CUDA allocator's
+    (:func:`~hf_memwatch.measure.footprint.expandable_segments_advice`), when the gap called for it."""
     lines = ["# hf-memwatch: out-of-memory post-mortem", ""]
     name = type(model).__name__ if model is not None else "?"
     params = sum(p.numel() for p in model.parameters()) if model is not None else None
@@ -349,6 +357,8 @@ def render_oom_report(
         ]
     lines += ["", "## What would have saved how much", ""]
     lines += _remedy_lines(baseline, remedies, note, last)
+    if allocator_advice:
+        lines += ["", "## The CUDA allocator", "", allocator_advice[0].upper() + allocator_advice[1:] + "."]
     lines += ["", "## Plan in force", "", _plan_text(plan)]
     if snapshot_path is not None:
         lines += [

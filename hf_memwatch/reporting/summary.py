@@ -18,6 +18,7 @@ from typing import Any
 
 from ..core.categories import LIVE_CLASSES
 from ..core.units import format_bytes
+from ..measure.footprint import allocator_settings, expandable_segments_advice
 from .sinks import composition_at_peak
 
 logger = logging.getLogger("hf_memwatch")
@@ -178,12 +179,56 @@ def load_summary_inputs(
     return steps, meta, plan, snapshots
 
 
-def load_eval_records(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """The ``eval`` records (one per evaluation/prediction loop) of rank 0's timeline under ``path``."""
+def load_records(path: str | os.PathLike[str], event: str) -> list[dict[str, Any]]:
+    """The ``event`` records of rank 0's timeline under ``path``."""
     from ..core.timeline import find_timelines, read_timeline
 
     files = find_timelines(path)
-    return [r for r in (read_timeline(files[0]) if files else []) if r.get("event") == "eval"]
+    return [r for r in (read_timeline(files[0]) if files else []) if r.get("event") == event]
+
+
+def load_eval_records(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The ``eval`` records (one per evaluation/prediction loop) of rank 0's timeline under ``path``."""
+    return load_records(path, "eval")
+
+
+def footprint_lines(footprints: list[Mapping[str, Any]], steps: list[Mapping[str, Any]],
+                    snapshots: list[Mapping[str, Any]], settings: str | None) -> list[str]:
+    """What the limit counted beyond the allocated bytes, and the expandable-segments advice.
+
+    ``footprints``: the auto mode's ``footprint`` records (their margin and advice, as measured in the
+    run). Without them, on CUDA, the advice is worked out from the peak step's snapshots when the
+    allocator ``settings`` of the run are known (at train end; ``None`` for a stored timeline).
+
+    Example:
+        >>> step = {"step": 2, "peak": 700 << 20}
+        >>> snaps = [{"step": 2, "reserved": 1 << 30, "num_alloc_retries": 0}]
+        >>> footprint_lines([], [step], snaps, "")[0][:62]
+        'set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before th'
+        >>> footprint_lines([], [step], snaps, "expandable_segments:True")
+        []
+    """
+    lines = []
+    if footprints:
+        last = footprints[-1]
+        if last["kind"] != "allocated":  # a byte budget on the CPU: nothing lies beyond the tensors
+            lines.append(f"footprint measured in steps {', '.join(str(f['step']) for f in footprints)}: "
+                         f"up to {format_bytes(max(f['footprint_gap'] for f in footprints))} {last['kind']} "
+                         "beyond the allocated bytes, "
+                         f"planning margin {last['margin']:.1%}")
+        advice = next((f["advice"] for f in footprints if f.get("advice")), None)
+    else:
+        advice = None
+        top = peak_step(list(steps))
+        if top is not None and settings is not None:
+            own = [s for s in snapshots if s.get("step") == top["step"] and s.get("reserved") is not None]
+            if own:
+                retries = max(int(s.get("num_alloc_retries") or 0) for s in own)
+                advice = expandable_segments_advice(max(int(s["reserved"]) for s in own), int(top["peak"]),
+                                                    retries, settings)
+    if advice:
+        lines.append(advice)
+    return lines
 
 
 def highest_moment(steps: list[Mapping[str, Any]], evals: list[Mapping[str, Any]]) -> str | None:
@@ -212,20 +257,25 @@ def highest_moment(steps: list[Mapping[str, Any]], evals: list[Mapping[str, Any]
     return text
 
 
-def print_summary(path: str | os.PathLike[str], plan: Mapping[str, Any] | None = None, console: Any = None) -> Any:
-    """Print the table for the run under ``path``; returns it (None when there is nothing to show)."""
+def print_summary(path: str | os.PathLike[str], plan: Mapping[str, Any] | None = None, console: Any = None,
+                  settings: str | None = None) -> Any:
+    """Print the table for the run under ``path``; returns it (None when there is nothing to show).
+
+    ``settings``: the CUDA allocator settings the run had (:func:`footprint_lines`), when known."""
     from rich.console import Console
 
     steps, meta, recorded_plan, snapshots = load_summary_inputs(path)
     table = build_table(steps, meta, plan or recorded_plan, snapshots)
     moment = highest_moment(steps, load_eval_records(path))
-    if table is not None or moment:
+    notes = footprint_lines(load_records(path, "footprint"), steps, snapshots, settings)
+    if table is not None or moment or notes:
         console = console or Console()
         console.print()  # the progress bar may still hold the current line
         if table is not None:
             console.print(table)
-        if moment:
-            console.print(moment)
+        for line in [moment, *notes]:
+            if line:
+                console.print(line)
     return table
 
 
@@ -251,7 +301,7 @@ def finish_reports(callback: Any, args: Any, state: Any) -> Any:
                            type(exc).__name__, exc, directory)
     if callback.summary:
         try:
-            print_summary(directory, plan=callback.plan_in_force())
+            print_summary(directory, plan=callback.plan_in_force(), settings=allocator_settings())
         except Exception as exc:  # noqa: BLE001
             logger.warning("hf-memwatch: no summary table (%s: %s)", type(exc).__name__, exc)
     return process
