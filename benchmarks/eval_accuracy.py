@@ -79,7 +79,9 @@ GENERATE_ZOO = {
     "t5 (seq2seq)": ("seq2seq", lambda: T5Config(d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
                                                  vocab_size=1000, decoder_start_token_id=0, pad_token_id=0,
                                                  eos_token_id=1)),
-    "gpt2 (causal-lm)": ZOO["gpt2 (causal-lm)"],
+    # Seq2SeqTrainer pads the generated tokens and labels with the config's pad_token_id: GPT-2 gets one
+    "gpt2 (causal-lm)": ("causal-lm", lambda: GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=1000,
+                                                         n_positions=512, **SPECIAL)),
     "llama (causal-lm)": ZOO["llama (causal-lm)"],
 }
 # (eval batch, seq len (prompt), samples, eval_accumulation_steps, generation_max_length, generation_num_beams)

@@ -485,6 +485,7 @@ def estimate(
             "seq2seq_target_len": seq2seq_target_len,
             "lora": None if lora is None else asdict(lora),
             "adapter": None if adapter is None else os.fspath(adapter),
+            "generation": None if generation is None else asdict(generation),
         },
         notes=notes,
         frozen_models=frozen_models,

@@ -45,6 +45,10 @@ class GenerationSettings:
     max_length: int | None = None
     num_beams: int | None = None
 
+    def max_length_for(self, model: torch.nn.Module) -> int:
+        """The length ``generate`` stops at: the setting, else the model's generation config, else the default."""
+        return self.max_length or int(generation_config_value(model, "max_length"))
+
     def gen_kwargs(self) -> dict[str, Any]:
         """The keywords ``Seq2SeqTrainer.evaluate``/``predict`` hand ``generate`` (``synced_gpus`` off: one rank)."""
         kwargs: dict[str, Any] = {"synced_gpus": False}
@@ -78,7 +82,7 @@ def check_generation(model: torch.nn.Module, settings: GenerationSettings, seq_l
             raise MemWatchConfigError(f"{name} must be a positive integer; got {value!r}")
     if getattr(model.config, "is_encoder_decoder", False):
         return
-    max_length = settings.max_length or generation_config_value(model, "max_length")
+    max_length = settings.max_length_for(model)
     if seq_len >= max_length:
         raise MemWatchConfigError(
             f"a decoder-only model generates after its prompt: generation_max_length ({max_length}) must exceed the "
@@ -87,7 +91,7 @@ def check_generation(model: torch.nn.Module, settings: GenerationSettings, seq_l
 
 def tokens_to_generate(model: torch.nn.Module, inputs: dict[str, torch.Tensor], settings: GenerationSettings) -> int:
     """Decoding steps until ``max_length``: after the prompt (decoder-only) or the decoder start token."""
-    max_length = settings.max_length or generation_config_value(model, "max_length")
+    max_length = settings.max_length_for(model)
     start = 1 if getattr(model.config, "is_encoder_decoder", False) else inputs["input_ids"].shape[-1]
     return max(max_length - start, 0)
 
@@ -141,15 +145,13 @@ def generation_prediction_step(model: torch.nn.Module, inputs: dict[str, torch.T
     # The batches carry no decoder_input_ids, so the Trainer hands generate every input, labels included.
     generation_inputs = dict(inputs)
     steps = tokens_to_generate(model, inputs, settings)
-    max_length = settings.max_length or generation_config_value(model, "max_length")
-    with generating_to_max_length(model, tracker, steps, max_length):
+    with generating_to_max_length(model, tracker, steps, settings.max_length_for(model)):
         generated = model.generate(**generation_inputs, **settings.gen_kwargs())
     del generation_inputs
     # The Trainer pads to the *model's* generation config's max_length (not the gen kwargs'), when shorter.
     pad_length = generation_config_value(model, "max_length")
-    pad = pad_token_id_of(model)
     if generated.shape[-1] < pad_length:
-        generated = _pad_to(generated, pad_length, pad)
+        generated = _pad_to(generated, pad_length, pad_token_id_of(model))
     with torch.no_grad():
         if has_labels:
             outputs = model(**inputs)
@@ -160,7 +162,7 @@ def generation_prediction_step(model: torch.nn.Module, inputs: dict[str, torch.T
     if has_labels:
         labels = inputs["labels"]
         if labels.shape[-1] < pad_length:
-            labels = _pad_to(labels, pad_length, pad)
+            labels = _pad_to(labels, pad_length, pad_token_id_of(model))
     del outputs  # a local of the Trainer's step: it lives until the step returns
     return loss, generated, labels
 
