@@ -61,15 +61,26 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
                        help="eval_accumulation_steps (default: outputs stay on the device until the end)")
     group.add_argument("--eval-seq-len", type=int, default=None, help="tokens per eval sample (default: --seq-len)")
     group.add_argument("--prediction-loss-only", action="store_true", help="keep only the loss (no logits, labels)")
+    group.add_argument("--predict-with-generate", action="store_true",
+                       help="Seq2SeqTrainer's generation-based prediction (every sequence to the max length)")
+    group.add_argument("--generation-max-length", type=int, default=None,
+                       help="generation_max_length (default: the model's generation config, else 20)")
+    group.add_argument("--generation-num-beams", type=int, default=None,
+                       help="generation_num_beams (default: the model's generation config, else 1)")
 
 
 def eval_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The ``estimate()`` keywords of the evaluation options (empty without ``--eval-batch-size``)."""
     if args.eval_batch_size is None and args.eval_samples is None:
+        if args.predict_with_generate or args.generation_max_length or args.generation_num_beams:
+            from ..core.errors import MemWatchConfigError
+
+            raise MemWatchConfigError("--predict-with-generate/--generation-* need --eval-batch-size and --eval-samples")
         return {}
     return dict(eval_batch_size=args.eval_batch_size, eval_samples=args.eval_samples,
                 eval_accumulation_steps=args.eval_accumulation_steps, eval_seq_len=args.eval_seq_len,
-                prediction_loss_only=args.prediction_loss_only)
+                prediction_loss_only=args.prediction_loss_only, predict_with_generate=args.predict_with_generate,
+                generation_max_length=args.generation_max_length, generation_num_beams=args.generation_num_beams)
 
 
 def print_eval(payload: dict[str, Any], console: Any) -> None:

@@ -57,6 +57,10 @@ class RunConfig:
     group_by_length: bool = False
     padding_free: bool | None = None  # None: as the collator says
     packing: bool = False
+    # Seq2SeqTrainingArguments' generation-based prediction (plain TrainingArguments: off)
+    predict_with_generate: bool = False
+    generation_max_length: int | None = None
+    generation_num_beams: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "gradient_accumulation_steps", "world_size"):
@@ -113,6 +117,9 @@ class RunConfig:
             group_by_length=bool(getattr(args, "group_by_length", False)),
             padding_free=getattr(args, "padding_free", None),
             packing=bool(getattr(args, "packing", False)),
+            predict_with_generate=bool(getattr(args, "predict_with_generate", False)),
+            generation_max_length=_positive_int(getattr(args, "generation_max_length", None)),
+            generation_num_beams=_positive_int(getattr(args, "generation_num_beams", None)),
         )
 
     @classmethod
@@ -121,6 +128,14 @@ class RunConfig:
         run = cls.from_args(trainer.args, trainer.model, seq_len)
         custom = getattr(trainer, "optimizer", None) is not None or getattr(trainer, "optimizer_cls_and_kwargs", None)
         return run.replace(custom_optimizer=bool(custom))
+
+
+def generation_kwargs(run: RunConfig) -> dict[str, Any]:
+    """``estimate_eval``'s generation keywords for ``run`` (empty without ``predict_with_generate``)."""
+    if not run.predict_with_generate:
+        return {}
+    return dict(predict_with_generate=True, generation_max_length=run.generation_max_length,
+                generation_num_beams=run.generation_num_beams)
 
 
 # -- readers (one definition each) -----------------------------------------------------------

@@ -32,6 +32,7 @@ from ..core.errors import MemWatchConfigError
 from ..core.run_config import RunConfig
 from ..core.units import format_bytes, parse_bytes
 from ..measure.attribution import weight_storages
+from .generation import GenerationSettings
 from .layers import AUTO_MIN_LAYERS, SHORT_DEPTHS, extrapolate, homogeneous_layers, truncated
 from .peft import LoraSpec, apply_peft, is_adapter_dir, load_adapter, meta_copy
 from .shard import shard_classes
@@ -325,6 +326,9 @@ def estimate(
     eval_seq_len: int | None = None,
     prediction_loss_only: bool = False,
     eval_in_training: bool = True,
+    predict_with_generate: bool | None = None,
+    generation_max_length: int | None = None,
+    generation_num_beams: int | None = None,
     optimizer_step: bool = True,
 ) -> MemoryEstimate:
     """Predict the peak memory of one Trainer optimizer step (per device), split by class.
@@ -352,6 +356,9 @@ def estimate(
     ``eval_accumulation_steps``, ``eval_seq_len`` (default ``seq_len``), ``prediction_loss_only``
     as the ``TrainingArguments`` of those names; ``eval_in_training``: the loop runs inside
     ``train()``, the optimizer state live (False: a standalone ``evaluate()``).
+    ``predict_with_generate``, ``generation_max_length``, ``generation_num_beams``: ``Seq2SeqTrainer``'s
+    generation-based prediction (:mod:`hf_memwatch.estimation.generation`; given a Trainer, None
+    = its ``Seq2SeqTrainingArguments``'): the generated tokens, the KV cache of max length x beams.
 
     ``optimizer_step=False`` replays the forward and backward alone, without optimizer state:
     about a third faster, and a floor under the step's peak (lower by at least the optimizer
@@ -364,6 +371,7 @@ def estimate(
         True
     """
     trainer = model_or_config if is_trainer(model_or_config) else None
+    generation = _generation_of(trainer, predict_with_generate, generation_max_length, generation_num_beams)
     run = _settings(trainer, dict(
         batch_size=batch_size, seq_len=seq_len, precision=precision, optim=optim, checkpointing=checkpointing,
         accum=accum, device=device, max_grad_norm=max_grad_norm, world_size=world_size, shard=shard,
@@ -465,7 +473,7 @@ def estimate(
             model, fake_mode, config=config, task=task, batch_size=eval_batch_size, samples=eval_samples,
             seq_len=eval_seq_len or seq_len, target_len=seq2seq_target_len or eval_seq_len or seq_len,
             accumulation_steps=eval_accumulation_steps, prediction_loss_only=prediction_loss_only,
-            precision=precision, device=device, optimizer_state_bytes=states)
+            precision=precision, device=device, optimizer_state_bytes=states, generation=generation)
         notes.extend(evaluation.notes)
         if shard != "none":
             notes.append("eval: the weights are counted whole (sharded evaluation is not modelled)")
@@ -485,6 +493,7 @@ def estimate(
             "seq2seq_target_len": seq2seq_target_len,
             "lora": None if lora is None else asdict(lora),
             "adapter": None if adapter is None else os.fspath(adapter),
+            "generation": None if generation is None else asdict(generation),
         },
         notes=notes,
         frozen_models=frozen_models,
@@ -493,6 +502,28 @@ def estimate(
         eval_peak_phase=None if evaluation is None else evaluation.peak_phase,
         eval_classes=None if evaluation is None else evaluation.classes,
     )
+
+
+def generation_settings(predict_with_generate: bool, max_length: int | None,
+                        num_beams: int | None) -> GenerationSettings | None:
+    """The generation the eval loop runs (None: no ``predict_with_generate``)."""
+    if not predict_with_generate:
+        if max_length is not None or num_beams is not None:
+            raise MemWatchConfigError("generation_max_length / generation_num_beams need predict_with_generate")
+        return None
+    return GenerationSettings(max_length=max_length, num_beams=num_beams)
+
+
+def _generation_of(trainer: Any, predict_with_generate: bool | None, max_length: int | None,
+                   num_beams: int | None) -> GenerationSettings | None:
+    """The generation settings given, else (with a Trainer) its arguments' (:class:`RunConfig`)."""
+    if trainer is not None:
+        own = RunConfig.from_trainer(trainer)
+        predict_with_generate = own.predict_with_generate if predict_with_generate is None else predict_with_generate
+        if predict_with_generate:
+            max_length = own.generation_max_length if max_length is None else max_length
+            num_beams = own.generation_num_beams if num_beams is None else num_beams
+    return generation_settings(bool(predict_with_generate), max_length, num_beams)
 
 
 def _validate_eval(batch_size: Any, samples: Any, accumulation_steps: Any, seq_len: Any) -> None:
@@ -544,6 +575,9 @@ def estimate_eval(
     seq2seq_target_len: int | None = None,
     optimizer_state_bytes: int = 0,
     preprocess_argmax: bool = False,
+    predict_with_generate: bool = False,
+    generation_max_length: int | None = None,
+    generation_num_beams: int | None = None,
 ) -> Any:
     """Predict one evaluation loop's peak (no training step simulated): for planners and remedies.
 
@@ -552,6 +586,9 @@ def estimate_eval(
     ``optimizer_state_bytes``: optimizer state live beside the loop (an eval inside ``train()``;
     e.g. ``estimate(...).classes["optimizer_states"]``). ``preprocess_argmax``: the loop keeps
     ``logits.argmax(-1)`` (``preprocess_logits_for_metrics``) instead of the logits.
+    ``predict_with_generate``, ``generation_max_length``, ``generation_num_beams``: as the
+    ``Seq2SeqTrainingArguments`` of those names (:mod:`hf_memwatch.estimation.generation`: every
+    sequence generated to ``generation_max_length``, the worst case).
 
     Example:
         >>> estimate_eval(cfg, eval_batch_size=64, eval_samples=512, seq_len=32).peak_bytes   # doctest: +SKIP
@@ -572,7 +609,8 @@ def estimate_eval(
         model, fake_mode, config=config, task=task, batch_size=eval_batch_size, samples=eval_samples,
         seq_len=seq_len, target_len=seq2seq_target_len or seq_len, accumulation_steps=eval_accumulation_steps,
         prediction_loss_only=prediction_loss_only, precision=precision, device=device,
-        optimizer_state_bytes=optimizer_state_bytes, preprocess_argmax=preprocess_argmax)
+        optimizer_state_bytes=optimizer_state_bytes, preprocess_argmax=preprocess_argmax,
+        generation=generation_settings(predict_with_generate, generation_max_length, generation_num_beams))
 
 
 def _fake_model(model_or_config: Any, task: str | None, fake_mode: Any) -> tuple[torch.nn.Module, Any, str]:

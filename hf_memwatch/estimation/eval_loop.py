@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from ..measure.saved_tensors import SavedTensorRegistry
+from .generation import GenerationReplay, GenerationSettings, check_generation
 from .step import (
     CUDA_BLOCK,
     MIXED_DTYPES,
@@ -184,7 +185,7 @@ def simulate_eval(
     model: torch.nn.Module, fake_mode: Any, *, config: Any, task: str, batch_size: int, samples: int,
     seq_len: int, target_len: int, accumulation_steps: int | None, prediction_loss_only: bool,
     precision: str, device: str, optimizer_state_bytes: int = 0, preprocess_argmax: bool = False,
-    use_cache: bool = False,
+    use_cache: bool = False, generation: GenerationSettings | None = None,
 ) -> EvalSimulation:
     """Replay ``Trainer.evaluation_loop`` over ``samples`` examples in batches of ``batch_size``.
 
@@ -192,6 +193,9 @@ def simulate_eval(
     ``preprocess_argmax``: ``preprocess_logits_for_metrics`` returns ``logits.argmax(-1)``.
     ``use_cache``: ``TrainingArguments.use_cache`` (the Trainer sets ``config.use_cache`` from it,
     default False: no KV cache in the eval forward).
+    ``generation``: ``Seq2SeqTrainer`` with ``predict_with_generate`` (None: without); the prediction step
+    is then :func:`~hf_memwatch.estimation.generation.generation_prediction_step` (unless
+    ``prediction_loss_only``, where the Trainer takes the plain step too).
     """
     target, device = device, "cpu"  # a CUDA target is simulated on fake CPU tensors (see step.py)
     was_training = model.training
@@ -206,6 +210,9 @@ def simulate_eval(
     takes_loss_kwargs = accepts_loss_kwargs(model)
     shifts = loss_shifts_labels(model)
     ignore = list(getattr(config, "keys_to_ignore_at_inference", ["past_key_values"]) or []) + ["loss"]
+    replay = None if generation is None or prediction_loss_only else GenerationReplay(generation)
+    if replay is not None:
+        check_generation(model, replay.settings, seq_len)
     tracker = EstimateTracker(device, SavedTensorRegistry(), round_to=CUDA_BLOCK if target == "cuda" else 1)
     weight_tensors = list(model.parameters()) + list(model.buffers())
     tracker.register(weight_tensors)
@@ -243,40 +250,55 @@ def simulate_eval(
         try:
             lookahead = make_batch(config, task, sizes[0], seq_len, target_len, device)
             previous = -1
+            # The previous batch's losses, logits and labels: locals of ``evaluation_loop`` that live
+            # until the next prediction step's results replace them (deleted only at a flush).
+            last_outputs: list[torch.Tensor] = []
             for index in replayed_batches(batches, accumulation_steps):
                 if index != previous + 1:
                     lookahead = make_batch(config, task, sizes[index], seq_len, target_len, device)
                     _fast_forward(containers, template, index, batch_size, accumulation_steps)
+                    flushed = bool(accumulation_steps) and index % (accumulation_steps or 1) == 0
+                    last_outputs = [] if flushed else _leaves(
+                        [_resized(template.get(name), batch_size) for name in ("losses", "preds", "labels")])
                 previous = index
                 inputs = lookahead
                 lookahead = (make_batch(config, task, sizes[index + 1], seq_len, target_len, device)
                              if index + 1 < batches else None)
                 other = _refs(tracker, list(inputs.values()) + list((lookahead or {}).values()))
+                last_refs = _refs(tracker, last_outputs)
                 tracker.reset_peak()
-                loss, logits, labels = _prediction_step(
-                    model, inputs, takes_loss_kwargs, shifts, ignore, prediction_loss_only, preprocess_argmax)
-                other.update(_refs(tracker, [loss, *_leaves(logits)]))
-                close("eval_forward", held(), other)
+                if replay is not None:
+                    loss, logits, labels = replay.step(model, inputs, tracker)
+                else:
+                    loss, logits, labels = _prediction_step(
+                        model, inputs, takes_loss_kwargs, shifts, ignore, prediction_loss_only, preprocess_argmax)
+                last_outputs = []  # replaced by this step's results
+                other.update(_refs(tracker, _leaves(loss) + _leaves(logits)))
+                close("eval_forward", {**last_refs, **held()}, other)
                 outputs_before = held()
-                losses = loss.repeat(sizes[index])
-                containers["losses"].add(losses)
+                losses = None if loss is None else loss.repeat(sizes[index])  # no labels: no loss
+                if losses is not None:
+                    containers["losses"].add(losses)
                 if logits is not None:
                     containers["preds"].add(logits)
                 if labels is not None:
                     containers["labels"].add(labels)
                 if not template:
                     template.update(losses=_spec(losses), preds=_spec(logits), labels=_spec(labels))
+                last_outputs = _leaves([losses, logits, labels])
                 del losses, loss, logits, labels
-                close("eval_accumulate", {**outputs_before, **held()}, other)
+                close("eval_accumulate", {**outputs_before, **held(), **_refs(tracker, last_outputs)}, other)
                 if accumulation_steps and (index + 1) % accumulation_steps == 0:
                     for container in containers.values():
                         container.flush()
+                    last_outputs = []  # the loop's ``del losses, logits, labels, inputs``
                     close("eval_accumulate", held(), other)
                 del inputs
+            last_refs = _refs(tracker, last_outputs)
             outputs_before = held()
-            for container in containers.values():  # get_arrays
+            for container in containers.values():  # get_arrays: the last batch's locals still live
                 container.flush()
-            close("eval_gather", {**outputs_before, **held()}, {})
+            close("eval_gather", {**outputs_before, **held(), **last_refs}, {})
         finally:
             _restore_forward(model, saved_forward)
             model.train(was_training)
@@ -287,10 +309,9 @@ def simulate_eval(
     classes["optimizer_states"] = optimizer_state_bytes
     host = sum(c.host_bytes for c in containers.values())
     notes = []
-    if task == "seq2seq" and not prediction_loss_only:
-        notes.append("eval: the loop modelled is the forward with labels (Seq2SeqTrainer without "
-                     "predict_with_generate); generation (generated tokens, the KV cache of generation_max_length "
-                     "x beams) is not modelled")
+    if replay is not None:
+        notes.append("eval: predict_with_generate modelled as the worst case: every sequence generated to "
+                     "generation_max_length (no early EOS), the KV cache of max_length x beams")
     if host:
         notes.append(f"eval: {host} bytes of outputs copied into numpy memory on the host (not torch allocations)")
     return EvalSimulation(sum(classes.values()), best["phase"], classes, host, notes)

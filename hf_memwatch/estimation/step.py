@@ -27,6 +27,8 @@ from __future__ import annotations
 import contextlib
 import inspect
 import warnings
+import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from types import MethodType
 from typing import Any
@@ -77,6 +79,25 @@ class EstimateTracker(StorageTracker):
         self.named: dict[int, tuple[Any, str]] = {}  # storage key -> (its ref, detail name)
         self._logits_shape: tuple[int, int] | None = None
         self._mixed = False
+        self._int_answer = 1
+        # id of an any()/all() result -> (a weak reference to it, the answer); None: answers of 1 and True
+        self._verdicts: dict[int, tuple[weakref.ref, bool]] | None = None
+
+    @contextlib.contextmanager
+    def reading_a_clean_batch(self, longest: int) -> Iterator[None]:
+        """Within, values read back from fake tensors answer as a clean batch's do, at the longest.
+
+        An integer answers ``longest`` (outside: 1): generation's "longest generated sequence" bounds
+        slices that clamp, so the largest keeps them whole. ``any()`` answers False and ``all()`` True:
+        their checks in ``generate`` ask whether a batch of full rows of valid ids is padded or has
+        negative ids (no) or whether its attention mask is all ones (yes).
+        """
+        saved = self._int_answer, self._verdicts
+        self._int_answer, self._verdicts = longest, {}
+        try:
+            yield
+        finally:
+            self._int_answer, self._verdicts = saved
 
     def name_logits(self, vocab: int, rows: int, mixed: bool) -> None:
         """Name every new storage shaped (>= ``rows`` rows) x ``vocab``: the logits and their kin.
@@ -125,7 +146,15 @@ class EstimateTracker(StorageTracker):
         if func in _READ_BACK_OPS:
             # A value read back to Python (``.item()``, ``if tensor:``): fake tensors have none. Metrics
             # code (TRL's token counts, accuracies) only needs *a* number; memory never depends on it.
-            return _read_back_value(func, args)
+            # (by identity: a tensor's == would itself be read back)
+            ref, verdict = (self._verdicts or {}).get(id(args[0]), (None, None))
+            if ref is not None and ref() is args[0]:
+                return verdict
+            return _read_back_value(func, args, self._int_answer)
+        if self._verdicts is not None and func.overloadpacket in _VERDICTS:
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            self._verdicts[id(out)] = (weakref.ref(out), _VERDICTS[func.overloadpacket])
+            return out
         if func is torch.ops.aten.index.Tensor and _boolean_index(args):
             # ``tensor[mask]``: the size depends on the mask's values; every element counted as selected.
             source, mask = args[0], args[1][0]
@@ -161,6 +190,7 @@ class EstimateTracker(StorageTracker):
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 
+_VERDICTS = {torch.ops.aten.any: False, torch.ops.aten.all: True}  # what a clean batch answers
 _READ_BACK_OPS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default}
 
 
@@ -173,11 +203,11 @@ def _boolean_index(args: tuple) -> bool:
     return isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and mask.dim() <= args[0].dim()
 
 
-def _read_back_value(func: Any, args: tuple) -> Any:
+def _read_back_value(func: Any, args: tuple, int_answer: int = 1) -> Any:
     if func is torch.ops.aten.is_nonzero.default:
         return True
     dtype = args[0].dtype
-    return 1.0 if dtype.is_floating_point else True if dtype == torch.bool else 1
+    return 1.0 if dtype.is_floating_point else True if dtype == torch.bool else int_answer
 
 
 class _Transient:

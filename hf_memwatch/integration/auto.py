@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 from ..core.errors import MemWatchConfigError, PlanError, is_oom_error
-from ..core.run_config import RunConfig
+from ..core.run_config import RunConfig, generation_kwargs
 from ..core.units import format_bytes
 from ..estimation.trainer_replay import is_one_pass, training_dataset
 from ..measure.attribution import weight_storages
@@ -385,7 +385,7 @@ class AutoMode:
                 trainer.model, eval_batch_size=batch, eval_samples=len(dataset), seq_len=seq_len,
                 precision=run.precision, device="cuda" if run.device == "cuda" else "cpu",
                 eval_accumulation_steps=steps, prediction_loss_only=run.prediction_loss_only,
-                optimizer_state_bytes=states, preprocess_argmax=argmax,
+                optimizer_state_bytes=states, preprocess_argmax=argmax, **generation_kwargs(run),
             )
             return int(math.ceil(loop.peak_bytes * (1.0 + ESTIMATE_MARGIN)))
 

@@ -57,7 +57,7 @@ from ..reporting.sinks import (
 from ..reporting.summary import PICTURE_NAME, finish_reports
 from .auto import AutoMode
 from .compiled import hook_target, hooks_for, runs_compiled, tracing
-from .eval_watch import container_tensors, held_tensors, install_eval_watch
+from .eval_watch import container_tensors, decoding_step, held_tensors, install_eval_watch
 
 logger = logging.getLogger("hf_memwatch")
 
@@ -387,7 +387,7 @@ class MemWatch(TrainerCallback, ExportableState):
     @_guarded
     def _before_forward(self, module: Any, args: Any, kwargs: Any) -> None:
         ids = kwargs.get("input_ids", args[0] if args else None)
-        if isinstance(ids, torch.Tensor) and ids.dim() >= 2:
+        if isinstance(ids, torch.Tensor) and ids.dim() >= 2 and not decoding_step(kwargs):
             self.last_seq_len = int(ids.shape[-1])  # for the OOM post-mortem's estimates
         monitor = self.monitor
         if monitor is not None and monitor.in_step and monitor.backend.tracking:
@@ -496,7 +496,7 @@ class MemWatch(TrainerCallback, ExportableState):
     @_guarded
     def _eval_inputs(self, module: Any, args: Any, kwargs: Any) -> None:
         ids = kwargs.get("input_ids", args[0] if args else None)
-        if isinstance(ids, torch.Tensor) and ids.dim() >= 2:
+        if isinstance(ids, torch.Tensor) and ids.dim() >= 2 and not decoding_step(kwargs):
             self.last_seq_len = int(ids.shape[-1])  # for the OOM post-mortem's estimates
         monitor = self.monitor
         if monitor is not None and monitor.eval is not None:

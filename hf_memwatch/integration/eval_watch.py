@@ -12,6 +12,10 @@ Trainer *instance* (the class is untouched):
   forward; the callback's ``on_prediction_step`` takes ``eval_accumulated`` once the containers
   hold the batch.
 
+Under ``Seq2SeqTrainer``'s ``predict_with_generate`` the model runs once per generated token: the
+pre-hook registers each call's inputs, and the batch's sequence length is read from calls that are
+not decoding steps (:func:`decoding_step`). The generated tokens are ``all_preds``' tensors.
+
 The accumulated tensors are those of the loop's containers, registered as the Trainer creates them
 (:func:`registering_containers`): their public ``tensors`` (on the device) and ``arrays`` (numpy,
 which on the CPU may still be views of torch storages, counted through their ``base``).
@@ -69,6 +73,16 @@ def held_tensors(value: Any) -> Iterator[torch.Tensor]:
             base = getattr(base, "base", None)
         if isinstance(base, torch.Tensor):
             yield base
+
+
+def decoding_step(kwargs: dict[str, Any]) -> bool:
+    """Whether a model forward's keywords are a ``generate`` decoding step: a cache already holding tokens.
+
+    Under ``predict_with_generate`` the model runs once per generated token with the new token(s) only;
+    such a call's ``input_ids`` say nothing of the eval batch's sequence length.
+    """
+    seq_length = getattr(kwargs.get("past_key_values"), "get_seq_length", None)
+    return callable(seq_length) and int(seq_length()) > 0
 
 
 def container_tensors(containers: list[Any]) -> list[torch.Tensor]:

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from ..core.categories import EVAL_LIVE_CLASSES
+from ..core.run_config import RunConfig, generation_kwargs
 from ..core.units import format_bytes
 from .oom import REPORT_NAME, cpu_memory_exhausted, requested_bytes
 
@@ -50,6 +51,8 @@ class EvalRunConfig:
     precision: str
     device: str
     optimizer_state_bytes: int = 0
+    # Seq2SeqTrainer's generation-based prediction: estimate_eval's keywords of that name
+    generation: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def from_trainer(cls, trainer: Any, seq_len: int | None, optimizer_state_bytes: int) -> EvalRunConfig:
@@ -62,6 +65,7 @@ class EvalRunConfig:
             accumulation_steps=args.eval_accumulation_steps,
             precision="bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
             device=torch.device(args.device).type, optimizer_state_bytes=optimizer_state_bytes,
+            generation=generation_kwargs(RunConfig.from_args(args)),
         )
 
 
@@ -96,7 +100,7 @@ def eval_remedies(
         sim = estimate_eval(
             subject, eval_batch_size=fields["batch_size"], eval_samples=config.samples, seq_len=config.seq_len,
             eval_accumulation_steps=fields["accumulation_steps"], precision=config.precision,
-            device=config.device, optimizer_state_bytes=config.optimizer_state_bytes, **extra)
+            device=config.device, optimizer_state_bytes=config.optimizer_state_bytes, **config.generation, **extra)
         return int(sim.peak_bytes), int(sim.host_bytes)
 
     try:

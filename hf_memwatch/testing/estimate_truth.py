@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from ..estimation.generation import GenerationSettings
 from ..estimation.step import make_batch
 from ..measure.attribution import weight_storages
 from .truth import cpu_memory_profile, window_peak
@@ -89,25 +90,49 @@ def _no_metrics(prediction: Any) -> dict[str, float]:
 def evaluate_peak(
     model: torch.nn.Module, *, task: str, batch_size: int, samples: int, seq_len: int,
     target_len: int | None = None, accumulation_steps: int | None = None, prediction_loss_only: bool = False,
-    precision: str = "fp32",
+    precision: str = "fp32", generation: GenerationSettings | None = None,
 ) -> int:
     """Peak live CPU bytes of one real ``Trainer.evaluate()`` (``compute_metrics`` set), from the profiler.
 
     The model's storages are the baseline; no training ran, so no optimizer state is live.
+    With ``generation``: a ``Seq2SeqTrainer`` with ``predict_with_generate`` and those settings, run
+    to the estimate's worst case — the model's ``eos_token_id`` unset for the run, so every sequence
+    is generated to the max length, and no pad token in the inputs (unpadded prompts).
     """
-    from transformers import Trainer, TrainingArguments
+    from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments, Trainer, TrainingArguments
 
     config = model.config
     dataset = synthetic_dataset(config, task, samples, seq_len, target_len or seq_len)
+    common: dict[str, Any] = dict(
+        per_device_eval_batch_size=batch_size, eval_accumulation_steps=accumulation_steps,
+        prediction_loss_only=prediction_loss_only, report_to=[], use_cpu=True,
+        bf16=precision == "bf16", fp16=precision == "fp16", disable_tqdm=True, dataloader_num_workers=0,
+    )
+    eos_token_id = getattr(model.generation_config, "eos_token_id", None) if generation is not None else None
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        args = TrainingArguments(
-            output_dir=tmp, per_device_eval_batch_size=batch_size, eval_accumulation_steps=accumulation_steps,
-            prediction_loss_only=prediction_loss_only, report_to=[], use_cpu=True,
-            bf16=precision == "bf16", fp16=precision == "fp16", disable_tqdm=True, dataloader_num_workers=0,
-        )
-        trainer = Trainer(model=model, args=args, eval_dataset=dataset, compute_metrics=_no_metrics)
+        if generation is None:
+            trainer = Trainer(model=model, args=TrainingArguments(output_dir=tmp, **common), eval_dataset=dataset,
+                              compute_metrics=_no_metrics)
+        else:
+            _unpadded(dataset, int(config.pad_token_id))
+            args = Seq2SeqTrainingArguments(
+                output_dir=tmp, predict_with_generate=True, generation_max_length=generation.max_length,
+                generation_num_beams=generation.num_beams, **common)
+            trainer = Seq2SeqTrainer(model=model, args=args, eval_dataset=dataset, compute_metrics=_no_metrics)
+            model.generation_config.eos_token_id = None  # no EOS: every sequence to the max length
         baseline = sum(weight_storages(model, None).values())
         with cpu_memory_profile() as prof:
-            trainer.evaluate()
+            try:
+                trainer.evaluate()
+            finally:  # the caller's model keeps its EOS
+                if generation is not None:
+                    model.generation_config.eos_token_id = eos_token_id
     return window_peak(prof, baseline)
+
+
+def _unpadded(dataset: ListDataset, pad_token_id: int) -> None:
+    """Replace the pad id in the inputs (random ids hit it): prompts are full rows, as the estimate's are."""
+    for row in dataset.rows:
+        ids = row["input_ids"]
+        ids[ids == pad_token_id] = pad_token_id + 1
