@@ -47,6 +47,15 @@ def comparable_state(trainer: Trainer) -> dict[str, Any]:
             "train_batch_size": state.train_batch_size}
 
 
+def assert_same_training(auto: Trainer, hand: Trainer, steps: int) -> None:
+    """The planned run is the hand-configured one: state, and per logged step loss and grad norm (rel 1e-6)."""
+    assert comparable_state(auto) == comparable_state(hand)
+    logged = [[(e["loss"], e["grad_norm"]) for e in t.state.log_history if "loss" in e] for t in (auto, hand)]
+    assert len(logged[0]) == len(logged[1]) == steps
+    for (loss_a, norm_a), (loss_h, norm_h) in zip(*logged, strict=True):
+        assert loss_a == pytest.approx(loss_h, rel=1e-6) and norm_a == pytest.approx(norm_h, rel=1e-6)
+
+
 def budget_for_accumulation(optim: str, accumulation: int) -> tuple[int, Plan]:
     """A budget whose plan (chosen by the planner API on the same model) has ``accumulation`` steps."""
     run = RunConfig(8, 1, checkpointing=True, optim=optim, seq_len=SEQ, max_grad_norm=GIVEN["max_grad_norm"])

@@ -57,6 +57,11 @@ class RunConfig:
     group_by_length: bool = False
     padding_free: bool | None = None  # None: as the collator says
     packing: bool = False
+    # TRL preference trainers (DPO): the config's precompute_ref_log_probs; None: no such option
+    precompute_ref_log_probs: bool | None = None
+    peft_model: bool = False  # the trained model is a PEFT model (adapters trained, base frozen)
+    # share of the predicted peak the optimizer states take (None: not predicted yet)
+    optimizer_state_share: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "gradient_accumulation_steps", "world_size"):
@@ -113,6 +118,8 @@ class RunConfig:
             group_by_length=bool(getattr(args, "group_by_length", False)),
             padding_free=getattr(args, "padding_free", None),
             packing=bool(getattr(args, "packing", False)),
+            precompute_ref_log_probs=_optional_bool(getattr(args, "precompute_ref_log_probs", None)),
+            peft_model=is_peft_model(model),
         )
 
     @classmethod
@@ -126,6 +133,16 @@ class RunConfig:
 # -- readers (one definition each) -----------------------------------------------------------
 def _positive_int(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def _optional_bool(value: Any) -> bool | None:
+    return None if value is None else bool(value)
+
+
+def is_peft_model(model: Any) -> bool:
+    """Whether ``model`` (or the model inside a DDP wrapper) is a PEFT model (its ``peft_config`` dict)."""
+    target = getattr(model, "module", model)
+    return isinstance(getattr(target, "peft_config", None), dict)
 
 
 def optim_name(args: Any) -> str:

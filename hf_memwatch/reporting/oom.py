@@ -28,7 +28,7 @@ from ..core.categories import LIVE_CLASSES
 from ..core.errors import is_oom_error
 from ..core.run_config import RunConfig
 from ..core.units import format_bytes
-from ..planning.catalogue import single_remedies
+from ..planning.catalogue import single_remedies, with_state_share
 
 logger = logging.getLogger("hf_memwatch")
 
@@ -170,9 +170,11 @@ def estimate_remedies(model: Any, config: RunConfig) -> tuple[int | None, list[t
         return int(estimate(subject, **cfg.estimate_kwargs()).peak_bytes)
 
     try:
-        baseline = peak_of(config)
+        given = estimate(subject, **config.estimate_kwargs())
     except Exception as exc:  # noqa: BLE001 - report what we can
         return None, [], f"the estimator failed on this run's configuration ({type(exc).__name__}: {exc})"
+    baseline = int(given.peak_bytes)
+    config = with_state_share(config, given)  # no 8-bit AdamW where the states are a rounding error
     rows: list[tuple[str, int | None, str]] = []
     for description, variant in single_remedies(config):
         try:
