@@ -130,7 +130,11 @@ def test_auto_mode_on_sft_qlora_fits_and_is_the_hand_configured_run(llama_checkp
     with cpu_memory_profile() as prof:
         auto.train()
     assert window_peak(prof, resident) <= budget
-    [plan] = [r for r in read_records(tmp_path / "auto") if r["event"] == "plan"]
+    records = read_records(tmp_path / "auto")
+    # The live attribution counts the quantization state as weights too.
+    snapshots = [r for r in records if r["event"] == "snapshot" and r.get("live")]
+    assert snapshots and all(s["live"]["weights"] == resident for s in snapshots)
+    [plan] = [r for r in records if r["event"] == "plan"]
     assert (plan["micro_batch_size"], plan["activation_checkpointing"]) != (4, False)  # a plan was needed
     assert "8bit" not in plan["optim"]
 

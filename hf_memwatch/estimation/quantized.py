@@ -87,11 +87,22 @@ def quantize_meta(model: torch.nn.Module, spec: QuantSpec) -> torch.nn.Module:
 
     Checkpointing is left to the run's ``checkpointing`` setting (the Trainer's), not switched on here.
     """
-    from peft import prepare_model_for_kbit_training
+    try:
+        from peft import prepare_model_for_kbit_training
+    except ImportError:
+        raise MemWatchConfigError("a quantized base trains adapters: it needs peft (pip install peft)") from None
     from transformers.quantizers import AutoHfQuantizer
 
     quantizer = AutoHfQuantizer.from_config(spec.bnb_config(), pre_quantized=False)
     quantizer.preprocess_model(model, device_map={"": "cpu"})
+    # ``from_pretrained`` loads in the checkpoint's dtype (``dtype="auto"``) and quantizes from it: the
+    # quantization state remembers it, and the backward dequantizes to it before casting.
+    source = getattr(model.config, "dtype", None)
+    if isinstance(source, torch.dtype) and source.is_floating_point:
+        for module in model.modules():
+            weight = getattr(module, "weight", None)
+            if type(weight).__name__ == "Params4bit" and weight.dtype != source:
+                weight.data = weight.data.to(source)
     # What the quantizer sets after loading the weights (is_loaded_in_4bit/8bit, the config).
     quantizer.postprocess_model(model)
     model.hf_quantizer = quantizer
