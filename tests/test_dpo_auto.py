@@ -14,15 +14,13 @@ from typing import Any
 import pytest
 import torch
 from conftest import read_records
-from test_equivalence import assert_same_training, llama
+from test_equivalence import FULL, assert_same_training, llama
 
 from hf_memwatch import MemWatch, estimate
 from hf_memwatch.measure.attribution import weight_storages
 from hf_memwatch.reporting.report import FROZEN, choose_unit, draw, live_bands, load_run
 from hf_memwatch.testing.tokenizers import word_tokenizer
 from hf_memwatch.testing.truth import cpu_memory_profile, window_peak
-
-FULL = {"detail": "full", "report": False, "summary": False}  # full: snapshots carry frozen_models
 
 
 def dpo(out: Path, callbacks: list[Any], **overrides: Any) -> Any:

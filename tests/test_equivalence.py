@@ -27,6 +27,7 @@ from hf_memwatch.planning.predict import EstimatorPredictor
 from hf_memwatch.testing.tokenizers import word_tokenizer
 
 LIGHT = {"detail": "light", "report": False, "summary": False}
+FULL = {"detail": "full", "report": False, "summary": False}  # snapshots split by class
 GIVEN = {"per_device_train_batch_size": 8, "activation_checkpointing": True, "max_steps": 3, "max_grad_norm": 0.05,
          "include_num_input_tokens_seen": True}
 SEQ = 32
