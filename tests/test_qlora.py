@@ -59,7 +59,7 @@ def test_qlora_estimate_matches_the_profiler(llama_checkpoint: Path, capsys: Any
     from peft import get_peft_model
 
     quant = QuantSpec(bits=4, quant_type="nf4", double_quant=True)
-    argv = ["estimate", str(llama_checkpoint), "--batch-size", "4", "--seq-len", "32", "--precision", "bf16",
+    argv = ["estimate", str(llama_checkpoint), "--batch-size", "2", "--seq-len", "16", "--precision", "bf16",
             "--lora-r", "8", "--lora-alpha", "16", "--lora-targets", "all-linear", "--json", "--load-in-4bit",
             "--double-quant"]
     assert main(argv) == 0
@@ -83,7 +83,7 @@ def test_qlora_estimate_matches_the_profiler(llama_checkpoint: Path, capsys: Any
     assert data["trainable_params"] == trainable
     assert data["details"]["weights"]["trainable"] == 4 * trainable
     assert data["details"]["weights"]["frozen"] == data["classes"]["weights"] - 4 * trainable
-    truth = trainer_peak(model, task="causal-lm", batch_size=4, seq_len=32, precision="bf16")
+    truth = trainer_peak(model, task="causal-lm", batch_size=2, seq_len=16, precision="bf16")
     assert abs(data["peak_bytes"] - truth) <= 0.005 * truth, (data["peak_bytes"], truth)
 
 
@@ -114,11 +114,11 @@ def sft_qlora(out: Path, base: Any, callbacks: list[Any], **overrides: Any) -> A
     from peft import LoraConfig
     from trl import SFTConfig, SFTTrainer
 
-    values = dict(output_dir=str(out), per_device_train_batch_size=4, max_steps=2, logging_steps=1, report_to=[],
+    values = dict(output_dir=str(out), per_device_train_batch_size=2, max_steps=2, logging_steps=1, report_to=[],
                   save_strategy="no", use_cpu=True, max_length=64, disable_tqdm=True, dataloader_num_workers=0,
                   seed=0)
     values.update(overrides)
-    return SFTTrainer(model=base, args=SFTConfig(**values), train_dataset=sft_dataset(rows=8, length=32),
+    return SFTTrainer(model=base, args=SFTConfig(**values), train_dataset=sft_dataset(rows=4, length=32),
                       processing_class=word_tokenizer(), callbacks=callbacks,
                       peft_config=LoraConfig(r=8, target_modules="all-linear", task_type="CAUSAL_LM"))
 
@@ -141,7 +141,7 @@ def test_auto_mode_on_sft_qlora_fits_and_is_the_hand_configured_run(llama_checkp
         auto.train()
     assert window_peak(prof, resident) <= budget
     [plan] = [r for r in read_records(tmp_path / "auto") if r["event"] == "plan"]
-    assert (plan["micro_batch_size"], plan["activation_checkpointing"]) != (4, False)  # a plan was needed
+    assert (plan["micro_batch_size"], plan["activation_checkpointing"]) != (2, False)  # a plan was needed
     assert "8bit" not in plan["optim"]
 
     torch.manual_seed(0)
