@@ -151,3 +151,19 @@ def test_auto_mode_on_sft_qlora_fits_and_is_the_hand_configured_run(llama_checkp
                      activation_checkpointing=plan["activation_checkpointing"])
     hand.train()
     assert_same_training(auto, hand, steps=2)
+
+
+def test_oom_post_mortem_estimates_what_is_trained_and_skips_8bit_adamw(llama_checkpoint: Path) -> None:
+    """A (Q)LoRA run's post-mortem estimates the PEFT model, not a full fine-tune of its config: its
+    optimizer states are a rounding error, so 8-bit AdamW is not among the remedies."""
+    from peft import get_peft_model
+
+    from hf_memwatch.reporting.oom import estimate_remedies
+
+    adapters = LoraSpec(r=2, targets=("q_proj", "v_proj"))  # 896 adapter parameters: states ~0.5% of the peak
+    model = get_peft_model(load_quantized(llama_checkpoint, QuantSpec(bits=4)), adapters.peft_config("causal-lm"))
+    run = RunConfig(micro_batch_size=1, seq_len=16, precision="bf16", task="causal-lm")
+    baseline, remedies, note = estimate_remedies(model, run)
+    assert note == ""
+    assert baseline == estimate(model, batch_size=1, seq_len=16, precision="bf16").peak_bytes
+    assert [name for name, _, _ in remedies] == ["activation checkpointing on"]

@@ -26,7 +26,7 @@ import torch
 
 from ..core.categories import LIVE_CLASSES
 from ..core.errors import is_oom_error
-from ..core.run_config import RunConfig
+from ..core.run_config import RunConfig, is_peft_model
 from ..core.units import format_bytes
 from ..planning.catalogue import single_remedies, with_state_share
 
@@ -163,8 +163,10 @@ def estimate_remedies(model: Any, config: RunConfig) -> tuple[int | None, list[t
         return None, [], "the sequence length of the failing batch is unknown, so the estimator was not run"
 
     # The config, not the module: the live module carries our hooks (and the user's), which the
-    # estimator's copy must not drag along.
-    subject = getattr(model, "config", None) or model
+    # estimator's copy must not drag along. A PEFT model is the exception: its config alone would be
+    # estimated as a full fine-tune of an unquantized base (the estimator's copy keeps plain-function
+    # hooks only, never a callback's bound method).
+    subject = model if is_peft_model(model) else (getattr(model, "config", None) or model)
 
     def peak_of(cfg: RunConfig) -> int:
         return int(estimate(subject, **cfg.estimate_kwargs()).peak_bytes)
