@@ -67,7 +67,10 @@ def test_qlora_estimate_matches_the_profiler(llama_checkpoint: Path, capsys: Any
     assert data["config"]["quantization"] == {"bits": 4, "quant_type": "nf4", "double_quant": True,
                                               "compute_dtype": "fp32"}
 
-    model = get_peft_model(load_quantized(llama_checkpoint, quant), LORA.peft_config("causal-lm"))
+    base = load_quantized(llama_checkpoint, quant)
+    # A built quantized base with a LoRA spec: the same estimate (its quantization state kept).
+    assert estimate(base, batch_size=2, seq_len=16, precision="bf16", lora=LORA).peak_bytes == data["peak_bytes"]
+    model = get_peft_model(base, LORA.peft_config("causal-lm"))
     # The quantized weights as loaded: packed data, absmax (nested statistics), code tables, scales.
     assert data["classes"]["weights"] == sum(weight_storages(model, None).values())
     # ... of which the quantization state (neither a parameter nor a buffer): per 4-bit weight of n values
