@@ -27,6 +27,7 @@ from hf_memwatch.planning.predict import EstimatorPredictor
 from hf_memwatch.testing.tokenizers import word_tokenizer
 
 LIGHT = {"detail": "light", "report": False, "summary": False}
+FULL = {"detail": "full", "report": False, "summary": False}  # snapshots split by class
 GIVEN = {"per_device_train_batch_size": 8, "activation_checkpointing": True, "max_steps": 3, "max_grad_norm": 0.05,
          "include_num_input_tokens_seen": True}
 SEQ = 32
@@ -45,6 +46,15 @@ def comparable_state(trainer: Trainer) -> dict[str, Any]:
     return {"log_history": history, "global_step": state.global_step, "epoch": state.epoch,
             "num_input_tokens_seen": state.num_input_tokens_seen, "max_steps": state.max_steps,
             "train_batch_size": state.train_batch_size}
+
+
+def assert_same_training(auto: Trainer, hand: Trainer, steps: int) -> None:
+    """The planned run is the hand-configured one: state, and per logged step loss and grad norm (rel 1e-6)."""
+    assert comparable_state(auto) == comparable_state(hand)
+    logged = [[(e["loss"], e["grad_norm"]) for e in t.state.log_history if "loss" in e] for t in (auto, hand)]
+    assert len(logged[0]) == len(logged[1]) == steps
+    for (loss_a, norm_a), (loss_h, norm_h) in zip(*logged, strict=True):
+        assert loss_a == pytest.approx(loss_h, rel=1e-6) and norm_a == pytest.approx(norm_h, rel=1e-6)
 
 
 def budget_for_accumulation(optim: str, accumulation: int) -> tuple[int, Plan]:

@@ -10,6 +10,7 @@ Usage:
     hf-memwatch estimate ./my-model --batch-size 16 --seq-len 512 --precision bf16 --budget 24GiB
     hf-memwatch estimate ./my-model --lora-r 16 --lora-targets all-linear --precision bf16
     hf-memwatch estimate --adapter ./my-adapter --batch-size 8 --json
+    hf-memwatch estimate ./my-model --load-in-4bit --double-quant --lora-r 16 --lora-targets all-linear
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from ..core.run_config import RunConfig
 from ..core.units import format_bytes, parse_bytes
 from ..estimation.estimate import CLASS_NAMES, DEVICES, PRECISIONS, SHARDS, TASKS, estimate, largest_fitting
 from ..estimation.optim import SUPPORTED_OPTIMS
+from ..estimation.quantized import COMPUTE_DTYPES, QUANT_TYPES
+from ..planning.catalogue import with_state_share
 from ..planning.chooser import candidates
 from ..planning.planner import plan_for
 
@@ -110,6 +113,15 @@ def add_peft_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--lora-dropout", type=float, default=0.0, help="LoRA dropout (default 0)")
     group.add_argument("--adapter", default=None, metavar="DIR",
                        help="a saved PEFT adapter folder (adapter_config.json), trained further")
+    quant = parser.add_argument_group("quantized base (QLoRA), as BitsAndBytesConfig loads it")
+    bits = quant.add_mutually_exclusive_group()
+    bits.add_argument("--load-in-4bit", action="store_true", help="4-bit bitsandbytes base (load_in_4bit)")
+    bits.add_argument("--load-in-8bit", action="store_true", help="8-bit bitsandbytes base (load_in_8bit)")
+    quant.add_argument("--bnb-4bit-quant-type", choices=QUANT_TYPES, default=None,
+                       help="bnb_4bit_quant_type (default nf4)")
+    quant.add_argument("--double-quant", action="store_true", help="bnb_4bit_use_double_quant")
+    quant.add_argument("--bnb-4bit-compute-dtype", choices=tuple(COMPUTE_DTYPES), default=None,
+                       help="bnb_4bit_compute_dtype (default fp32)")
 
 
 def peft_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -126,7 +138,22 @@ def peft_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         lora = LoraSpec.from_targets_text(args.lora_r, args.lora_alpha, args.lora_targets, args.lora_dropout)
     if args.model is None and args.adapter is None:
         raise MemWatchConfigError("give MODEL (or --adapter DIR)")
-    return dict(lora=lora, adapter=args.adapter)
+    return dict(lora=lora, adapter=args.adapter, quantization=quantization(args))
+
+
+def quantization(args: argparse.Namespace) -> Any:
+    """The :class:`~hf_memwatch.estimation.quantized.QuantSpec` of ``--load-in-4bit``/``--load-in-8bit``
+    (None without them); one-line errors."""
+    from ..core.errors import MemWatchConfigError
+    from ..estimation.quantized import QuantSpec
+
+    four_bit_options = (args.bnb_4bit_quant_type, args.bnb_4bit_compute_dtype) != (None, None) or args.double_quant
+    if not args.load_in_4bit:
+        if four_bit_options:
+            raise MemWatchConfigError("--bnb-4bit-quant-type/--double-quant/--bnb-4bit-compute-dtype need --load-in-4bit")
+        return QuantSpec(bits=8) if args.load_in_8bit else None
+    return QuantSpec(bits=4, quant_type=args.bnb_4bit_quant_type or "nf4", double_quant=args.double_quant,
+                     compute_dtype=args.bnb_4bit_compute_dtype or "fp32")
 
 
 def _run_config(args: argparse.Namespace) -> RunConfig:
@@ -141,7 +168,7 @@ def _run_config(args: argparse.Namespace) -> RunConfig:
 def remedies(args: argparse.Namespace, budget: int, given: Any) -> list[dict[str, Any]]:
     """Each combination of the catalogue's checkpointing and optimizer options at the given micro-batch:
     its predicted peak and the largest micro-batch it allows."""
-    run = _run_config(args)
+    run = with_state_share(_run_config(args), given)
     rows = []
     for plan in candidates(run):
         if plan.micro_batch_size != run.micro_batch_size:
@@ -167,9 +194,10 @@ def remedies(args: argparse.Namespace, budget: int, given: Any) -> list[dict[str
     return rows
 
 
-def _plan(args: argparse.Namespace, budget: int) -> dict[str, Any] | None:
+def _plan(args: argparse.Namespace, budget: int, given: Any) -> dict[str, Any] | None:
     """The planning core's choice (the auto mode's, for the same configuration and budget)."""
-    result = plan_for(args.model, _run_config(args), budget, estimate_kwargs=peft_kwargs(args))
+    result = plan_for(args.model, with_state_share(_run_config(args), given), budget,
+                      estimate_kwargs=peft_kwargs(args))
     if result.chosen is None:
         return None
     return dict(result.chosen.as_dict(), explain=result.chosen.reason)
@@ -187,7 +215,7 @@ def run(args: argparse.Namespace) -> int:
         if budget is not None:
             payload["remedies"] = remedies(args, budget, result)
             payload["largest_fitting_batch"] = payload["remedies"][0]["largest_fitting_batch"]
-            payload["plan"] = _plan(args, budget)
+            payload["plan"] = _plan(args, budget, result)
     if args.json:
         print(json.dumps(payload))
     else:
@@ -202,7 +230,9 @@ def _print_table(payload: dict[str, Any]) -> None:
     console = Console()
     cfg = payload["config"]
     peak = payload["peak_bytes"]
+    quant = cfg.get("quantization")
     extras = (" · checkpointing" if cfg["checkpointing"] else "") + (
+        f" · {quant['bits']}-bit base" + (f" {quant['quant_type']}" if quant["bits"] == 4 else "") if quant else "") + (
         f" · accum {cfg['accum']}" if cfg["accum"] > 1 else "")
     title = (f"{cfg['model']} · {cfg['task']} · batch {cfg['batch_size']} x {cfg['seq_len']} tokens · "
              f"{cfg['precision']} · {cfg['optim']}{extras}")

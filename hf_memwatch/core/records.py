@@ -103,6 +103,7 @@ class PlanRecord(_PlanRequired, total=False):
     recovered_from_oom: int
     eval_batch_size: int
     eval_accumulation_steps: int | None
+    advice: list[dict[str, Any]]  # catalogue.Advice.as_dict(): name, saving (bytes), how; never applied
     eval_predicted_peak: Bytes
     eval_reason: str
 

@@ -61,6 +61,11 @@ class RunConfig:
     predict_with_generate: bool = False
     generation_max_length: int | None = None
     generation_num_beams: int | None = None
+    # TRL preference trainers (DPO): the config's precompute_ref_log_probs; None: no such option
+    precompute_ref_log_probs: bool | None = None
+    peft_model: bool = False  # the trained model is a PEFT model (adapters trained, base frozen)
+    # share of the predicted peak the optimizer states take (None: not predicted yet)
+    optimizer_state_share: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "gradient_accumulation_steps", "world_size"):
@@ -120,6 +125,8 @@ class RunConfig:
             predict_with_generate=bool(getattr(args, "predict_with_generate", False)),
             generation_max_length=_positive_int(getattr(args, "generation_max_length", None)),
             generation_num_beams=_positive_int(getattr(args, "generation_num_beams", None)),
+            precompute_ref_log_probs=_optional_bool(getattr(args, "precompute_ref_log_probs", None)),
+            peft_model=is_peft_model(model),
         )
 
     @classmethod
@@ -141,6 +148,16 @@ def generation_kwargs(run: RunConfig) -> dict[str, Any]:
 # -- readers (one definition each) -----------------------------------------------------------
 def _positive_int(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def _optional_bool(value: Any) -> bool | None:
+    return None if value is None else bool(value)
+
+
+def is_peft_model(model: Any) -> bool:
+    """Whether ``model`` (or the model inside a DDP wrapper) is a PEFT model (its ``peft_config`` dict)."""
+    target = getattr(model, "module", model)
+    return isinstance(getattr(target, "peft_config", None), dict)
 
 
 def optim_name(args: Any) -> str:

@@ -2,5 +2,6 @@
 
 from .estimate import MemoryEstimate, estimate, estimate_eval, largest_fitting_batch
 from .peft import LoraSpec
+from .quantized import QuantSpec
 
-__all__ = ["LoraSpec", "MemoryEstimate", "estimate", "estimate_eval", "largest_fitting_batch"]
+__all__ = ["LoraSpec", "MemoryEstimate", "QuantSpec", "estimate", "estimate_eval", "largest_fitting_batch"]

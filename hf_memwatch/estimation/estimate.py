@@ -31,10 +31,11 @@ import torch
 from ..core.errors import MemWatchConfigError
 from ..core.run_config import RunConfig
 from ..core.units import format_bytes, parse_bytes
-from ..measure.attribution import weight_storages
+from ..measure.attribution import is_quantized_param, weight_storages
 from .generation import GenerationSettings
 from .layers import AUTO_MIN_LAYERS, SHORT_DEPTHS, extrapolate, homogeneous_layers, truncated
 from .peft import LoraSpec, apply_peft, is_adapter_dir, load_adapter, meta_copy
+from .quantized import QuantSpec, fake_quantized_param, quantize_meta
 from .shard import shard_classes
 from .step import CUDA_BLOCK, simulate_step
 from .trainer_replay import (
@@ -215,6 +216,9 @@ def fake_copy(model: torch.nn.Module, fake_mode: Any, device: str) -> torch.nn.M
     for tensor in list(model.parameters()) + list(model.buffers()):
         if id(tensor) in memo:
             continue
+        if is_quantized_param(tensor):  # bitsandbytes: its quantization state must come along
+            memo[id(tensor)] = fake_quantized_param(tensor, fake_mode, memo)
+            continue
         with torch.no_grad():
             fake = fake_mode.from_tensor(tensor.detach())
             if fake.device != target:
@@ -320,6 +324,7 @@ def estimate(
     sample_index: int | None = None,
     lora: LoraSpec | None = None,
     adapter: str | os.PathLike | None = None,
+    quantization: QuantSpec | None = None,
     eval_batch_size: int | None = None,
     eval_samples: int | None = None,
     eval_accumulation_steps: int | None = None,
@@ -349,7 +354,11 @@ def estimate(
     ``lora`` (a :class:`~hf_memwatch.estimation.peft.LoraSpec`) or ``adapter`` (a folder PEFT's
     ``save_pretrained`` wrote; ``model_or_config`` None = its ``base_model_name_or_path``) applies
     PEFT's ``get_peft_model`` to the fake base: frozen base, trainable adapters. A model path that
-    is itself an adapter folder is taken as ``adapter``.
+    is itself an adapter folder is taken as ``adapter``. ``quantization`` (a
+    :class:`~hf_memwatch.estimation.quantized.QuantSpec`: 4-bit nf4/fp4 with or without double
+    quantization, or 8-bit) loads the base from a config or path as ``BitsAndBytesConfig`` does,
+    prepared by PEFT's ``prepare_model_for_kbit_training`` (QLoRA with ``lora``/``adapter``); a
+    built model or Trainer is estimated as it is loaded, its bitsandbytes layers as they are.
 
     With ``eval_batch_size`` and ``eval_samples`` the evaluation loop is predicted too
     (``eval_peak_bytes``, ``eval_peak_phase``, ``eval_classes``; :mod:`hf_memwatch.estimation.eval_loop`):
@@ -403,6 +412,11 @@ def estimate(
     _validate_eval(eval_batch_size, eval_samples, eval_accumulation_steps, eval_seq_len)
     budget_bytes = None if budget is None else parse_bytes(budget)
     model_or_config, peft_config = _resolve_adapter(model_or_config, lora, adapter)
+    if quantization is not None and not isinstance(quantization, QuantSpec):
+        raise MemWatchConfigError(f"quantization must be a QuantSpec; got {type(quantization).__name__}")
+    if quantization is not None and isinstance(model_or_config, torch.nn.Module):
+        raise MemWatchConfigError("quantization is for a config or a path: a built model is estimated as it "
+                                  "was loaded (its bitsandbytes layers are read)")
     # Outer dispatch modes (a live MemWatch tracker, a profiler's) must not see the fake step.
     with _disable_current_modes():
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -416,9 +430,13 @@ def estimate(
         else:
             config = load_config(model_or_config)
             task = task or infer_task(config)
-            if wants_peft:
+            if wants_peft or quantization is not None:
                 meta = build_fake_model(config, task, contextlib.nullcontext(), "meta")
-                model = fake_copy(apply_peft(meta, peft_config or lora.peft_config(task)), fake_mode, "cpu")
+                if quantization is not None:
+                    meta = quantize_meta(meta, quantization)
+                if wants_peft:
+                    meta = apply_peft(meta, peft_config or lora.peft_config(task))
+                model = fake_copy(meta, fake_mode, "cpu")
             else:
                 model = build_fake_model(config, task, fake_mode, "cpu")
             config = model.config
@@ -494,6 +512,7 @@ def estimate(
             "lora": None if lora is None else asdict(lora),
             "adapter": None if adapter is None else os.fspath(adapter),
             "generation": None if generation is None else asdict(generation),
+            "quantization": None if quantization is None else asdict(quantization),
         },
         notes=notes,
         frozen_models=frozen_models,

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from ..measure.attribution import weight_tensors
 from ..measure.saved_tensors import SavedTensorRegistry
 from .generation import GenerationReplay, GenerationSettings, check_generation
 from .step import (
@@ -214,9 +215,9 @@ def simulate_eval(
     if replay is not None:
         check_generation(model, replay.settings, seq_len)
     tracker = EstimateTracker(device, SavedTensorRegistry(), round_to=CUDA_BLOCK if target == "cuda" else 1)
-    weight_tensors = list(model.parameters()) + list(model.buffers())
-    tracker.register(weight_tensors)
-    weights = _refs(tracker, weight_tensors)
+    weights_of_model = weight_tensors(model)  # quantization state included
+    tracker.register(weights_of_model)
+    weights = _refs(tracker, weights_of_model)
     batches = math.ceil(samples / batch_size)
     sizes = [batch_size] * (batches - 1) + [samples - (batches - 1) * batch_size]
     containers = {name: _Container(target == "cpu") for name in ("losses", "preds", "labels")}

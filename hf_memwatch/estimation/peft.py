@@ -102,9 +102,16 @@ def meta_copy(model: torch.nn.Module) -> torch.nn.Module:
     """A structural copy of ``model`` with every parameter and buffer on the meta device (ties kept)."""
     import copy
 
+    from ..measure.attribution import is_quantized_param
+
     memo: dict[int, Any] = {}
     for tensor in list(model.parameters()) + list(model.buffers()):
         if id(tensor) in memo:
+            continue
+        if is_quantized_param(tensor):
+            # Shared, not copied: a meta tensor would lose its quantization state, and PEFT leaves the
+            # frozen base weight alone (the fake copy made next replaces it).
+            memo[id(tensor)] = tensor
             continue
         meta = torch.empty_like(tensor.detach(), device="meta")
         if isinstance(tensor, torch.nn.Parameter):

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
+from ..measure.attribution import weight_tensors
 from ..measure.saved_tensors import SavedTensorRegistry
 from ..measure.tracker import StorageTracker
 from .optim import BNB_OPTIMS, build_optimizer
@@ -181,6 +182,14 @@ class EstimateTracker(StorageTracker):
             return super().__torch_dispatch__(_nonzero_of_all_true, types, args, kwargs)
         if func in _GROUPED_MM_OPS and _meta_rejects_dtype(args):
             return super().__torch_dispatch__(_grouped_mm_via_bf16(func), types, args, kwargs)
+        if func.namespace == "bitsandbytes" and func.__name__ == "gemm_4bit.default":
+            # The registered fake kernel allocates the output only; the CPU kernel (and the CUDA one
+            # past 1536 rows, every training micro-batch) dequantizes the weight into a temporary
+            # first: bitsandbytes' own composite, replayed.
+            kernel = _bnb_gemm_4bit_composite()
+            if kernel is not None:
+                with self:
+                    return kernel(*args, **(kwargs or {}))
         if self.bnb_cpu_kernels and func.namespace == "bitsandbytes" and "optimizer_update" in func.__name__:
             kernel = _bnb_cpu_kernel(func.__name__)
             if kernel is not None:
@@ -377,6 +386,15 @@ def _bnb_cpu_kernel(op_name: str) -> Any:
     if op_name.startswith("optimizer_update_32bit"):
         return getattr(cpu_ops, "_optimizer_update_32bit_cpu", None)
     return None
+
+
+def _bnb_gemm_4bit_composite() -> Any:
+    """bitsandbytes' dequantize-then-``linear`` implementation of ``gemm_4bit`` (None when unavailable)."""
+    try:
+        from bitsandbytes.backends.default import ops as default_ops
+    except ImportError:  # pragma: no cover - bnb without its default backend
+        return None
+    return getattr(default_ops, "_gemm_4bit_default_impl", None)
 
 
 # -- inputs ----------------------------------------------------------------------------------
@@ -608,13 +626,13 @@ def simulate_step(
         device, saved, round_to=CUDA_BLOCK if target == "cuda" else 1,
         bnb_cpu_kernels=(target == "cpu" and optim in BNB_OPTIMS),
     )
-    weight_tensors = list(model.parameters()) + list(model.buffers())
-    tracker.register(weight_tensors)
+    weights_of_model = weight_tensors(model)  # quantization state included
+    tracker.register(weights_of_model)
     _name_frozen_weights(tracker, model)
     vocab = getattr(config, "vocab_size", None)
     if task != "seq-cls" and isinstance(vocab, int) and vocab > 1:  # after the weights: never named
         tracker.name_logits(vocab, batch_size, precision in MIXED_DTYPES)
-    weights = _refs(tracker, weight_tensors)
+    weights = _refs(tracker, weights_of_model)
     other: dict[int, Any] = {}
     phases = _Phases(tracker, model, optimizer, weights, other)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -702,7 +720,7 @@ def _name_frozen_weights(tracker: EstimateTracker, model: torch.nn.Module) -> No
     params = list(model.parameters())
     if all(p.requires_grad for p in params):
         return
-    for tensor in params + list(model.buffers()):
+    for tensor in weight_tensors(model):
         key = tensor.untyped_storage()._cdata
         ref = tracker._live.get(key)
         if ref is not None:

@@ -62,6 +62,7 @@ from ..measure.footprint import (
     step_footprint,
 )
 from ..planning.budget import Budget, BudgetSpec, footprint_kind, margin_before_training, resolve_budget
+from ..planning.catalogue import advice, with_state_share
 from ..planning.chooser import PlanResult, no_fit_message, plan_run
 from ..planning.eval_plan import plan_eval
 from ..planning.lengths import WorstBatch, worst_batch
@@ -281,6 +282,9 @@ class AutoMode:
         apply_eval_plan(trainer, record)
         self.plan = record
         logger.warning("hf-memwatch plan: %s", record["reason"])
+        for item in record.get("advice", ()):
+            logger.warning("hf-memwatch advice (not applied): %s would save %s: %s",
+                           item["name"], format_bytes(item["saving"]), item["how"])
         self.record(record)
         return record
 
@@ -342,7 +346,8 @@ class AutoMode:
         self.predictor = predictor
         try:
             given_estimate = predictor.estimate(Plan.of(run))
-            run = run.replace(seq_len=int(given_estimate.config.get("seq_len") or 1))
+            run = with_state_share(run.replace(seq_len=int(given_estimate.config.get("seq_len") or 1)),
+                                   given_estimate)
             predictor.run = run
             result = plan_run(run, predictor, budget.usable)
         except MemWatchConfigError as exc:  # the model, not the user's configuration: not fatal
@@ -358,6 +363,10 @@ class AutoMode:
                   "source": None if worst is None else worst.source,
                   "notes": [*(worst.notes if worst is not None else ()), *given_estimate.notes]}
         record = dict(plan_record(result, run, budget, sample), **eval_fields)
+        # Savings that change what is trained or computed (DPO's reference model): shown, never applied.
+        found = advice(run, given_estimate.frozen_models)
+        if found:
+            record["advice"] = [item.as_dict() for item in found]
         # The rank that must cut the most from the configured run decides (issue 7): its plan fits
         # every rank with a larger budget. A chosen plan's own peak would pick the laxest rank.
         return agree(record, int(result.given.predicted_peak or 0) - budget.usable)
@@ -452,6 +461,9 @@ class AutoMode:
                                     "micro-batch in a new run") + ")")
         self.plan = record
         logger.warning("hf-memwatch plan: %s", record["reason"])
+        for item in record.get("advice", ()):
+            logger.warning("hf-memwatch advice (not applied): %s would save %s: %s",
+                           item["name"], format_bytes(item["saving"]), item["how"])
         self.record(record)
         return record
 

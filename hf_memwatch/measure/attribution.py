@@ -26,17 +26,48 @@ def unwrap_optimizer(optimizer: Any) -> Any:
     return optimizer
 
 
+def is_quantized_param(tensor: torch.Tensor) -> bool:
+    """A bitsandbytes 4-bit (``Params4bit``) or 8-bit (``Int8Params``) parameter (by class name: no
+    bitsandbytes import where it is not installed)."""
+    return type(tensor).__name__ in ("Params4bit", "Int8Params")
+
+
+def quant_state_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors a quantized parameter keeps beside its data: absmax, code tables, nested statistics
+    (4-bit), the per-row scales (8-bit). Empty for any other tensor. Read from the attributes
+    bitsandbytes' layers read, which the estimator's fake twins carry too."""
+    found: list[torch.Tensor] = []
+    state = getattr(tensor, "quant_state", None)
+    while state is not None:  # a nested state holds the statistics of the absmax in state2
+        found.extend(t for t in (state.absmax, state.code, getattr(state, "offset", None))
+                     if isinstance(t, torch.Tensor))
+        state = getattr(state, "state2", None)
+    scales = getattr(tensor, "SCB", None)
+    if isinstance(scales, torch.Tensor):
+        found.append(scales)
+    return found
+
+
+def weight_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Parameters, buffers and the quantization state of bitsandbytes-quantized parameters (absmax,
+    code tables, scales: resident as long as the weight, yet neither a parameter nor a buffer)."""
+    tensors: list[torch.Tensor] = []
+    for param in model.parameters():
+        tensors.append(param)
+        tensors.extend(quant_state_tensors(param))
+    tensors.extend(model.buffers())
+    return tensors
+
+
 def weight_storages(model: torch.nn.Module, device: torch.device | None) -> dict[int, int]:
-    """Unique storages of parameters and buffers (tied weights count once).
+    """Unique storages of the weights (:func:`weight_tensors`; tied weights count once).
 
     Example:
         >>> m = torch.nn.Linear(4, 2)
         >>> sum(weight_storages(m, None).values())
         40
     """
-    tensors: list[torch.Tensor] = [p for p in model.parameters()]
-    tensors.extend(model.buffers())
-    return collect_storages(tensors, device)
+    return collect_storages(weight_tensors(model), device)
 
 
 def gradient_storages(

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .attribution import weight_storages
+from .attribution import weight_storages, weight_tensors
 
 
 def held_models(trainer: Any) -> dict[str, torch.nn.Module]:
@@ -39,8 +39,7 @@ class HeldModels:
     def known_tensors(self, monitor: Any) -> list[torch.Tensor]:
         tensors: list[torch.Tensor] = []
         for module in self.models.values():
-            tensors.extend(module.parameters())
-            tensors.extend(module.buffers())
+            tensors.extend(weight_tensors(module))
         return tensors
 
     def class_storages(self, monitor: Any) -> dict[str, dict[int, int]]:

@@ -22,6 +22,7 @@ from .attribution import (
     split_live,
     unwrap_optimizer,
     weight_storages,
+    weight_tensors,
 )
 from .backends import AllocatorBackend
 from .footprint import host_sizes
@@ -185,8 +186,7 @@ class StepMonitor:
     def _register_known(self) -> None:
         tensors: list[torch.Tensor | None] = []
         if self.model is not None:
-            tensors.extend(self.model.parameters())
-            tensors.extend(self.model.buffers())
+            tensors.extend(weight_tensors(self.model))  # bitsandbytes quantization state included
             tensors.extend(p.grad for p in self.model.parameters())
         if self.optimizer is not None:
             tensors.extend(nested_tensors(list(getattr(self.optimizer, "state", {}).values())))

@@ -20,12 +20,15 @@ Example:
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from ..core.run_config import RunConfig
 
+# 8-bit AdamW is not proposed where the optimizer states are less than this share of the predicted
+# peak (a LoRA run's adapters): it would save at most ~3/4 of a rounding error.
+MIN_STATE_SHARE = 0.05
 # Optimizers that 8-bit AdamW replaces without changing the algorithm.
 ADAMW_NAMES = frozenset({"adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw_apex_fused", "adamw_torch_xla"})
 EIGHT_BIT_NAMES = frozenset({"adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit"})
@@ -100,6 +103,11 @@ def _eight_bit_unavailable(run: RunConfig) -> str | None:
         return None
     if run.optim not in ADAMW_NAMES:
         return f"optim={run.optim!r} is not AdamW, and replacing it would change the training algorithm"
+    share = run.optimizer_state_share
+    if share is not None and share < MIN_STATE_SHARE:
+        # LoRA/QLoRA: quantising states of a few adapter parameters saves nothing worth a changed optimizer
+        return (f"the optimizer states are {100 * share:.1f}% of the predicted peak (below "
+                f"{100 * MIN_STATE_SHARE:.0f}%): 8-bit states would save almost nothing")
     if not bitsandbytes_installed():
         return "bitsandbytes is not installed (pip install bitsandbytes)"
     return None
@@ -148,3 +156,60 @@ def single_remedies(run: RunConfig) -> list[tuple[str, RunConfig]]:
     if run.precision == "fp32":
         variants.append(("bf16 mixed precision (advice: changes numerics)", run.replace(precision="bf16")))
     return variants
+
+
+def with_state_share(run: RunConfig, estimate: Any) -> RunConfig:
+    """``run`` with ``optimizer_state_share`` from a predicted step (a ``MemoryEstimate`` of ``run``):
+    what the 8-bit AdamW rule reads."""
+    peak = int(getattr(estimate, "peak_bytes", 0) or 0)
+    states = int((getattr(estimate, "classes", None) or {}).get("optimizer_states", 0))
+    return run.replace(optimizer_state_share=states / peak if peak > 0 else None)
+
+
+@dataclass(frozen=True)
+class Advice:
+    """A memory saving that changes what the run computes or trains: shown with its predicted saving,
+    never applied by a planner. ``saving`` is bytes per device; ``how`` says what to change and its cost."""
+
+    name: str
+    saving: int
+    how: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "saving": self.saving, "how": self.how}
+
+
+REFERENCE_MODEL = "ref_model"  # the attribute TRL's preference trainers hold their reference model in
+
+
+def advice(run: RunConfig, frozen_models: Mapping[str, int]) -> list[Advice]:
+    """Advice for ``run`` whose Trainer holds the frozen models ``frozen_models`` (name -> resident
+    bytes, as :func:`hf_memwatch.estimate` and the live monitor report them).
+
+    A TRL preference trainer (DPO: ``precompute_ref_log_probs`` is one of its options) holding a copied
+    reference model can drop it: its bytes are the saving.
+
+    Example:
+        >>> run = RunConfig(micro_batch_size=4, precompute_ref_log_probs=False)
+        >>> [a.name for a in advice(run, {"ref_model": 1000})]
+        ['precompute_ref_log_probs=True, ref_model=None', 'LoRA policy, ref_model=None']
+    """
+    reference = int(frozen_models.get(REFERENCE_MODEL, 0) or 0)
+    if reference <= 0 or run.precompute_ref_log_probs is None:
+        return []
+    found = []
+    if run.precompute_ref_log_probs:
+        found.append(Advice("ref_model=None", reference, "the reference log-probs are already precomputed: the "
+                                                         "reference model passed to the trainer is not needed"))
+    else:
+        found.append(Advice("precompute_ref_log_probs=True, ref_model=None", reference,
+                            "the reference log-probs are computed once before training (one forward pass over "
+                            "the dataset) and no reference model is held while training"))
+    if run.peft_model:
+        found.append(Advice("ref_model=None (PEFT policy)", reference,
+                            "the policy is a PEFT model: with its adapter disabled it is the reference"))
+    else:
+        found.append(Advice("LoRA policy, ref_model=None", reference,
+                            "train a LoRA adapter (peft_config=...): the model with the adapter disabled is the "
+                            "reference; gradients and optimizer states shrink too (not counted here)"))
+    return found

@@ -26,10 +26,10 @@ import torch
 
 from ..core.categories import LIVE_CLASSES
 from ..core.errors import is_oom_error
-from ..core.run_config import RunConfig
+from ..core.run_config import RunConfig, is_peft_model
 from ..core.units import format_bytes
 from ..measure.footprint import advice_from_stats, allocator_settings
-from ..planning.catalogue import single_remedies
+from ..planning.catalogue import single_remedies, with_state_share
 
 logger = logging.getLogger("hf_memwatch")
 
@@ -164,16 +164,20 @@ def estimate_remedies(model: Any, config: RunConfig) -> tuple[int | None, list[t
         return None, [], "the sequence length of the failing batch is unknown, so the estimator was not run"
 
     # The config, not the module: the live module carries our hooks (and the user's), which the
-    # estimator's copy must not drag along.
-    subject = getattr(model, "config", None) or model
+    # estimator's copy must not drag along. A PEFT model is the exception: its config alone would be
+    # estimated as a full fine-tune of an unquantized base (the estimator's copy keeps plain-function
+    # hooks only, never a callback's bound method).
+    subject = model if is_peft_model(model) else (getattr(model, "config", None) or model)
 
     def peak_of(cfg: RunConfig) -> int:
         return int(estimate(subject, **cfg.estimate_kwargs()).peak_bytes)
 
     try:
-        baseline = peak_of(config)
+        given = estimate(subject, **config.estimate_kwargs())
     except Exception as exc:  # noqa: BLE001 - report what we can
         return None, [], f"the estimator failed on this run's configuration ({type(exc).__name__}: {exc})"
+    baseline = int(given.peak_bytes)
+    config = with_state_share(config, given)  # no 8-bit AdamW where the states are a rounding error
     rows: list[tuple[str, int | None, str]] = []
     for description, variant in single_remedies(config):
         try:

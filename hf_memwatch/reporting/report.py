@@ -182,9 +182,12 @@ def draw(runs: list[RankTimeline], budget: int | None = None) -> Any:
 def _draw_rank(ax: Any, run: RankTimeline, unit: str, scale: int, budget: int | None, show_rank: bool) -> None:
     snaps = run.snapshots
     xs = list(range(len(snaps)))
-    layers = [[(s["live"].get(name) or 0) / scale for s in snaps] for name in LIVE_CLASSES]
-    ax.stackplot(xs, layers, labels=[LABELS[n] for n in LIVE_CLASSES], colors=[COLOURS[n] for n in LIVE_CLASSES],
-                 alpha=0.9)
+    bands = live_bands(snaps)
+    polys = ax.stackplot(xs, [[v / scale for v in band.values] for band in bands],
+                         labels=[band.label for band in bands], colors=[band.colour for band in bands], alpha=0.9)
+    for poly, band in zip(polys, bands, strict=True):
+        if band.hatch:
+            poly.set_hatch(band.hatch)
     _draw_spikes(ax, snaps, scale)
     _mark_peaks(ax, run, snaps, scale, unit)
     if budget:
@@ -202,6 +205,37 @@ def _draw_rank(ax: Any, run: RankTimeline, unit: str, scale: int, budget: int | 
     ax.grid(axis="y", alpha=0.3)
     if show_rank:
         ax.set_title(f"rank {run.rank}", fontsize=10, loc="left")
+
+
+@dataclass
+class Band:
+    """One stacked band of the picture: bytes per snapshot."""
+
+    name: str
+    label: str
+    colour: str
+    values: list[int]
+    hatch: str | None = None
+
+
+FROZEN = "frozen_models"
+FROZEN_COLOUR = "#9DB4D8"
+
+
+def live_bands(snaps: list[dict[str, Any]]) -> list[Band]:
+    """The stacked bands of the live classes, bottom first. When the Trainer holds frozen models (TRL's
+    ``ref_model``, a teacher; the snapshots' ``frozen_models``), the weights are split: the frozen
+    models' part (hatched) below the trained model's own."""
+    live = {name: [int(s["live"].get(name) or 0) for s in snaps] for name in LIVE_CLASSES}
+    frozen = [sum((s.get(FROZEN) or {}).values()) for s in snaps]
+    bands = [Band(name, LABELS[name], COLOURS[name], live[name]) for name in LIVE_CLASSES]
+    if not any(frozen):
+        return bands
+    names = sorted({name for s in snaps for name in (s.get(FROZEN) or {})})
+    trained = Band("weights", "weights (trained model)", COLOURS["weights"],
+                   [max(0, w - f) for w, f in zip(live["weights"], frozen, strict=True)])
+    held = Band(FROZEN, f"weights: frozen models held ({', '.join(names)})", FROZEN_COLOUR, frozen, hatch="//")
+    return [held, trained, *bands[1:]]
 
 
 def _phase_span(snaps: list[dict[str, Any]], i: int) -> tuple[float, float]:
