@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import read_records
-from test_equivalence import LIGHT, assert_same_training, llama, sft_dataset
+from test_equivalence import FULL, assert_same_training, llama, sft_dataset
 
 from hf_memwatch import MemWatch, estimate
 from hf_memwatch.cli.main import main
@@ -137,8 +137,9 @@ def test_auto_mode_on_sft_qlora_fits_and_is_the_hand_configured_run(llama_checkp
     del probe
 
     torch.manual_seed(0)
+    # Every step fully tracked: the dispatch mode must not change bitsandbytes' kernels under autocast.
     auto = sft_qlora(tmp_path / "auto", load_quantized(llama_checkpoint, quant),
-                     [MemWatch(auto=True, budget=budget, **LIGHT)])
+                     [MemWatch(auto=True, budget=budget, **FULL)])
     resident = sum(weight_storages(auto.model, None).values())
     with cpu_memory_profile() as prof:
         auto.train()

@@ -75,3 +75,21 @@ def test_saved_registry_counts_by_storage_and_releases_after_backward():
     assert registry.total() == expected
     loss.backward()
     assert registry.total() == 0
+
+
+def test_another_librarys_python_kernel_runs_under_its_callers_autocast():
+    # bitsandbytes' CPU kernels are Python; a dispatch mode runs below autocast, so unless the tracker
+    # restores the caller's autocast around them, their inner matmuls run in fp32 instead of bf16.
+    import bitsandbytes as bnb
+
+    torch.manual_seed(0)
+    layer = bnb.nn.Linear4bit(64, 64, bias=False, compute_dtype=torch.float32, quant_type="nf4")
+    layer.weight = bnb.nn.Params4bit(torch.randn(64, 64), requires_grad=False, quant_type="nf4")
+    layer = layer.to("cpu")  # quantized here
+    x = torch.randn(4, 64, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        unobserved = layer(x)
+        tracker = StorageTracker("cpu")
+        with tracker:
+            observed = layer(x)
+    assert torch.equal(observed, unobserved) and tracker.peak > 0

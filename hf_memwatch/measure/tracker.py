@@ -20,6 +20,32 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .storage import plain_tensors
 
+# Operator namespaces whose kernels are PyTorch's own: they run alike in a dispatch mode or not.
+_BUILT_IN_NAMESPACES = frozenset({"aten", "prim", "prims"})
+_AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps")
+
+
+def run_as_called(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    """Run another library's operator (``bitsandbytes::gemm_4bit``...) with the autocast its caller had.
+
+    A dispatch mode runs below autocast: PyTorch excludes it while the mode handles an operator, so
+    a kernel written in Python (as bitsandbytes' CPU kernels are) would run its own inner operators
+    in fp32 where, unobserved, autocast makes them bf16 — monitoring would change the numbers. The
+    caller's autocast (PyTorch keeps a snapshot of its dispatch state for handlers) is restored
+    around the kernel, nothing else.
+    """
+    with torch._C._RestorePythonTLSSnapshot():
+        devices = [device for device in _AUTOCAST_DEVICES if torch.is_autocast_enabled(device)]
+    if not devices:
+        return func(*args, **kwargs)
+    for device in devices:
+        torch.set_autocast_enabled(device, True)
+    try:
+        return func(*args, **kwargs)
+    finally:
+        for device in devices:
+            torch.set_autocast_enabled(device, False)
+
 
 class _StorageRef(weakref.ref):
     __slots__ = ("key", "nbytes")
@@ -113,7 +139,10 @@ class StorageTracker(TorchDispatchMode):
 
     # -- dispatch ---------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        if func.namespace in _BUILT_IN_NAMESPACES:
+            out = func(*args, **(kwargs or {}))
+        else:
+            out = run_as_called(func, args, kwargs or {})
         if isinstance(out, torch.Tensor):
             self._track_output(out)
         elif isinstance(out, (tuple, list)):
