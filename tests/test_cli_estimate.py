@@ -33,6 +33,11 @@ def test_json_output_matches_the_python_api(model_dir, capsys):
     assert data["params"] == data["trainable_params"] > 0
     assert data["fits"] is None
     assert data["config"]["task"] == "causal-lm"  # from the config's architectures
+    # The logits are most of this step: the fused/chunked loss routes are advised with their bytes.
+    logits = sum(part for named in data["details"].values() for name, part in named.items() if name.startswith("logits"))
+    assert logits >= 0.05 * data["peak_bytes"]
+    assert [a["name"].split(" ")[0] for a in data["advice"]] == ["use_liger_kernel=True", "trl.SFTTrainer"]
+    assert all(a["saving"] == logits for a in data["advice"])
 
 
 def test_budget_adds_fit_largest_batch_and_remedies(model_dir, capsys):

@@ -23,10 +23,19 @@ from typing import Any
 
 from ..core.run_config import RunConfig
 from ..core.units import format_bytes, parse_bytes
-from ..estimation.estimate import CLASS_NAMES, DEVICES, PRECISIONS, SHARDS, TASKS, estimate, largest_fitting
+from ..estimation.estimate import (
+    CLASS_NAMES,
+    DEVICES,
+    PRECISIONS,
+    SHARDS,
+    TASKS,
+    estimate,
+    largest_fitting,
+    logits_bytes,
+)
 from ..estimation.optim import SUPPORTED_OPTIMS
 from ..estimation.quantized import COMPUTE_DTYPES, QUANT_TYPES
-from ..planning.catalogue import with_state_share
+from ..planning.catalogue import advice, with_state_share
 from ..planning.chooser import candidates
 from ..planning.planner import plan_for
 
@@ -212,6 +221,9 @@ def run(args: argparse.Namespace) -> int:
         result = estimate(args.model, budget=budget, **_run_config(args).estimate_kwargs(), **peft_kwargs(args),
                           **eval_kwargs(args))
         payload = result.to_dict()
+        # Savings that change what is computed (a fused loss, no reference model): shown, never planned.
+        payload["advice"] = [item.as_dict() for item in advice(
+            _run_config(args), result.frozen_models, logits_bytes(result), result.peak_bytes)]
         if budget is not None:
             payload["remedies"] = remedies(args, budget, result)
             payload["largest_fitting_batch"] = payload["remedies"][0]["largest_fitting_batch"]
@@ -254,6 +266,8 @@ def _print_table(payload: dict[str, Any]) -> None:
     for note in payload["notes"]:
         console.print(f"note: {note}")
     print_eval(payload, console)
+    for item in payload.get("advice", []):
+        console.print(f"advice (not planned): {item['name']} saves up to {format_bytes(item['saving'])} — {item['how']}")
     if payload.get("budget") is None:
         return
     verdict = "[green]fits[/green]" if payload["fits"] else "[red]does not fit[/red]"

@@ -93,6 +93,12 @@ class MemoryEstimate:
         return json.dumps(self.to_dict(), **kwargs)
 
 
+def logits_bytes(estimate: MemoryEstimate) -> int:
+    """Bytes of logits (and their fp32 upcast) live at the estimate's peak, whichever class holds them."""
+    return sum(nbytes for named in estimate.details.values() for name, nbytes in named.items()
+               if name.startswith("logits"))
+
+
 # -- inputs ----------------------------------------------------------------------------------
 def load_config(model_or_config: Any) -> Any:
     """A ``PretrainedConfig`` from a config, a model directory or a ``config.json`` path.

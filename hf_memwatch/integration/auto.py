@@ -364,7 +364,9 @@ class AutoMode:
                   "notes": [*(worst.notes if worst is not None else ()), *given_estimate.notes]}
         record = dict(plan_record(result, run, budget, sample), **eval_fields)
         # Savings that change what is trained or computed (DPO's reference model): shown, never applied.
-        found = advice(run, given_estimate.frozen_models)
+        from ..estimation.estimate import logits_bytes
+
+        found = advice(run, given_estimate.frozen_models, logits_bytes(given_estimate), given_estimate.peak_bytes)
         if found:
             record["advice"] = [item.as_dict() for item in found]
         # The rank that must cut the most from the configured run decides (issue 7): its plan fits

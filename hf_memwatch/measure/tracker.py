@@ -3,7 +3,8 @@
 PyTorch's CPU allocator has no ``memory_allocated()``. :class:`StorageTracker` is a
 ``TorchDispatchMode`` that sees every tensor an operator returns, registers each new storage with a
 weak reference, and drops it when the storage dies: a live byte count and its peak, as the allocator
-would report them. It only observes (``func`` runs unchanged) so numerics are untouched, and it nests
+would report them. It only observes (``func`` runs unchanged, another library's Python kernel under
+its caller's autocast: :func:`run_as_called`) so numerics are untouched, and it nests
 with other dispatch modes and with ``torch.profiler``. Under ``FakeTensorMode`` the same tracker
 measures a step without allocating it, which is how the estimator works.
 """

@@ -182,22 +182,25 @@ class Advice:
 REFERENCE_MODEL = "ref_model"  # the attribute TRL's preference trainers hold their reference model in
 
 
-def advice(run: RunConfig, frozen_models: Mapping[str, int]) -> list[Advice]:
+def advice(run: RunConfig, frozen_models: Mapping[str, int], logits: int = 0, peak: int = 0) -> list[Advice]:
     """Advice for ``run`` whose Trainer holds the frozen models ``frozen_models`` (name -> resident
-    bytes, as :func:`hf_memwatch.estimate` and the live monitor report them).
+    bytes, as :func:`hf_memwatch.estimate` and the live monitor report them) and whose step peaks at
+    ``peak`` bytes with ``logits`` bytes of logits (and their fp32 upcast) live at that moment.
 
     A TRL preference trainer (DPO: ``precompute_ref_log_probs`` is one of its options) holding a copied
-    reference model can drop it: its bytes are the saving.
+    reference model can drop it: its bytes are the saving. A language-model step whose logits take
+    :data:`LOGITS_ADVICE_SHARE` of its peak or more can compute its loss without them: the fused or
+    chunked cross-entropy routes of the installed stack (:func:`fused_loss_advice`).
 
     Example:
         >>> run = RunConfig(micro_batch_size=4, precompute_ref_log_probs=False)
         >>> [a.name for a in advice(run, {"ref_model": 1000})]
         ['precompute_ref_log_probs=True, ref_model=None', 'LoRA policy, ref_model=None']
     """
+    found = fused_loss_advice(logits, peak)
     reference = int(frozen_models.get(REFERENCE_MODEL, 0) or 0)
     if reference <= 0 or run.precompute_ref_log_probs is None:
-        return []
-    found = []
+        return found
     if run.precompute_ref_log_probs:
         found.append(Advice("ref_model=None", reference, "the reference log-probs are already precomputed: the "
                                                          "reference model passed to the trainer is not needed"))
@@ -212,4 +215,34 @@ def advice(run: RunConfig, frozen_models: Mapping[str, int]) -> list[Advice]:
         found.append(Advice("LoRA policy, ref_model=None", reference,
                             "train a LoRA adapter (peft_config=...): the model with the adapter disabled is the "
                             "reference; gradients and optimizer states shrink too (not counted here)"))
+    return found
+
+
+# Logits advice only where the logits are a real part of the peak (not for a classifier's few labels).
+LOGITS_ADVICE_SHARE = 0.05
+
+
+def fused_loss_advice(logits: int, peak: int) -> list[Advice]:
+    """The routes to a loss without the full logits that exist in the installed stack, each saving up
+    to ``logits`` (the logits and their fp32 upcast live at the peak; a chunk of them remains).
+
+    Example:
+        >>> [a.name.split(" ")[0] for a in fused_loss_advice(300, 1000)]
+        ['use_liger_kernel=True', 'trl.SFTTrainer']
+        >>> fused_loss_advice(10, 1000)
+        []
+    """
+    if logits <= 0 or peak <= 0 or logits < LOGITS_ADVICE_SHARE * peak:
+        return []
+    found = []
+    liger = importlib.util.find_spec("liger_kernel") is not None
+    found.append(Advice(
+        "use_liger_kernel=True (Liger fused linear cross-entropy)", logits,
+        "the LM head and the loss are computed in chunks, the logits never whole; CUDA only (Triton kernels); "
+        + ("liger-kernel is installed" if liger else "needs pip install liger-kernel")))
+    if importlib.util.find_spec("trl") is not None:
+        found.append(Advice(
+            "trl.SFTTrainer (its fused LM head)", logits,
+            "TRL's SFTTrainer computes the per-token log-probabilities in chunks without materialising the "
+            "logits (any device); the run's data must suit SFT"))
     return found
