@@ -170,4 +170,4 @@ def test_oom_post_mortem_estimates_what_is_trained_and_skips_8bit_adamw(llama_ch
     baseline, remedies, note = estimate_remedies(model, run)
     assert note == ""
     assert baseline == estimate(model, batch_size=1, seq_len=16, precision="bf16").peak_bytes
-    assert [name for name, _, _ in remedies] == ["activation checkpointing on"]
+    assert [name for name, peak, _ in remedies if peak is not None] == ["activation checkpointing on"]

@@ -190,14 +190,16 @@ def advice(run: RunConfig, frozen_models: Mapping[str, int], logits: int = 0, pe
     A TRL preference trainer (DPO: ``precompute_ref_log_probs`` is one of its options) holding a copied
     reference model can drop it: its bytes are the saving. A language-model step whose logits take
     :data:`LOGITS_ADVICE_SHARE` of its peak or more can compute its loss without them: the fused or
-    chunked cross-entropy routes of the installed stack (:func:`fused_loss_advice`).
+    chunked cross-entropy routes of the installed stack (:func:`fused_loss_advice`; not for a
+    preference trainer, whose loss they do not replace).
 
     Example:
         >>> run = RunConfig(micro_batch_size=4, precompute_ref_log_probs=False)
         >>> [a.name for a in advice(run, {"ref_model": 1000})]
         ['precompute_ref_log_probs=True, ref_model=None', 'LoRA policy, ref_model=None']
     """
-    found = fused_loss_advice(logits, peak)
+    # The fused routes replace a plain language-model loss; a preference trainer's (DPO) has none of them.
+    found = fused_loss_advice(logits, peak) if run.precompute_ref_log_probs is None else []
     reference = int(frozen_models.get(REFERENCE_MODEL, 0) or 0)
     if reference <= 0 or run.precompute_ref_log_probs is None:
         return found

@@ -29,7 +29,7 @@ from ..core.errors import is_oom_error
 from ..core.run_config import RunConfig, is_peft_model
 from ..core.units import format_bytes
 from ..measure.footprint import advice_from_stats, allocator_settings
-from ..planning.catalogue import single_remedies, with_state_share
+from ..planning.catalogue import advice, single_remedies, with_state_share
 
 logger = logging.getLogger("hf_memwatch")
 
@@ -184,6 +184,11 @@ def estimate_remedies(model: Any, config: RunConfig) -> tuple[int | None, list[t
             rows.append((description, peak_of(variant), ""))
         except Exception as exc:  # noqa: BLE001
             rows.append((description, None, f"estimator failed: {type(exc).__name__} {exc}".strip()))
+    # Savings that change the code path or what is trained: named with their bytes, no plan figure.
+    from ..estimation.estimate import logits_bytes
+
+    for item in advice(config, given.frozen_models, logits_bytes(given), baseline):
+        rows.append((f"{item.name} (advice)", None, f"saves up to {format_bytes(item.saving)}: {item.how}"))
     return baseline, rows, ""
 
 
