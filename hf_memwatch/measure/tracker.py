@@ -140,7 +140,7 @@ class StorageTracker(TorchDispatchMode):
 
     # -- dispatch ---------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace in _BUILT_IN_NAMESPACES:
+        if getattr(func, "namespace", "aten") in _BUILT_IN_NAMESPACES:  # (a wrapper of ours: plain)
             out = func(*args, **(kwargs or {}))
         else:
             out = run_as_called(func, args, kwargs or {})
