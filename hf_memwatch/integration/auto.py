@@ -108,6 +108,14 @@ def plan_record(result: PlanResult, run: RunConfig, budget: Budget, sample: dict
     }
 
 
+def log_advice(record: dict[str, Any], *, pressed: bool) -> None:
+    """The plan record's advice in the log: a warning when memory pressed the plan (it changed the
+    run), otherwise at INFO (a run that fits as given stays quiet: one plan line)."""
+    for item in record.get("advice", ()):
+        logger.log(logging.WARNING if pressed else logging.INFO, "hf-memwatch advice (not applied): %s would save %s: %s",
+                   item["name"], format_bytes(item["saving"]), item["how"])
+
+
 class EstimatorUnavailable(RuntimeError):
     """The estimator cannot replay this Trainer's step: the run trains as configured, with a warning."""
 
@@ -133,6 +141,7 @@ class AutoMode:
         self.baseline: FootprintReading | None = None  # the host footprint when training began
         self.measured: list[StepFootprint] = []  # the first steps' footprints
         self.advised = False  # the expandable-segments advice was logged
+        self.plan_changed_the_run = False  # the last plan differs from the run as configured
 
     # -- wiring -------------------------------------------------------------------------------
     def install(self, trainer: Any) -> None:
@@ -282,9 +291,7 @@ class AutoMode:
         apply_eval_plan(trainer, record)
         self.plan = record
         logger.warning("hf-memwatch plan: %s", record["reason"])
-        for item in record.get("advice", ()):
-            logger.warning("hf-memwatch advice (not applied): %s would save %s: %s",
-                           item["name"], format_bytes(item["saving"]), item["how"])
+        log_advice(record, pressed=self.plan_changed_the_run)
         self.record(record)
         return record
 
@@ -353,6 +360,7 @@ class AutoMode:
         except MemWatchConfigError as exc:  # the model, not the user's configuration: not fatal
             raise EstimatorUnavailable(f"the estimator cannot replay this run: {exc}") from exc
         self.planning_seconds = time.perf_counter() - started
+        self.plan_changed_the_run = result.chosen is not None and result.chosen.key() != result.given.key()
         if result.chosen is None:
             raise PlanError(no_fit_message(result, budget.describe()))
         if result.chosen.key() != result.given.key():
@@ -463,9 +471,7 @@ class AutoMode:
                                     "micro-batch in a new run") + ")")
         self.plan = record
         logger.warning("hf-memwatch plan: %s", record["reason"])
-        for item in record.get("advice", ()):
-            logger.warning("hf-memwatch advice (not applied): %s would save %s: %s",
-                           item["name"], format_bytes(item["saving"]), item["how"])
+        log_advice(record, pressed=True)
         self.record(record)
         return record
 
