@@ -135,3 +135,21 @@ def test_report_sync_draws_before_train_returns_and_bad_values_fail(tmp_path):
     assert matplotlib.image.imread(out / "memwatch" / "memory.png").shape[0] > 100  # no waiting
     with pytest.raises(MemWatchConfigError, match="report"):
         MemWatch(report="later")
+
+
+def test_background_picture_never_writes_into_a_removed_run_folder(run, tmp_path):
+    """The run's folder removed after ``train()`` returned (a TemporaryDirectory left, a sweep cleaning
+    up) while the detached child still draws: it must not create the folder again nor write into it
+    (transformers' test_resume_training_with_frozen_params failed in TemporaryDirectory cleanup with
+    "Directory not empty: 'memwatch'", the child having written its picture during the removal)."""
+    from hf_memwatch.reporting.background import main as draw_in_background
+
+    gone = tmp_path / "removed-run" / "memwatch"
+    assert draw_in_background([str(run["out"] / "memwatch"), str(gone / "memory.png")]) == 0
+    assert not (tmp_path / "removed-run").exists()
+    assert draw_in_background([str(tmp_path / "no-timeline"), str(gone / "memory.png")]) == 1
+    assert not (tmp_path / "removed-run").exists()  # no failure log either: it would recreate the folder
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    assert draw_in_background([str(run["out"] / "memwatch"), str(kept / "memory.png")]) == 0
+    assert sorted(p.name for p in kept.iterdir()) == ["memory.png"]  # no partial file left beside it

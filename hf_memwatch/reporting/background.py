@@ -3,9 +3,13 @@
 Drawing the picture (importing matplotlib, laying out and rasterising the figure) costs about a
 second, more than a small ``train()`` itself. At train end MemWatch starts this module as a detached
 child process (``python -m hf_memwatch.reporting.background <timeline dir> <out>``) and returns at
-once; the picture appears when it is ready. It is written to a temporary name and renamed, so a reader
-never sees a half-written file. A failure is written to ``<out>.log`` (nothing is printed: the run
-that started the process may already be printing something else, or be gone).
+once; the picture appears when it is ready. It is drawn in a private temporary folder and only then
+copied beside ``out`` under a temporary name and renamed, so a reader never sees a half-written file
+and the run's folder gets new files only in the last milliseconds. The child never creates folders:
+when the run's folder was removed meanwhile (a ``TemporaryDirectory`` left, a sweep cleaning up after
+``train()`` returned), nothing is written and the folder stays gone. A failure is written to
+``<out>.log`` when the folder still exists (nothing is printed: the run that started the process may
+already be printing something else, or be gone).
 
 Usage:
     >>> process = start_report_process("out/memwatch", "out/memwatch/memory.png")   # doctest: +SKIP
@@ -15,8 +19,10 @@ Usage:
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import traceback
 from pathlib import Path
 
@@ -61,14 +67,26 @@ def wait_for_report(process: subprocess.Popen, timeout: float | None = None) -> 
         return False
 
 
-def draw_atomically(directory: str, out: str) -> Path:
-    """Draw into a temporary file beside ``out``, then rename it to ``out``."""
+def draw_atomically(directory: str, out: str) -> Path | None:
+    """Draw in a private temporary folder, then copy beside ``out`` and rename to ``out``.
+
+    Returns ``out``, or None when its folder no longer exists (removed after ``train()`` returned):
+    then nothing is written and no folder is created again.
+    """
     from .report import write_report
 
     target = Path(out)
-    partial = target.with_name(f".{target.stem}.partial{target.suffix}")
-    write_report(directory, partial)
-    os.replace(partial, target)
+    with tempfile.TemporaryDirectory(prefix="hf-memwatch-report-") as scratch:
+        drawn = write_report(directory, Path(scratch) / target.name)
+        if not target.parent.is_dir():
+            return None
+        partial = target.with_name(f".{target.stem}.partial{target.suffix}")
+        try:
+            shutil.copyfile(drawn, partial)
+            os.replace(partial, target)
+        except FileNotFoundError:  # the folder went away while copying: leave nothing behind
+            partial.unlink(missing_ok=True)
+            return None
     return target
 
 
@@ -91,7 +109,9 @@ def main(argv: list[str]) -> int:
     try:
         draw_atomically(directory, out)
     except Exception:  # noqa: BLE001 - a picture must never fail anything; say why in a file instead
-        Path(f"{out}.log").write_text(traceback.format_exc(), encoding="utf-8")
+        log = Path(f"{out}.log")
+        if log.parent.is_dir():  # not into a folder removed meanwhile (and never creating it again)
+            log.write_text(traceback.format_exc(), encoding="utf-8")
         return 1
     return 0
 
