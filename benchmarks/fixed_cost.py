@@ -29,25 +29,15 @@ from transformers.utils import logging as hf_logging  # noqa: E402
 
 from hf_memwatch import MemWatch  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).parent))
+from overhead import Tokens  # noqa: E402  (the same synthetic batches as the overhead benchmark)
+
 VARIANTS = {
     "none": None,
     "default": {},
     "light": {"detail": "light"},
     "auto": {"auto": True},
 }
-
-
-class Tokens(torch.utils.data.Dataset):
-    def __init__(self, n: int, seq_len: int, vocab: int) -> None:
-        gen = torch.Generator().manual_seed(0)
-        self.ids = torch.randint(0, vocab, (n, seq_len), generator=gen)
-        self.labels = torch.randint(0, 2, (n,), generator=gen)
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int):
-        return {"input_ids": self.ids[i], "labels": self.labels[i]}
 
 
 def one_train(variant: str, steps: int, batch: int, seq_len: int, workdir: str) -> tuple[float, float]:

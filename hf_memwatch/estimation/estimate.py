@@ -37,7 +37,7 @@ from .layers import AUTO_MIN_LAYERS, SHORT_DEPTHS, extrapolate, homogeneous_laye
 from .peft import LoraSpec, apply_peft, is_adapter_dir, load_adapter, meta_copy
 from .quantized import QuantSpec, fake_quantized_param, quantize_meta
 from .shard import shard_classes
-from .step import CUDA_BLOCK, simulate_step
+from .step import CUDA_BLOCK, LOGITS, LOGITS_FP32, simulate_step
 from .trainer_replay import (
     TrainerStateGuard,
     held_models,
@@ -96,7 +96,7 @@ class MemoryEstimate:
 def logits_bytes(estimate: MemoryEstimate) -> int:
     """Bytes of logits (and their fp32 upcast) live at the estimate's peak, whichever class holds them."""
     return sum(nbytes for named in estimate.details.values() for name, nbytes in named.items()
-               if name.startswith("logits"))
+               if name in (LOGITS, LOGITS_FP32))
 
 
 # -- inputs ----------------------------------------------------------------------------------
