@@ -68,8 +68,28 @@ def _accelerate_state_kept() -> Iterator[None]:
             shared.update(content)
 
 
+# The Trainer's choice for torch's own optimizers at ``TrainingArguments``' defaults (no
+# ``optim_args``), known without importing ``transformers.trainer`` or ``training_args``: both import
+# peft -> bitsandbytes -> ``torch._inductor`` (~2.5 s of CPU) for a request that needs ``torch.optim``
+# alone. tests/test_optim.py checks every entry against ``Trainer.get_optimizer_cls_and_kwargs``.
+_DEFAULT_LR = 5e-05
+_ADAM_DEFAULTS = {"lr": _DEFAULT_LR, "betas": (0.9, 0.999), "eps": 1e-08}
+TORCH_NATIVE: dict[str, tuple[str, dict[str, Any]]] = {
+    "adamw_torch": ("AdamW", _ADAM_DEFAULTS),
+    "adamw_torch_fused": ("AdamW", {**_ADAM_DEFAULTS, "fused": True}),
+    "sgd": ("SGD", {"lr": _DEFAULT_LR}),
+    "adagrad": ("Adagrad", {"lr": _DEFAULT_LR}),
+    "rmsprop": ("RMSprop", {"lr": _DEFAULT_LR}),
+}
+# ``Trainer.get_decay_parameter_names``: no decay for LayerNorm weights and these names.
+_NO_DECAY_PATTERNS = [r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"]
+
+
 def optimizer_class_and_kwargs(optim: str, model: torch.nn.Module | None = None) -> tuple[type, dict[str, Any]]:
     """The optimizer class and kwargs the Trainer would use for ``optim``."""
+    if optim in TORCH_NATIVE:
+        name, kwargs = TORCH_NATIVE[optim]
+        return getattr(torch.optim, name), dict(kwargs)
     from transformers import Trainer
 
     args = _training_arguments(optim)
@@ -82,9 +102,9 @@ def optimizer_class_and_kwargs(optim: str, model: torch.nn.Module | None = None)
 
 def param_groups(model: torch.nn.Module, weight_decay: float = 0.0) -> list[dict[str, Any]]:
     """Trainable parameters grouped as ``Trainer.create_optimizer`` does (decay, then no decay)."""
-    from transformers import Trainer
+    from transformers.trainer_pt_utils import get_parameter_names
 
-    decay = set(Trainer.get_decay_parameter_names(None, model))  # does not use ``self``
+    decay = set(get_parameter_names(model, [torch.nn.LayerNorm], _NO_DECAY_PATTERNS))
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     return [
         {"params": [p for n, p in named if n in decay], "weight_decay": weight_decay},
@@ -103,10 +123,10 @@ def build_optimizer(model: torch.nn.Module, optim: str, target: str = "cpu") -> 
     if target == "cuda" and cls.__module__.startswith("torch.optim") and not kwargs.get("fused"):
         if "foreach" in inspect.signature(cls.__init__).parameters and kwargs.get("foreach") is None:
             kwargs["foreach"] = True
-    args = _training_arguments(optim)
+    weight_decay = 0.0 if optim in TORCH_NATIVE else _training_arguments(optim).weight_decay
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        optimizer = cls(param_groups(model, args.weight_decay), **kwargs)
+        optimizer = cls(param_groups(model, weight_decay), **kwargs)
     if "bitsandbytes" in str(cls) and kwargs.get("optim_bits") == 8:
         _embeddings_in_32bit(optimizer, model)
     return optimizer

@@ -1,0 +1,46 @@
+"""estimation/optim: the optimizer the Trainer would build, known without importing the Trainer."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from conftest import bert_model, gpt2_model
+from transformers import Trainer
+
+from hf_memwatch.estimation import optim
+
+
+@pytest.mark.parametrize("name", sorted(optim.TORCH_NATIVE))
+def test_torch_native_table_is_the_trainers_choice(name):
+    args = optim._training_arguments(name)
+    expected_cls, expected_kwargs = Trainer.get_optimizer_cls_and_kwargs(args, None)
+    cls, kwargs = optim.optimizer_class_and_kwargs(name)
+    assert cls is expected_cls
+    assert kwargs == dict(expected_kwargs)
+    assert args.weight_decay == 0.0
+
+
+@pytest.mark.parametrize("build", [gpt2_model, bert_model])
+def test_decay_groups_are_the_trainers(build):
+    model = build()
+    expected = set(Trainer.get_decay_parameter_names(None, model))
+    groups = optim.param_groups(model, weight_decay=0.1)
+    expected_ids = {id(p) for n, p in model.named_parameters() if n in expected}
+    assert {id(p) for p in groups[0]["params"]} == expected_ids
+    assert groups[1]["params"], "norms and biases are left without decay"
+
+
+def test_estimate_of_a_config_imports_no_trainer():
+    code = (
+        "import sys\n"
+        "from transformers import GPT2Config\n"
+        "from hf_memwatch import estimate\n"
+        "estimate(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100), batch_size=1, seq_len=8)\n"
+        "heavy = [m for m in ('transformers.trainer', 'transformers.training_args', 'peft', 'bitsandbytes')"
+        " if m in sys.modules]\n"
+        "print(heavy)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300)
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout + out.stderr
