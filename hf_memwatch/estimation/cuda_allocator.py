@@ -322,8 +322,8 @@ class CachingAllocator:
             tail.size += grow
             pool.add(tail)
             return tail
-        addr = 0 if tail is None else tail.addr + tail.size
-        block = _Block(addr if not small else addr + (1 << 50), grow, 0 if small else 1, small, prev=tail)
+        addr = (1 << 50 if small else 0) if tail is None else tail.addr + tail.size  # one address range per pool
+        block = _Block(addr, grow, 0 if small else 1, small, prev=tail)
         if tail is not None:
             tail.next = block
         self._tails[small] = block
