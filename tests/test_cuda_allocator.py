@@ -200,3 +200,19 @@ def test_the_reserve_of_an_extrapolated_depth_carries_the_deeper_gap():
     assert predict_reserved([step, step], extrapolated_peak=100 * MiB) == 117 * MiB
     # the workspace first: its 20 MiB segment keeps 12 MiB free, where w fits; a needs a segment of its own
     assert predict_reserved([step], workspace=8 * MiB) == 40 * MiB
+
+
+def test_the_plan_is_made_against_the_predicted_reserve():
+    """A CUDA estimate's reserve above its allocated peak becomes the plan's margin; none on the CPU."""
+    from transformers import GPT2Config
+
+    from hf_memwatch.estimation.estimate import estimate
+    from hf_memwatch.planning.budget import Budget, with_predicted_reserve
+
+    config = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=1000, n_positions=128)
+    cuda = estimate(config, task="causal-lm", batch_size=2, seq_len=32, device="cuda")
+    budget = Budget(total=cuda.reserved_bytes, margin=0, source="user budget")
+    planned = with_predicted_reserve(budget, cuda)
+    assert planned.usable == pytest.approx(cuda.peak_bytes, rel=1e-6)  # the step's allocated peak just fits
+    cpu = estimate(config, task="causal-lm", batch_size=2, seq_len=32, device="cpu")
+    assert with_predicted_reserve(budget, cpu) == budget
