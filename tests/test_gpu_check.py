@@ -230,3 +230,17 @@ def test_a_run_killed_midway_leaves_valid_json_of_what_finished(tmp_path):
     assert prediction["summary"].startswith("running:")
     assert len(prediction["details"]["configurations"]) >= 1
     assert prediction["details"]["configurations"][0]["max_allocated"] > 0
+
+
+def test_the_sweep_drops_what_its_budget_cannot_hold_and_lists_it(tmp_path, gpu_check):
+    """A prediction check given half a second: its first configuration runs, the rest are dropped and named."""
+    results = gpu_check.ResultsFile(tmp_path / "out", {"device": "cpu"})
+    probe = gpu_check.CpuProbe(torch.device("cpu"))
+    ctx = gpu_check.Context(probe, str(tmp_path), True, time.perf_counter() + 0.5, results)
+    result = gpu_check.check_prediction(ctx)
+    details = result.details
+    assert len(details["configurations"]) == 1 and len(details["dropped"]) == details["planned"] - 1
+    assert "1 of 12 configurations" in result.summary and "11 dropped (time)" in result.summary
+    assert any(s["check"] == "prediction" and s["why"].startswith("out of time") for s in results.skipped)
+    written = json.loads((tmp_path / "out" / "gpu_check.json").read_text())  # published as it came
+    assert written["status"] == "running" and written["checks"][0]["details"]["configurations"]
