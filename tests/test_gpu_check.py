@@ -166,7 +166,7 @@ def test_the_cpu_dry_run_runs_every_check_and_keeps_the_json_valid_throughout(tm
     """
     out = tmp_path / "dry"
     proc = subprocess.Popen([sys.executable, str(SCRIPT), "--device", "cpu", "--quick", "--out", str(out),
-                             "--time-budget-s", "75"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             "--time-budget-s", "50"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=_env())
     reads = 0
     while proc.poll() is None:
@@ -183,7 +183,7 @@ def test_the_cpu_dry_run_runs_every_check_and_keeps_the_json_valid_throughout(tm
     # Each check runs within its share of the budget: on a loaded machine a late one may not start
     # (it says so); the first two always do.
     assert checks["attribution"]["passed"] is not None and checks["prediction"]["passed"] is not None
-    assert all(c["passed"] is not None or c["summary"].startswith("not run: the 75 s budget")
+    assert all(c["passed"] is not None or c["summary"].startswith("not run: the 50 s budget")
                for c in checks.values()), output[-3000:]
     assert all("traceback" not in c["details"] for c in checks.values()), output[-3000:]
     attribution = checks["attribution"]["details"]
