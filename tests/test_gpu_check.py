@@ -1,16 +1,18 @@
-"""The CPU side of ``benchmarks/gpu_check.py`` (issue 8): everything but the CUDA measurements.
+"""``benchmarks/gpu_check.py`` (issues 8 and 23): its pure parts, and the whole script on the CPU.
 
-No timing is asserted: the timing helpers run on tiny CPU models only to show they measure.
+The dry run (``--device cpu --quick``) runs every check through the code the GPU runs — same Trainer
+runs, same comparisons — with the CPU backend's figures for the allocator's. No timing is asserted.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
-import math
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -28,9 +30,13 @@ def gpu_check():
     return module
 
 
-def _run_script(*args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", HF_HUB_OFFLINE="1")
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, env=env, timeout=120)
+def _env() -> dict[str, str]:
+    return dict(os.environ, CUDA_VISIBLE_DEVICES="", HF_HUB_OFFLINE="1")
+
+
+def _run_script(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, env=_env(),
+                          timeout=timeout)
 
 
 def test_without_cuda_it_says_so_in_one_line_and_exits_0(tmp_path, gpu_check):
@@ -55,7 +61,7 @@ def test_error_statistics(gpu_check):
         gpu_check.error_stats([])
 
 
-def test_interleaving_alternates_the_order_and_the_ratio_is_of_medians(gpu_check):
+def test_interleaving_alternates_the_order_and_stops_when_told(gpu_check):
     calls: list[str] = []
     times = {"a": iter([1.0, 3.0, 2.0]), "b": iter([1.1, 3.3, 2.2])}
 
@@ -69,6 +75,9 @@ def test_interleaving_alternates_the_order_and_the_ratio_is_of_medians(gpu_check
     assert calls == ["a", "b", "b", "a", "a", "b"]
     assert without == [1.0, 3.0, 2.0] and with_memwatch == [1.1, 3.3, 2.2]
     assert gpu_check.overhead_ratio(without, with_memwatch) == pytest.approx(1.1)
+    asked = []
+    a, b = gpu_check.interleaved(lambda: 1.0, lambda: 2.0, rounds=3, keep_going=lambda: asked.append(1) and False)
+    assert (a, b, len(asked)) == ([1.0], [2.0], 1)  # the budget is asked before every round after the first
 
 
 def _snapshot(step: int, phase: str, allocated: int, peak: int, weights: int = 10) -> dict:
@@ -93,73 +102,145 @@ def test_attribution_verdict(gpu_check):
     assert gpu_check.attribution_verdict(snaps, reads[:2])["mismatches"]  # a missing read is a failure
 
 
-def test_prevention_verdict(gpu_check):
-    ok = {"completed": True, "num_ooms": 0, "max_reserved": 90}
-    assert gpu_check.prevention_verdict(ok, allowed=100)[0]
-    assert not gpu_check.prevention_verdict(dict(ok, num_ooms=1), allowed=100)[0]
-    assert not gpu_check.prevention_verdict(dict(ok, max_reserved=101), allowed=100)[0]
-    failed, why = gpu_check.prevention_verdict({"completed": False, "error": "OutOfMemoryError: x"}, allowed=100)
+def test_prevention_verdict_compares_the_plan_with_the_measure(gpu_check):
+    ok = {"completed": True, "num_ooms": 0, "measured": 95}
+    assert gpu_check.prevention_verdict(ok, allowed=100, predicted=100)[0]
+    assert not gpu_check.prevention_verdict(dict(ok, num_ooms=1), allowed=100, predicted=100)[0]
+    assert not gpu_check.prevention_verdict(dict(ok, measured=101), allowed=100, predicted=100)[0]  # over the limit
+    # under the limit but not what the plan predicted: the check that the fraction one could not be
+    assert not gpu_check.prevention_verdict(dict(ok, measured=60), allowed=100, predicted=95)[0]
+    assert not gpu_check.prevention_verdict(ok, allowed=100, predicted=None)[0]
+    failed, why = gpu_check.prevention_verdict({"completed": False, "error": "OutOfMemoryError: x"}, 100, 100)
     assert not failed and "OutOfMemoryError" in why
 
 
-def test_results_are_written_as_json_and_markdown(tmp_path, gpu_check):
+def test_results_are_written_atomically_as_json_and_markdown(tmp_path, gpu_check):
     row = {"arch": "gpt2", "batch": 8, "seq_len": 512, "checkpointing": True, "optim": "adamw_bnb_8bit",
            "predicted": 3 * 2**30, "max_allocated": 3 * 2**30 + 2**20, "max_reserved": 4 * 2**30,
-           "error_allocated": -0.0003, "error_reserved": -0.25}
+           "error_allocated": -0.0003, "predicted_reserved": 4 * 2**30 - 2**26, "error_reserved": -0.015625}
     results = [
         gpu_check.CheckResult("prediction", True, "12 configurations", {"configurations": [row]}, 100.0),
         gpu_check.CheckResult("overhead", False, "1.0300x", {"ratio": 1.03}, 30.0),
         gpu_check.CheckResult("prevention", None, "not run: the 450 s budget was spent"),
     ]
-    json_path, md_path = gpu_check.write_results(tmp_path / "gpu", results, {"gpu": "test"})
+    skipped = [{"check": "prediction", "what": "2 configurations", "why": "out of time"}]
+    json_path, md_path = gpu_check.write_results(tmp_path / "gpu", results, {"gpu": "test"}, skipped)
     payload = json.loads(json_path.read_text())
-    assert payload["passed"] is False
+    assert payload["passed"] is False and payload["status"] == "finished" and payload["skipped"] == skipped
     assert [c["name"] for c in payload["checks"]] == ["prediction", "overhead", "prevention"]
-    assert payload["checks"][0]["details"]["configurations"][0]["error_reserved"] == -0.25
+    assert payload["checks"][0]["details"]["configurations"][0]["error_reserved"] == -0.015625
     table = md_path.read_text()
     assert "| prediction | pass |" in table and "| overhead | FAIL |" in table and "| prevention | NOT RUN |" in table
-    assert "| gpt2 | 8 x 512 | True | adamw_bnb_8bit | 3,072.0 MiB | 3,073.0 MiB | -0.03% | 4,096.0 MiB | -25.00% |" in table
+    assert ("| gpt2 | 8 x 512 | True | adamw_bnb_8bit | 3,072.0 MiB | 3,073.0 MiB | -0.03% | 4,032.0 MiB "
+            "| 4,096.0 MiB | -1.56% |") in table
+    assert sorted(p.name for p in (tmp_path / "gpu").iterdir()) == ["gpu_check.json", "gpu_check.md"]  # no tmp left
+    running = json.loads(gpu_check.write_results(tmp_path / "gpu", results, {}, status="running")[0].read_text())
+    assert running["status"] == "running" and running["passed"] is None
 
 
-def test_configurations_cover_the_required_matrix(gpu_check):
+def test_the_sweep_has_billion_parameter_shapes_first(gpu_check):
     configs = gpu_check.configurations()
-    assert len(configs) >= 12
-    assert {c.arch for c in configs} == {"gpt2", "bert", "llama"}
-    assert {c.checkpointing for c in configs} == {False, True}
-    assert {c.optim for c in configs} == {"adamw_torch", "adamw_bnb_8bit"}
-    assert {c.precision for c in configs} == {"bf16"}
-    assert len({(c.arch, c.checkpointing, c.optim) for c in configs}) == 12
+    big = {"llama-1b", "qwen3-1.7b"}
+    for arch in big:
+        with torch.device("meta"):
+            params = sum(p.numel() for p in gpu_check.build_model(arch, device="meta").parameters())
+        assert params >= 1.0e9, (arch, params)
+    assert configs[0].arch in big and configs[1].arch in big and configs[0].arch != configs[1].arch
+    large = [c for c in configs if c.arch in big]
+    assert {c.batch * c.seq_len for c in large} >= {2048, 4096, 8192}
+    assert min(c.seq_len for c in large) >= 2048 and max(c.seq_len for c in large) == 8192
+    assert {c.optim for c in large} == {"adamw_torch_fused", "adamw_bnb_8bit"}
+    assert {c.checkpointing for c in large} == {False, True} and {c.precision for c in configs} == {"bf16"}
+    assert sum(c.qlora for c in configs) == 1
+    assert gpu_check.model_config("qwen3-1.7b")._attn_implementation == "sdpa"
+    quick = gpu_check.configurations(quick=True)
+    assert [(c.arch, c.optim, c.checkpointing, c.qlora) for c in quick] == [
+        (c.arch, c.optim, c.checkpointing, c.qlora) for c in configs]  # the same sweep, tiny
     assert tuple(gpu_check.CHECKS) == gpu_check.CHECK_NAMES
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "bert", "llama"])
-def test_models_train_in_a_trainer(arch, gpu_check):
-    """The builders and datasets the checks use, tiny, on the CPU: one real Trainer run each."""
-    seconds = gpu_check.timed_run(arch, batch=2, seq_len=16, steps=3, warmup=1, device="cpu", memwatch=False,
-                                  tiny=True)
-    assert seconds > 0
+def test_the_cpu_dry_run_runs_every_check_and_keeps_the_json_valid_throughout(tmp_path):
+    """The whole script on the CPU, with a budget small enough that the sweep drops configurations.
+
+    The JSON is read while the run writes it: each read must parse (atomic replacement).
+    """
+    out = tmp_path / "dry"
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), "--device", "cpu", "--quick", "--out", str(out),
+                             "--time-budget-s", "50"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=_env())
+    reads = 0
+    while proc.poll() is None:
+        path = out / "gpu_check.json"
+        if path.exists():
+            json.loads(path.read_text())  # never a half-written file
+            reads += 1
+        time.sleep(0.2)
+    output = proc.stdout.read()
+    payload = json.loads((out / "gpu_check.json").read_text())
+    assert payload["status"] == "finished" and reads > 0, output[-3000:]
+    checks = {c["name"]: c for c in payload["checks"]}
+    assert list(checks) == ["attribution", "prediction", "prevention", "overhead"]
+    # Each check runs within its share of the budget: on a loaded machine a late one may not start
+    # (it says so); the first two always do.
+    assert checks["attribution"]["passed"] is not None and checks["prediction"]["passed"] is not None
+    assert all(c["passed"] is not None or c["summary"].startswith("not run: the 50 s budget")
+               for c in checks.values()), output[-3000:]
+    assert all("traceback" not in c["details"] for c in checks.values()), output[-3000:]
+    attribution = checks["attribution"]["details"]
+    assert attribution["snapshots"] >= 2 * 7 and attribution["hooked_module"] == "GPT2LMHeadModel"
+    assert not any("different phases" in m for m in attribution["mismatches"])  # reader and MemWatch aligned
+    prediction = checks["prediction"]
+    rows = prediction["details"]["configurations"]
+    assert rows and all("error" not in r for r in rows), rows
+    assert len(rows) + len(prediction["details"]["dropped"]) == prediction["details"]["planned"]
+    assert prediction["passed"], prediction["summary"]  # the estimator against the CPU backend's figures
+    assert all(("excluded" in r) == ("bnb" in r["optim"]) for r in rows)  # only where the CPU cannot see
+    if checks["prevention"]["passed"] is not None:
+        assert checks["prevention"]["passed"], checks["prevention"]["summary"]  # the plan's bytes were measured
+        plan = checks["prevention"]["details"]["memwatch_auto"]["plan"]
+        assert plan["micro_batch_size"] < 8 or plan["activation_checkpointing"]  # the plan changed the run
+    skipped = {(s["check"], s["what"]) for s in payload["skipped"]}
+    assert ("prediction", "predicted vs measured reserved") in skipped
+    if prediction["details"]["dropped"]:
+        assert any(s["check"] == "prediction" and "out of time" in s["why"] for s in payload["skipped"])
+    assert "| prediction |" in (out / "gpu_check.md").read_text()
 
 
-def test_interleaved_timing_of_tiny_cpu_runs(gpu_check):
-    """The overhead measurement end to end on CPU; the ratio is printed, not asserted (machine noise)."""
-    def measure(memwatch: bool):
-        return lambda: gpu_check.timed_run("gpt2", batch=2, seq_len=16, steps=4, warmup=1, device="cpu",
-                                           memwatch=memwatch, tiny=True)
+def test_a_run_killed_midway_leaves_valid_json_of_what_finished(tmp_path):
+    out = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), "--device", "cpu", "--quick", "--out", str(out),
+                             "--checks", "prediction"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env=_env())
+    try:
+        deadline = time.monotonic() + 120
+        rows: list = []
+        while not rows and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+            path = out / "gpu_check.json"
+            if path.exists():
+                checks = json.loads(path.read_text())["checks"]
+                rows = checks[0]["details"].get("configurations", []) if checks else []
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    payload = json.loads((out / "gpu_check.json").read_text())
+    assert payload["status"] == "running" and payload["passed"] is None
+    prediction = payload["checks"][0]
+    assert prediction["name"] == "prediction" and prediction["passed"] is None
+    assert prediction["summary"].startswith("running:")
+    assert len(prediction["details"]["configurations"]) >= 1
+    assert prediction["details"]["configurations"][0]["max_allocated"] > 0
 
-    without, with_memwatch = gpu_check.interleaved(measure(False), measure(True), rounds=1)
-    ratio = gpu_check.overhead_ratio(without, with_memwatch)
-    assert len(without) == len(with_memwatch) == 1 and math.isfinite(ratio) and ratio > 0
-    print(f"tiny CPU overhead ratio: {ratio:.3f}")
 
-
-def test_the_estimate_call_of_the_prediction_check(gpu_check):
-    """``measure_peak``'s estimate arguments, on a tiny Llama (the CPU stands in for CUDA)."""
-    from hf_memwatch.estimation.estimate import estimate
-
-    config = gpu_check.Config("llama", 2, 16, checkpointing=True, optim="adamw_bnb_8bit")
-    model = gpu_check.build_model(config.arch, tiny=True)
-    predicted = estimate(model, batch_size=config.batch, seq_len=config.seq_len, precision=config.precision,
-                         optim=config.optim, checkpointing=config.checkpointing, device="cpu")
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    assert predicted.peak_bytes > weights
-    assert torch.isfinite(torch.tensor(float(predicted.peak_bytes)))
+def test_the_sweep_drops_what_its_budget_cannot_hold_and_lists_it(tmp_path, gpu_check):
+    """A prediction check given half a second: its first configuration runs, the rest are dropped and named."""
+    results = gpu_check.ResultsFile(tmp_path / "out", {"device": "cpu"})
+    probe = gpu_check.CpuProbe(torch.device("cpu"))
+    ctx = gpu_check.Context(probe, str(tmp_path), True, time.perf_counter() + 0.5, results)
+    result = gpu_check.check_prediction(ctx)
+    details = result.details
+    assert len(details["configurations"]) == 1 and len(details["dropped"]) == details["planned"] - 1
+    assert "1 of 12 configurations" in result.summary and "11 dropped (time)" in result.summary
+    assert any(s["check"] == "prediction" and s["why"].startswith("out of time") for s in results.skipped)
+    written = json.loads((tmp_path / "out" / "gpu_check.json").read_text())  # published as it came
+    assert written["status"] == "running" and written["checks"][0]["details"]["configurations"]

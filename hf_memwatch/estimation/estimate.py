@@ -32,6 +32,8 @@ from ..core.errors import MemWatchConfigError
 from ..core.run_config import RunConfig
 from ..core.units import format_bytes, parse_bytes
 from ..measure.attribution import is_quantized_param, weight_storages
+from ..measure.tracker import recording_allocations
+from .cuda_device import cuda_step_reserve
 from .generation import GenerationSettings
 from .layers import AUTO_MIN_LAYERS, SHORT_DEPTHS, extrapolate, homogeneous_layers, truncated
 from .peft import LoraSpec, apply_peft, is_adapter_dir, load_adapter, meta_copy
@@ -83,6 +85,13 @@ class MemoryEstimate:
     eval_peak_bytes: int | None = None
     eval_peak_phase: str | None = None
     eval_classes: dict[str, int] | None = None
+    # CUDA only (device="cuda"; see estimation/cuda_device.py): the caching allocator's peak reserved
+    # bytes (its rules replayed over the step's allocations), what the process holds on the card at
+    # that moment (reserved + the CUDA context measured on this machine's device + NCCL buffers; None
+    # where no CUDA device is at hand) and those parts.
+    reserved_bytes: int | None = None
+    device_bytes: int | None = None
+    device_overheads: dict[str, int | None] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain-data form (the CLI's ``--json`` object)."""
@@ -457,8 +466,9 @@ def estimate(
             trainer=trainer, sample=sample, optimizer_step=optimizer_step,
         )
         guard = TrainerStateGuard(trainer, accum) if trainer is not None else contextlib.nullcontext()
+        recording = recording_allocations() if device == "cuda" else contextlib.nullcontext([])
         try:
-            with guard:
+            with guard, recording as traces:
                 phase_classes, phase_details = _simulate(model, fake_mode, config, extrapolate_layers, notes, run)
         except (MemWatchConfigError, KeyboardInterrupt):
             raise
@@ -483,13 +493,17 @@ def estimate(
     if not optimizer_step:
         notes.append("forward and backward only (optimizer_step=False): no optimizer state or step, "
                      "a floor under the step's peak")
-    if device == "cuda":
-        notes.append("CUDA: the context (~0.3-1 GiB per process) and the caching allocator's reserve are not included")
     per_phase = {phase: shard_classes(classes, model, world_size, shard, notes, precision)
                  for phase, classes in phase_classes.items()}
     phase_peaks = {phase: sum(classes.values()) for phase, classes in per_phase.items()}
     peak_phase = max(phase_peaks, key=lambda p: phase_peaks[p])
     peak = phase_peaks[peak_phase]
+    reserved_bytes = device_bytes = None
+    device_overheads: dict[str, int | None] = {}
+    if device == "cuda":
+        reserved_bytes, device_bytes, device_overheads = cuda_step_reserve(
+            traces, peak=peak, extrapolated=any(note.startswith("depth extrapolated") for note in notes),
+            world_size=world_size, shard=shard, held_bytes=sum(frozen_models.values()), notes=notes)
     evaluation = None
     if eval_batch_size is not None:
         states = per_phase.get("step_end", {}).get("optimizer_states", 0) if eval_in_training else 0
@@ -526,6 +540,9 @@ def estimate(
         eval_peak_bytes=None if evaluation is None else evaluation.peak_bytes,
         eval_peak_phase=None if evaluation is None else evaluation.peak_phase,
         eval_classes=None if evaluation is None else evaluation.classes,
+        reserved_bytes=reserved_bytes,
+        device_bytes=device_bytes,
+        device_overheads=device_overheads,
     )
 
 

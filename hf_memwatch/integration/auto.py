@@ -61,7 +61,14 @@ from ..measure.footprint import (
     host_reading,
     step_footprint,
 )
-from ..planning.budget import Budget, BudgetSpec, footprint_kind, margin_before_training, resolve_budget
+from ..planning.budget import (
+    Budget,
+    BudgetSpec,
+    footprint_kind,
+    margin_before_training,
+    resolve_budget,
+    with_predicted_reserve,
+)
 from ..planning.catalogue import advice, with_state_share
 from ..planning.chooser import PlanResult, no_fit_message, plan_run
 from ..planning.eval_plan import plan_eval
@@ -353,6 +360,7 @@ class AutoMode:
         self.predictor = predictor
         try:
             given_estimate = predictor.estimate(Plan.of(run))
+            budget = self.budget = with_predicted_reserve(budget, given_estimate)  # CUDA: the reserve replayed
             run = with_state_share(run.replace(seq_len=int(given_estimate.config.get("seq_len") or 1)),
                                    given_estimate)
             predictor.run = run

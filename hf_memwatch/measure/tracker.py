@@ -11,9 +11,11 @@ measures a step without allocating it, which is how the estimator works.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import types
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -48,6 +50,35 @@ def run_as_called(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
             torch.set_autocast_enabled(device, False)
 
 
+# Allocation sequences being recorded (see recording_allocations); None: no recording.
+_RECORDING: contextvars.ContextVar[list[list[tuple[int, int]]] | None] = contextvars.ContextVar(
+    "hf_memwatch_allocation_recording", default=None)
+
+
+@contextlib.contextmanager
+def recording_allocations() -> Iterator[list[list[tuple[int, int]]]]:
+    """Within, each :class:`StorageTracker` created records its allocation sequence: the list yielded
+    gets one list of ``(key, nbytes)`` events per tracker, in creation order — ``nbytes > 0`` a storage
+    counted (as sized by ``round_to``), ``0`` the storage ``key`` freed. The CUDA reserve prediction
+    replays it (:mod:`hf_memwatch.estimation.cuda_allocator`).
+
+    Example:
+        >>> with recording_allocations() as traces:
+        ...     tracker = StorageTracker("cpu")
+        ...     with tracker:
+        ...         x = torch.empty(1024, dtype=torch.uint8)
+        ...         del x
+        >>> [nbytes for _, nbytes in traces[0]]
+        [1024, 0]
+    """
+    traces: list[list[tuple[int, int]]] = []
+    token = _RECORDING.set(traces)
+    try:
+        yield traces
+    finally:
+        _RECORDING.reset(token)
+
+
 class _StorageRef(weakref.ref):
     __slots__ = ("key", "nbytes")
 
@@ -73,12 +104,19 @@ class StorageTracker(TorchDispatchMode):
         self.peak = 0
         self._live: dict[int, _StorageRef] = {}
         self._on_free = self._free  # bound once: one object for every weakref callback
+        recording = _RECORDING.get()
+        self.events: list[tuple[int, int]] | None = None  # the allocation sequence, when recorded
+        if recording is not None:
+            self.events = []
+            recording.append(self.events)
 
     # -- accounting -------------------------------------------------------------------------
     def _free(self, ref: _StorageRef) -> None:
         if self._live.get(ref.key) is ref:
             del self._live[ref.key]
             self.allocated -= ref.nbytes
+            if self.events is not None:
+                self.events.append((id(ref), 0))
 
     def _track_plain(self, tensor: torch.Tensor) -> None:
         if tensor.device.type != self.device_type:
@@ -94,12 +132,16 @@ class StorageTracker(TorchDispatchMode):
                 return
             self.allocated += nbytes - known.nbytes  # resized in place (out= ops, resize_)
             known.nbytes = nbytes
+            if self.events is not None:  # to an allocator: a free, then a new block
+                self.events.extend(((id(known), 0), (id(known), nbytes)))
         elif nbytes:
             ref = _StorageRef(storage, self._on_free)
             ref.key = key
             ref.nbytes = nbytes
             self._live[key] = ref
             self.allocated += nbytes
+            if self.events is not None:
+                self.events.append((id(ref), nbytes))
         else:
             return
         if self.allocated > self.peak:

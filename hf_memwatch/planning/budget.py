@@ -411,3 +411,37 @@ def remaining(backend: AllocatorBackend) -> int | None:
     if backend.kind == "cuda":
         return max(0, binding.available - torch.cuda.memory_reserved(backend.device))
     return binding.available
+
+
+def with_predicted_reserve(budget: Budget, estimate: object) -> Budget:
+    """On CUDA, the margin planned for the configured step's *predicted* reserve (before any step ran).
+
+    ``estimate``: the configured step's :class:`~hf_memwatch.estimation.estimate.MemoryEstimate`. Its
+    ``reserved_bytes`` (the caching allocator replayed over the step's allocations) above its
+    ``peak_bytes`` becomes the margin's ratio when larger than the margin in force, so a plan's
+    allocated peak is compared with the budget as its reserve will be; NCCL buffers (not allocated
+    before the first collective) are kept free on top. The CUDA default budget (free + this
+    process's reserved) already leaves out the context the process holds. Unchanged without a
+    reserve prediction (the CPU, other devices).
+
+    Example:
+        >>> from types import SimpleNamespace as Est
+        >>> b = Budget(total=1250, margin=0, source="user budget")
+        >>> with_predicted_reserve(b, Est(peak_bytes=1000, reserved_bytes=1250, device_overheads={})).usable
+        1000
+        >>> with_predicted_reserve(b, Est(peak_bytes=1000, reserved_bytes=None)).usable
+        1250
+    """
+    reserved = getattr(estimate, "reserved_bytes", None)
+    peak = int(getattr(estimate, "peak_bytes", 0) or 0)
+    if reserved is None or peak <= 0:
+        return budget
+    ratio = max(0.0, (int(reserved) - peak) / peak)
+    nccl = int((getattr(estimate, "device_overheads", None) or {}).get("nccl_buffers") or 0)
+    planned = budget
+    if ratio > budget.margin_ratio:
+        planned = budget.with_ratio(ratio, f"predicted reserve {format_bytes(int(reserved))}, {ratio:.1%} above "
+                                           "the allocated peak (the caching allocator replayed)")
+    if nccl:
+        planned = planned.with_margin(planned.margin + nccl, f"{planned.margin_source} + NCCL buffers {format_bytes(nccl)}")
+    return planned

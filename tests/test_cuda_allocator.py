@@ -1,0 +1,218 @@
+"""The CUDA caching allocator's replay against the rules of c10/cuda/CUDACachingAllocator.cpp (pure, CPU).
+
+Each test states one documented rule with the sizes that tell it apart from its neighbours; the
+last ones check that the estimator records the sequence the replay needs and reports the reserve.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_memwatch.estimation.cuda_allocator import (
+    AllocatorConfig,
+    AllocatorOOM,
+    CachingAllocator,
+    MiB,
+    replay,
+    round_size,
+)
+from hf_memwatch.estimation.cuda_device import nccl_buffer_bytes, predict_reserved
+from hf_memwatch.measure.tracker import StorageTracker, recording_allocations
+
+KiB = 1 << 10
+
+
+def test_requests_are_rounded_to_512_bytes():
+    assert [round_size(n) for n in (1, 511, 512, 513, 1025)] == [512, 512, 512, 1024, 1536]
+    a = CachingAllocator()
+    a.malloc("x", 1)
+    assert a.allocated == 512
+
+
+def test_small_requests_are_packed_into_2_mib_segments():
+    a = CachingAllocator()
+    for i in range(4):
+        a.malloc(i, 512 * KiB)
+    assert a.reserved == 2 * MiB and a.allocated == 2 * MiB
+    a.malloc(4, 1)  # the 2 MiB segment is full: a second one
+    assert a.reserved == 4 * MiB
+    a.malloc(5, MiB)  # 1 MiB exactly is still small: it fits the second segment's rest
+    assert a.reserved == 4 * MiB
+    a.malloc(6, MiB)  # 2 MiB - 512 B - 1 MiB left: a third
+    assert a.reserved == 6 * MiB
+
+
+def test_requests_between_1_and_10_mib_share_a_20_mib_segment():
+    a = CachingAllocator()
+    a.malloc("a", MiB + 1)
+    assert a.reserved == 20 * MiB
+    a.malloc("b", 5 * MiB)  # split off the same segment (more than 1 MiB remained)
+    a.malloc("c", 9 * MiB)
+    assert a.reserved == 20 * MiB
+    a.malloc("d", 5 * MiB)  # 20 - 1 - 5 - 9 = ~5 MiB left, short of 5 MiB by the rounding: a new segment
+    assert a.reserved == 40 * MiB
+
+
+def test_larger_requests_are_rounded_up_to_2_mib():
+    a = CachingAllocator()
+    a.malloc("a", 10 * MiB)
+    assert a.reserved == 10 * MiB
+    a.malloc("b", 10 * MiB + 1)
+    assert a.reserved == 22 * MiB
+
+
+def test_a_large_block_is_split_only_when_more_than_1_mib_remains():
+    a = CachingAllocator()
+    a.malloc("a", 11 * MiB + 512 * KiB)  # a 12 MiB segment: 512 KiB would remain, so it is not split
+    assert a.allocated == 12 * MiB
+    b = CachingAllocator()
+    b.malloc("a", 10 * MiB + 512 * KiB)  # 1.5 MiB would remain: split
+    assert b.allocated == 10 * MiB + 512 * KiB
+
+
+def test_best_fit_reuses_the_smallest_cached_block_and_freeing_merges_neighbours():
+    a = CachingAllocator()
+    for key in "abc":
+        a.malloc(key, 4 * MiB)  # one 20 MiB segment: a b c, 8 MiB free at the end
+    a.free("a")
+    a.malloc("d", 3 * MiB)  # best fit: a's 4 MiB hole, not the 8 MiB tail
+    assert a.reserved == 20 * MiB
+    a.malloc("e", 8 * MiB)  # the tail fits exactly
+    assert a.reserved == 20 * MiB
+    for key in "bcde":
+        a.free(key)
+    assert a.allocated == 0
+    a.empty_cache()  # merged back into one free segment: given back
+    assert a.reserved == 0
+
+
+def test_empty_cache_keeps_segments_that_hold_a_live_block():
+    a = CachingAllocator()
+    a.malloc("small", 1)
+    a.malloc("big", 30 * MiB)
+    a.malloc("other", 30 * MiB)
+    a.free("other")
+    a.empty_cache()
+    assert a.reserved == 2 * MiB + 30 * MiB
+
+
+def test_max_split_size_keeps_oversized_blocks_for_large_requests():
+    config = AllocatorConfig.parse("max_split_size_mb:20")
+    a = CachingAllocator(config)
+    a.malloc("a", 30 * MiB)
+    a.free("a")
+    a.malloc("b", 4 * MiB)  # below max_split_size: never from a block of >= 20 MiB
+    assert a.reserved == 30 * MiB + 20 * MiB
+    unlimited = CachingAllocator()
+    unlimited.malloc("a", 30 * MiB)
+    unlimited.free("a")
+    unlimited.malloc("b", 4 * MiB)  # without it, the 30 MiB block is split
+    assert unlimited.reserved == 30 * MiB
+
+
+def test_max_split_size_large_requests_take_oversized_blocks_within_20_mib():
+    config = AllocatorConfig(max_split_size=20 * MiB)
+    a = CachingAllocator(config)
+    a.malloc("big", 60 * MiB)
+    a.free("big")
+    a.malloc("x", 30 * MiB)  # 60 >= 30 + 20: refused, a new segment
+    assert a.reserved == 90 * MiB
+    b = CachingAllocator(config)
+    b.malloc("big", 40 * MiB)
+    b.free("big")
+    b.malloc("x", 30 * MiB)  # 40 < 30 + 20: taken whole (not split: at or above max_split_size)
+    assert b.reserved == 40 * MiB and b.allocated == 40 * MiB
+
+
+def test_expandable_segments_tile_a_slightly_larger_batch_into_one_segment():
+    events = [(i, 12 * MiB) for i in range(5)] + [(i, 0) for i in range(5)] + [(10 + i, 13 * MiB) for i in range(5)]
+    assert replay(events).peak_reserved == 5 * 12 * MiB + 5 * 14 * MiB  # freed 12 MiB segments cannot hold 13
+    expandable = replay(events, AllocatorConfig(expandable_segments=True))
+    assert expandable.peak_reserved == 80 * MiB  # 60 MiB mapped (3 pages of 20), one page more for 65 MiB
+
+
+def test_over_the_limit_the_cache_is_freed_once_then_it_is_an_oom():
+    a = CachingAllocator(limit=40 * MiB)
+    a.malloc("x", 30 * MiB)
+    a.free("x")
+    a.malloc("y", 35 * MiB)  # 30 cached + 36 new > 40: the cached segment is given back first
+    assert (a.reserved, a.num_alloc_retries) == (36 * MiB, 1)
+    with pytest.raises(AllocatorOOM):
+        a.malloc("z", 10 * MiB)
+    assert a.num_ooms == 1
+
+
+def test_roundup_power2_divisions():
+    assert round_size(1200 * KiB, divisions=4) == 1280 * KiB  # 1 MiB .. 2 MiB in quarters
+    assert round_size(1200 * KiB) == 1200 * KiB
+    assert AllocatorConfig.parse("roundup_power2_divisions:4").roundup_power2_divisions == 4
+
+
+def test_the_settings_are_read_from_the_environment(monkeypatch):
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True,max_split_size_mb:64")
+    assert AllocatorConfig.from_env() == AllocatorConfig(max_split_size=64 * MiB, expandable_segments=True)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    assert AllocatorConfig.from_env() == AllocatorConfig()
+
+
+def test_nccl_buffers_come_from_the_documented_settings():
+    assert nccl_buffer_bytes(1, {}) == 0
+    assert nccl_buffer_bytes(4, {}) == 16 * 2 * 4 * MiB
+    assert nccl_buffer_bytes(4, {"NCCL_MAX_NCHANNELS": "4", "NCCL_BUFFSIZE": str(MiB)}) == 8 * MiB
+
+
+def test_the_tracker_records_the_sequence_the_replay_needs():
+    """A real CPU computation: the recorded sequence replays to the tracker's own live bytes and peak."""
+    with recording_allocations() as traces:
+        tracker = StorageTracker("cpu", round_to=512)
+        with tracker:
+            x = torch.randn(300, 300)
+            y = (x @ x).relu()
+            z = torch.cat([y, x])
+            del x, y
+            w = z.sum(0)
+    result = replay(traces[0])
+    assert result.peak_allocated == tracker.peak  # all small blocks: no split rounding
+    assert sum(n for _, n in traces[0] if n) > tracker.allocated  # frees were recorded too
+    del z, w
+
+
+def test_the_estimate_predicts_the_reserve_on_cuda_only():
+    from transformers import GPT2Config
+
+    from hf_memwatch.estimation.estimate import estimate
+
+    config = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=1000, n_positions=128)
+    cuda = estimate(config, task="causal-lm", batch_size=2, seq_len=32, device="cuda")
+    assert cuda.reserved_bytes >= cuda.peak_bytes and cuda.reserved_bytes % (2 * MiB) == 0
+    if not torch.cuda.is_available():
+        assert cuda.device_bytes is None and cuda.device_overheads["cuda_context"] is None
+        assert any("device_bytes is unknown" in note for note in cuda.notes)
+    cpu = estimate(config, task="causal-lm", batch_size=2, seq_len=32, device="cpu")
+    assert cpu.reserved_bytes is None and cpu.device_bytes is None
+
+
+def test_the_reserve_of_an_extrapolated_depth_carries_the_deeper_gap():
+    step = [("w", 12 * MiB), ("a", 3 * MiB), ("a", 0)]
+    assert predict_reserved([step]) == 32 * MiB
+    assert predict_reserved([step, step], extrapolated_peak=100 * MiB) == 117 * MiB
+    # the workspace first: its 20 MiB segment keeps 12 MiB free, where w fits; a needs a segment of its own
+    assert predict_reserved([step], workspace=8 * MiB) == 40 * MiB
+
+
+def test_the_plan_is_made_against_the_predicted_reserve():
+    """A CUDA estimate's reserve above its allocated peak becomes the plan's margin; none on the CPU."""
+    from transformers import GPT2Config
+
+    from hf_memwatch.estimation.estimate import estimate
+    from hf_memwatch.planning.budget import Budget, with_predicted_reserve
+
+    config = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=1000, n_positions=128)
+    cuda = estimate(config, task="causal-lm", batch_size=2, seq_len=32, device="cuda")
+    budget = Budget(total=cuda.reserved_bytes, margin=0, source="user budget")
+    planned = with_predicted_reserve(budget, cuda)
+    assert planned.usable == pytest.approx(cuda.peak_bytes, rel=1e-6)  # the step's allocated peak just fits
+    cpu = estimate(config, task="causal-lm", batch_size=2, seq_len=32, device="cpu")
+    assert with_predicted_reserve(budget, cpu) == budget
