@@ -27,6 +27,7 @@ import torch
 from hf_memwatch.testing.tokenizers import word_tokenizer
 
 RESULTS = Path(__file__).parent / "results" / "trl_accuracy.md"
+ONLINE = ("grpo", "rloo", "onlinedpo", "gkd")  # trainers that generate inside their step
 
 
 def model(family: str, seed: int = 0) -> Any:
@@ -53,6 +54,59 @@ def words(generator: torch.Generator, n: int) -> str:
     return " ".join(f"w{int(i)}" for i in torch.randint(0, 1000, (n,), generator=generator))
 
 
+def reward_model(family: str, seed: int = 2) -> Any:
+    """A one-label sequence-classification model of ``family`` (a reward model, random weights)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=1002, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=1, max_position_embeddings=256, pad_token_id=1000, eos_token_id=1001,
+                  num_labels=1)
+    config = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[family](**common)
+    return transformers.AutoModelForSequenceClassification.from_config(config)
+
+
+def reward_length(completions: list[Any], **kwargs: Any) -> list[float]:
+    """A reward as a Python callable: the completion's length in characters."""
+    return [float(len(str(c))) for c in completions]
+
+
+def policy(family: str, out: str, saved: bool) -> Any:
+    """``model(family)``, or (``saved``) the folder it is saved in: GRPO and RLOO with ``beta > 0`` load the
+    reference model from the policy's ``name_or_path``."""
+    built = model(family)
+    if not saved:
+        return built
+    built.save_pretrained(Path(out) / "policy")
+    return str(Path(out) / "policy")
+
+
+def build_online(kind: str, family: str, out: str, common: dict[str, Any], generator: torch.Generator) -> Any:
+    """GRPO, RLOO (reward: a callable, or a callable and a reward model), Online DPO (a reward model), GKD."""
+    from datasets import Dataset
+
+    common = {k: v for k, v in common.items() if k not in ("max_length",)}
+    prompts = Dataset.from_list([{"prompt": words(generator, 12)} for _ in range(16)])
+    tokenizer = word_tokenizer()
+    rewards: list[Any] = [reward_length] + ([reward_model(family)] if "-rm" in kind else [])
+    online = dict(common, per_device_train_batch_size=4, max_completion_length=8)
+    if kind.startswith("grpo"):
+        from trl import GRPOConfig, GRPOTrainer
+
+        with_reference = "-ref" in kind
+        return GRPOTrainer(model=policy(family, out, with_reference or "-path" in kind), reward_funcs=rewards, train_dataset=prompts,
+                           processing_class=tokenizer,
+                           args=GRPOConfig(**online, num_generations=4, beta=0.04 if with_reference else 0.0),
+                           reward_processing_classes=[None, tokenizer][:len(rewards)])
+    if kind.startswith("rloo"):
+        from trl import RLOOConfig, RLOOTrainer
+
+        return RLOOTrainer(model=policy(family, out, True), reward_funcs=rewards, train_dataset=prompts, processing_class=tokenizer,
+                           args=RLOOConfig(**online, num_generations=2),
+                           reward_processing_classes=[None, tokenizer][:len(rewards)])
+    raise ValueError(kind)
+
+
 def build(kind: str, family: str, out: str, precision: str, checkpointing: bool) -> Any:
     from datasets import Dataset
 
@@ -60,6 +114,8 @@ def build(kind: str, family: str, out: str, precision: str, checkpointing: bool)
     common = dict(output_dir=out, per_device_train_batch_size=8, max_steps=2, logging_steps=1, report_to=[],
                   save_strategy="no", use_cpu=True, disable_tqdm=True, bf16=precision == "bf16",
                   activation_checkpointing=checkpointing, max_length=64, dataloader_num_workers=0)
+    if kind.split("-")[0] in ONLINE:
+        return build_online(kind, family, out, common, generator)
     if kind.startswith("sft"):
         from trl import SFTConfig, SFTTrainer
 
