@@ -104,6 +104,13 @@ def build_online(kind: str, family: str, out: str, common: dict[str, Any], gener
         return RLOOTrainer(model=policy(family, out, True), reward_funcs=rewards, train_dataset=prompts, processing_class=tokenizer,
                            args=RLOOConfig(**online, num_generations=2),
                            reward_processing_classes=[None, tokenizer][:len(rewards)])
+    if kind == "onlinedpo":
+        from trl.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
+
+        config = OnlineDPOConfig(**{k: v for k, v in online.items() if k != "max_completion_length"}, max_new_tokens=8)
+        return OnlineDPOTrainer(model=model(family), ref_model=model(family, seed=1), reward_funcs=[reward_model(family)],
+                                args=config, train_dataset=prompts, processing_class=tokenizer,
+                                reward_processing_classes=[tokenizer])
     raise ValueError(kind)
 
 
@@ -169,7 +176,8 @@ CASES = [(kind, family, precision, ckpt)
                                        ("sft-qlora", "fp32", True), ("sft-qlora", "bf16", False),
                                        ("dpo", "fp32", False), ("dpo-precomputed", "bf16", False),
                                        ("grpo", "fp32", False), ("grpo-rm-ref", "fp32", False),
-                                       ("rloo", "fp32", False), ("rloo-rm", "fp32", False))]
+                                       ("rloo", "fp32", False), ("rloo-rm", "fp32", False),
+                                       ("onlinedpo", "fp32", False))]
 
 
 def kept_rows(kinds: set[str]) -> list[dict[str, Any]]:
@@ -220,7 +228,8 @@ def main() -> int:
     lines += ["", "grpo / rloo: 4 prompts x `num_generations` completions of `max_completion_length`=8 tokens generated "
               "inside the step (the replay generates each to its longest); reward: a Python callable, `-rm` adds a "
               "1-layer sequence-classification reward model in `reward_funcs`, `-ref` a reference model (`beta` > 0; "
-              "RLOO's default beta has one).", "", "sft-qlora: a 4-bit nf4 base (loaded through `BitsAndBytesConfig`) + LoRA on all linears. QLoRA "
+              "RLOO's default beta has one). onlinedpo: TRL's experimental OnlineDPOTrainer, 2 completions of 8 tokens per "
+              "prompt scored by a reward model in `reward_funcs`, with a reference model.", "", "sft-qlora: a 4-bit nf4 base (loaded through `BitsAndBytesConfig`) + LoRA on all linears. QLoRA "
               "from a config (`--load-in-4bit`, 8-bit, double quantization, fp4): `peft_accuracy.md`."]
     text = "\n".join(lines) + "\n"
     print(text)
