@@ -27,6 +27,7 @@ import torch
 from hf_memwatch.testing.tokenizers import word_tokenizer
 
 RESULTS = Path(__file__).parent / "results" / "trl_accuracy.md"
+ONLINE = ("grpo", "rloo", "onlinedpo", "gkd")  # trainers that generate inside their step
 
 
 def model(family: str, seed: int = 0) -> Any:
@@ -53,6 +54,66 @@ def words(generator: torch.Generator, n: int) -> str:
     return " ".join(f"w{int(i)}" for i in torch.randint(0, 1000, (n,), generator=generator))
 
 
+def reward_model(family: str, seed: int = 2) -> Any:
+    """A one-label sequence-classification model of ``family`` (a reward model, random weights)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=1002, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=1, max_position_embeddings=256, pad_token_id=1000, eos_token_id=1001,
+                  num_labels=1)
+    config = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[family](**common)
+    return transformers.AutoModelForSequenceClassification.from_config(config)
+
+
+def reward_length(completions: list[Any], **kwargs: Any) -> list[float]:
+    """A reward as a Python callable: the completion's length in characters."""
+    return [float(len(str(c))) for c in completions]
+
+
+def policy(family: str, out: str, saved: bool) -> Any:
+    """``model(family)``, or (``saved``) the folder it is saved in: GRPO and RLOO with ``beta > 0`` load the
+    reference model from the policy's ``name_or_path``."""
+    built = model(family)
+    if not saved:
+        return built
+    built.save_pretrained(Path(out) / "policy")
+    return str(Path(out) / "policy")
+
+
+def build_online(kind: str, family: str, out: str, common: dict[str, Any], generator: torch.Generator) -> Any:
+    """GRPO, RLOO (reward: a callable, or a callable and a reward model), Online DPO (a reward model), GKD."""
+    from datasets import Dataset
+
+    common = {k: v for k, v in common.items() if k not in ("max_length",)}
+    prompts = Dataset.from_list([{"prompt": words(generator, 12)} for _ in range(16)])
+    tokenizer = word_tokenizer()
+    rewards: list[Any] = [reward_length] + ([reward_model(family)] if "-rm" in kind else [])
+    online = dict(common, per_device_train_batch_size=4, max_completion_length=8)
+    if kind.startswith("grpo"):
+        from trl import GRPOConfig, GRPOTrainer
+
+        with_reference = "-ref" in kind
+        return GRPOTrainer(model=policy(family, out, with_reference or "-path" in kind), reward_funcs=rewards, train_dataset=prompts,
+                           processing_class=tokenizer,
+                           args=GRPOConfig(**online, num_generations=4, beta=0.04 if with_reference else 0.0),
+                           reward_processing_classes=[None, tokenizer][:len(rewards)])
+    if kind.startswith("rloo"):
+        from trl import RLOOConfig, RLOOTrainer
+
+        return RLOOTrainer(model=policy(family, out, True), reward_funcs=rewards, train_dataset=prompts, processing_class=tokenizer,
+                           args=RLOOConfig(**online, num_generations=2),
+                           reward_processing_classes=[None, tokenizer][:len(rewards)])
+    if kind == "onlinedpo":
+        from trl.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
+
+        config = OnlineDPOConfig(**{k: v for k, v in online.items() if k != "max_completion_length"}, max_new_tokens=8)
+        return OnlineDPOTrainer(model=model(family), ref_model=model(family, seed=1), reward_funcs=[reward_model(family)],
+                                args=config, train_dataset=prompts, processing_class=tokenizer,
+                                reward_processing_classes=[tokenizer])
+    raise ValueError(kind)
+
+
 def build(kind: str, family: str, out: str, precision: str, checkpointing: bool) -> Any:
     from datasets import Dataset
 
@@ -60,6 +121,8 @@ def build(kind: str, family: str, out: str, precision: str, checkpointing: bool)
     common = dict(output_dir=out, per_device_train_batch_size=8, max_steps=2, logging_steps=1, report_to=[],
                   save_strategy="no", use_cpu=True, disable_tqdm=True, bf16=precision == "bf16",
                   activation_checkpointing=checkpointing, max_length=64, dataloader_num_workers=0)
+    if kind.split("-")[0] in ONLINE:
+        return build_online(kind, family, out, common, generator)
     if kind.startswith("sft"):
         from trl import SFTConfig, SFTTrainer
 
@@ -111,22 +174,46 @@ CASES = [(kind, family, precision, ckpt)
          for kind, precision, ckpt in (("sft-full", "fp32", False), ("sft-full", "bf16", True),
                                        ("sft-lora", "fp32", True), ("sft-lora", "bf16", False),
                                        ("sft-qlora", "fp32", True), ("sft-qlora", "bf16", False),
-                                       ("dpo", "fp32", False), ("dpo-precomputed", "bf16", False))]
+                                       ("dpo", "fp32", False), ("dpo-precomputed", "bf16", False),
+                                       ("grpo", "fp32", False), ("grpo-rm-ref", "fp32", False),
+                                       ("rloo", "fp32", False), ("rloo-rm", "fp32", False),
+                                       ("onlinedpo", "fp32", False))]
+
+
+def kept_rows(kinds: set[str]) -> list[dict[str, Any]]:
+    """The rows of the committed table whose trainer is not in ``kinds`` (``--only``: measure a few, keep the rest)."""
+    rows = []
+    for line in RESULTS.read_text().splitlines() if RESULTS.exists() else []:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) != 8 or not cells[4].replace(",", "").isdigit() or cells[0] in kinds:
+            continue
+        truth, predicted = int(cells[4].replace(",", "")), int(cells[5].replace(",", ""))
+        rows.append({"kind": cells[0], "family": cells[1], "precision": cells[2], "checkpointing": cells[3] == "on",
+                     "truth": truth, "estimate": predicted, "error": (predicted - truth) / truth,
+                     "seconds": float(cells[7].split()[0])})
+    return rows
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--only", nargs="*", default=None,
+                        help="measure only these trainer kinds; the committed table's other rows are kept")
     args = parser.parse_args()
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # the optional CPU kernel package's notice
     started = time.perf_counter()
-    rows = [measure(*case) for case in CASES]
+    only = set(args.only) if args.only else None
+    measured = [measure(*case) for case in CASES if only is None or case[0] in only]
+    kept = kept_rows(only) if only else []
+    order = {case: index for index, case in enumerate(CASES)}
+    rows = sorted(measured + kept, key=lambda r: order.get(
+        (r["kind"], r["family"], r["precision"], r["checkpointing"]), len(order)))
     errors = [abs(r["error"]) for r in rows]
     lines = [
         "# hf-memwatch estimate(trainer) on TRL trainers: accuracy",
         "",
         f"Generated by `benchmarks/trl_accuracy.py` in {time.perf_counter() - started:.0f} s (torch {torch.__version__}, "
-        "2 CPUs). Estimate: the trainer's own training_step replayed on fake tensors; truth: the profiler's CPU "
+        f"2 CPUs{'; rows of ' + ', '.join(sorted(only)) + ' measured, the others kept from the previous run' if only else ''}). Estimate: the trainer's own training_step replayed on fake tensors; truth: the profiler's CPU "
         "memory events of 2 real steps (resident weights of every model the trainer holds as the baseline).",
         "",
         f"{len(rows)} cases over 2 architectures. Peak error, absolute relative: **median "
@@ -138,7 +225,11 @@ def main() -> int:
     for r in rows:
         lines.append(f"| {r['kind']} | {r['family']} | {r['precision']} | {'on' if r['checkpointing'] else 'off'} | "
                      f"{r['truth']:,} | {r['estimate']:,} | {100 * r['error']:+.3f}% | {r['seconds']:.2f} s |")
-    lines += ["", "sft-qlora: a 4-bit nf4 base (loaded through `BitsAndBytesConfig`) + LoRA on all linears. QLoRA "
+    lines += ["", "grpo / rloo: 4 prompts x `num_generations` completions of `max_completion_length`=8 tokens generated "
+              "inside the step (the replay generates each to its longest); reward: a Python callable, `-rm` adds a "
+              "1-layer sequence-classification reward model in `reward_funcs`, `-ref` a reference model (`beta` > 0; "
+              "RLOO's default beta has one). onlinedpo: TRL's experimental OnlineDPOTrainer, 2 completions of 8 tokens per "
+              "prompt scored by a reward model in `reward_funcs`, with a reference model.", "", "sft-qlora: a 4-bit nf4 base (loaded through `BitsAndBytesConfig`) + LoRA on all linears. QLoRA "
               "from a config (`--load-in-4bit`, 8-bit, double quantization, fp4): `peft_accuracy.md`."]
     text = "\n".join(lines) + "\n"
     print(text)

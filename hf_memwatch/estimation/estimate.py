@@ -47,6 +47,7 @@ from .trainer_replay import (
     longest_allowed_length,
     worst_case_batch,
 )
+from .trl_replay import TrainerReplay, dataloader_batch_size
 
 TASKS = ("causal-lm", "seq-cls", "masked-lm", "seq2seq")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -407,7 +408,7 @@ def estimate(
     sample = None
     if trainer is not None:
         _check_positive("batch_size", batch_size)
-        sample, sample_len, note = worst_case_batch(trainer, batch_size, sample_index)
+        sample, sample_len, note = worst_case_batch(trainer, dataloader_batch_size(trainer, batch_size), sample_index)
         if sample is None:
             seq_len = seq_len or longest_allowed_length(trainer)
             if seq_len is None:
@@ -464,7 +465,11 @@ def estimate(
             target_len=seq2seq_target_len or seq_len, precision=precision, optim=optim,
             checkpointing=checkpointing, accum=accum, device=device, max_grad_norm=max_grad_norm,
             trainer=trainer, sample=sample, optimizer_step=optimizer_step,
+            replay=None if trainer is None else TrainerReplay(
+                trainer, lambda module: fake_copy(module, fake_mode, "cpu"), batch_size, accum),
         )
+        if run["replay"] is not None:
+            notes.extend(run["replay"].notes)
         guard = TrainerStateGuard(trainer, accum) if trainer is not None else contextlib.nullcontext()
         recording = recording_allocations() if device == "cuda" else contextlib.nullcontext([])
         try:
@@ -485,8 +490,9 @@ def estimate(
         for name, module in held_models(trainer).items():
             held = {k: v for k, v in weight_storages(module, None).items() if k not in trained}
             frozen_models[name] = sum(_on_target(nbytes, device) for nbytes in held.values())
-        for classes in phase_classes.values():
-            classes["weights"] += sum(frozen_models.values())
+        if run["replay"] is None or not run["replay"].held_weights:  # else: in the replay's live set
+            for classes in phase_classes.values():
+                classes["weights"] += sum(frozen_models.values())
         if frozen_models:
             notes.append("weights include models the Trainer holds: " + ", ".join(
                 f"{name} ({format_bytes(nbytes)})" for name, nbytes in frozen_models.items()))

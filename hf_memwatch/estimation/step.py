@@ -40,7 +40,7 @@ from ..measure.attribution import weight_tensors
 from ..measure.saved_tensors import SavedTensorRegistry
 from ..measure.tracker import StorageTracker
 from .optim import BNB_OPTIMS, build_optimizer
-from .trainer_replay import fake_batch
+from .trainer_replay import batch_tensors, fake_batch
 
 CUDA_BLOCK = 512  # the CUDA caching allocator rounds every block up to a multiple of 512 bytes
 MIXED_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -584,13 +584,14 @@ class _Phases:
 # -- the step --------------------------------------------------------------------------------
 # The phases of a step before its optimizer step (keys of ``StepSimulation.phase_classes``).
 FORWARD_BACKWARD_PHASES = ("after_forward", "after_backward")
+GENERATION_PHASE = "generation"  # a step that generates (TRL's online trainers): the decoding loop's high
 
 
 def simulate_step(
     model: torch.nn.Module, fake_mode: Any, *, config: Any, task: str, batch_size: int, seq_len: int,
     target_len: int, precision: str, optim: str, checkpointing: bool, accum: int, device: str,
-    max_grad_norm: float, steps: int = 2, trainer: Any = None, sample: dict[str, Any] | None = None,
-    optimizer_step: bool = True,
+    max_grad_norm: float, steps: int = 2, trainer: Any = None, sample: Any = None,
+    optimizer_step: bool = True, replay: Any = None,
 ) -> StepSimulation:
     """Run ``steps`` Trainer optimizer steps on the fake ``model``; the peak and its split.
 
@@ -602,6 +603,10 @@ def simulate_step(
     ``optimizer_step=False`` replays the forward and backward alone, without optimizer state
     (nothing primed, no clipping, no step): only the ``after_forward``/``after_backward`` phases,
     which lie under the full step's by exactly the optimizer states that would be resident.
+    ``replay`` (a :class:`~hf_memwatch.estimation.trl_replay.TrainerReplay`, with ``trainer``): the
+    Trainer's models swapped for fakes around its micro-steps — generation inside the step, held
+    models' forwards — and its first micro-steps replayed as they run where it asks
+    (``replay.micro_steps()``).
     """
     notes: list[str] = []
     model.train()
@@ -628,11 +633,13 @@ def simulate_step(
     )
     weights_of_model = weight_tensors(model)  # quantization state included
     tracker.register(weights_of_model)
+    held_weights = list(replay.held_weights) if replay is not None else []  # a Trainer's other models
+    tracker.register(held_weights)
     _name_frozen_weights(tracker, model)
     vocab = getattr(config, "vocab_size", None)
     if task != "seq-cls" and isinstance(vocab, int) and vocab > 1:  # after the weights: never named
         tracker.name_logits(vocab, batch_size, precision in MIXED_DTYPES)
-    weights = _refs(tracker, weights_of_model)
+    weights = _refs(tracker, weights_of_model + held_weights)
     other: dict[int, Any] = {}
     phases = _Phases(tracker, model, optimizer, weights, other)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -654,7 +661,7 @@ def simulate_step(
             batches = [lookahead] + [new_batch() for _ in range(accum - 1)]
             lookahead = new_batch()
             for b in batches + [lookahead]:
-                other.update(_refs(tracker, b.values()))
+                other.update(_refs(tracker, batch_tensors(b)))
             num_items = None
             if trainer is not None:
                 num_items = trainer._get_num_items_in_batch(batches, torch.device(device))
@@ -665,7 +672,12 @@ def simulate_step(
                 num_items = sum(lab.ne(-100).sum() for lab in labels).to(device)
                 other.update(_refs(tracker, [num_items]))
             replayed = batches[:1]
-            if len(batches) > 1:
+            natural = replay.micro_steps() if replay is not None else 0
+            if natural:
+                # A step that generates: its first micro-step (no gradient yet) and the next (gradients
+                # resident, the buffered completions) differ; both replayed as they run.
+                replayed = batches[:natural]
+            elif len(batches) > 1:
                 # Every micro-step after the first runs with the gradients resident and adds into them:
                 # the same live set as the first plus the gradients, so its peak is the step's (the
                 # first one's cannot be higher). It alone is replayed, the gradients made resident as
@@ -678,9 +690,11 @@ def simulate_step(
                 if trainer is not None:
                     # The Trainer's own micro-step: forward and loss (subclass overrides included), its
                     # scaling, backward. "after_forward" closes when the model's forward returns.
-                    hook = model.register_forward_hook(lambda *_: phases.close("after_forward"))
+                    hook = model.register_forward_hook(_close_after_forward(phases, replay))
                     try:
-                        loss = trainer.training_step(model, inputs, num_items)
+                        with (replay.running(model, tracker, phases.close) if replay is not None
+                              else contextlib.nullcontext()):
+                            loss = trainer.training_step(model, inputs, num_items)
                     finally:
                         hook.remove()
                     del inputs
@@ -699,9 +713,10 @@ def simulate_step(
                 del loss
             del batches, replayed
             if not optimizer_step:
+                kept = (*FORWARD_BACKWARD_PHASES, GENERATION_PHASE)
                 return StepSimulation(
-                    {phase: phases.best[phase] for phase in FORWARD_BACKWARD_PHASES if phase in phases.best},
-                    notes, {phase: phases.details.get(phase, {}) for phase in FORWARD_BACKWARD_PHASES})
+                    {phase: phases.best[phase] for phase in kept if phase in phases.best},
+                    notes, {phase: phases.details.get(phase, {}) for phase in kept if phase in phases.best})
             if max_grad_norm and max_grad_norm > 0:
                 torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
             optimizer.step()
@@ -714,6 +729,14 @@ def simulate_step(
             _restore_forward(model, saved_forward)
             _restore_kv_cache(model, saved_use_cache)
     return StepSimulation(dict(phases.best), notes, dict(phases.details))
+
+
+def _close_after_forward(phases: _Phases, replay: Any) -> Any:
+    """The forward hook that closes ``after_forward`` (not on a decoding step inside ``generate``)."""
+    def hook(*_: Any) -> None:
+        if replay is None or not replay.generating:
+            phases.close("after_forward")
+    return hook
 
 
 def _name_frozen_weights(tracker: EstimateTracker, model: torch.nn.Module) -> None:

@@ -18,7 +18,9 @@ batches its own collator forms from its own dataset. Three things make that safe
 from __future__ import annotations
 
 import copy
+import random
 import sys
+from collections import deque
 from collections.abc import Mapping
 from typing import Any
 
@@ -50,7 +52,7 @@ def _is_plain(value: Any, depth: int = 0) -> bool:
         return True
     if depth > 4:
         return False
-    if isinstance(value, (list, tuple, set)):
+    if isinstance(value, (list, tuple, set, deque)):
         return len(value) < 100_000 and all(_is_plain(v, depth + 1) for v in value)
     if isinstance(value, dict):
         return len(value) < 100_000 and all(_is_plain(k, depth + 1) and _is_plain(v, depth + 1)
@@ -67,7 +69,46 @@ def _restore_in_place(current: Any, saved: Any) -> Any:
     if type(current) is type(saved) and isinstance(current, list):
         current[:] = saved
         return current
+    if type(current) is type(saved) and isinstance(current, deque) and current.maxlen == saved.maxlen:
+        current.clear()
+        current.extend(saved)
+        return current
     return saved
+
+
+class RngStates:
+    """Every random number generator a step may draw from — Python's ``random``, NumPy's global one,
+    torch's CPU one and each CUDA device's — captured, and put back by :meth:`restore`.
+
+    A replayed step draws from them (GKD's ``random.random() <= lmbda``, sampling in ``generate``,
+    GRPO's shuffles): without the restore, the run after an estimate is not the run without one.
+    """
+
+    def __init__(self, states: dict[str, Any]) -> None:
+        self.states = states
+
+    @classmethod
+    def capture(cls) -> RngStates:
+        states: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+        try:
+            import numpy
+
+            states["numpy"] = numpy.random.get_state()
+        except ImportError:  # pragma: no cover
+            pass
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            states["cuda"] = torch.cuda.get_rng_state_all()
+        return cls(states)
+
+    def restore(self) -> None:
+        random.setstate(self.states["python"])
+        torch.set_rng_state(self.states["torch"])
+        if "numpy" in self.states:
+            import numpy
+
+            numpy.random.set_state(self.states["numpy"])
+        if "cuda" in self.states:
+            torch.cuda.set_rng_state_all(self.states["cuda"])
 
 
 def _already_placed(data: Any) -> Any:
@@ -77,9 +118,10 @@ def _already_placed(data: Any) -> Any:
 class TrainerStateGuard:
     """Everything a replayed step may change in a Trainer, restored on exit.
 
-    Plain-data attributes (numbers, strings, containers of them — TRL's token counters and metric
-    lists among them), ``trainer.state``, and ``current_gradient_accumulation_steps`` (set for the
-    replay as the training loop sets it).
+    Plain-data attributes (numbers, strings, containers of them — TRL's token counters, metric
+    lists and completion-log deques among them), ``trainer.state``, every random number generator
+    (:class:`RngStates`), and ``current_gradient_accumulation_steps`` (set for the replay as the
+    training loop sets it).
     """
 
     def __init__(self, trainer: Any, accumulation: int) -> None:
@@ -87,6 +129,7 @@ class TrainerStateGuard:
         self.accumulation = accumulation
 
     def __enter__(self) -> TrainerStateGuard:
+        self.rng = RngStates.capture()
         attributes = vars(self.trainer)
         self.names = set(attributes)
         self.saved = {name: copy.deepcopy(value) for name, value in attributes.items() if _is_plain(value)}
@@ -108,6 +151,7 @@ class TrainerStateGuard:
             state = self.trainer.state
             vars(state).clear()
             vars(state).update(self.state)
+        self.rng.restore()
 
 
 # -- the worst-case batch ------------------------------------------------------------------------
@@ -179,10 +223,12 @@ def collate(trainer: Any, items: list[Any]) -> dict[str, Any]:
 
 
 def worst_case_batch(trainer: Any, batch_size: int, sample_index: int | None = None
-                     ) -> tuple[dict[str, Any] | None, int | None, str]:
+                     ) -> tuple[dict[str, Any] | list[Any] | None, int | None, str]:
     """(batch of ``batch_size`` copies of the longest sample, its sequence length, note).
 
-    The batch is None for one-pass datasets (never read); the note says what was used instead.
+    The batch is a dict, or a list where the collator returns one (GRPO's and RLOO's hand the
+    samples to the step, which tokenizes and generates). It is None for one-pass datasets (never
+    read); the note says what was used instead.
     """
     dataset = training_dataset(trainer)
     if dataset is None:
@@ -195,6 +241,9 @@ def worst_case_batch(trainer: Any, batch_size: int, sample_index: int | None = N
         sample_index, _ = longest_index(dataset)
     item = dataset[sample_index]
     batch = collate(trainer, [copy.deepcopy(item) for _ in range(batch_size)])
+    if isinstance(batch, (list, tuple)):  # GRPO's, RLOO's collators: the samples as they are
+        length = max((sequence_length(entry) for entry in batch), default=0) or None
+        return list(batch), length, f"worst case: {batch_size} x sample {sample_index} as collated (a list)"
     length = max((sequence_length_of_value(k, v) for k, v in batch.items()), default=0) or None
     return dict(batch), length, f"worst case: {batch_size} x sample {sample_index} as collated"
 
@@ -213,9 +262,25 @@ def longest_allowed_length(trainer: Any) -> int | None:
     return None
 
 
-def fake_batch(batch: Mapping[str, Any]) -> dict[str, Any]:
-    """A copy of ``batch`` whose tensors are created under the active fake mode (counted, no memory)."""
+def fake_batch(batch: Mapping[str, Any] | list[Any]) -> Any:
+    """A copy of ``batch`` whose tensors are created under the active fake mode (counted, no memory).
+
+    A list batch (samples as a list collator returns them) is copied sample by sample.
+    """
+    if isinstance(batch, (list, tuple)):
+        return [fake_batch(entry) if isinstance(entry, Mapping) else copy.deepcopy(entry) for entry in batch]
     return {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+
+
+def batch_tensors(batch: Any) -> list[torch.Tensor]:
+    """The tensors of a batch: a dict's values, or those of a list of samples."""
+    if isinstance(batch, torch.Tensor):
+        return [batch]
+    if isinstance(batch, Mapping):
+        return [t for value in batch.values() for t in batch_tensors(value)]
+    if isinstance(batch, (list, tuple)):
+        return [t for value in batch for t in batch_tensors(value)]
+    return []
 
 
 def plain_counters(trainer: Any) -> dict[str, Any]:
@@ -224,6 +289,6 @@ def plain_counters(trainer: Any) -> dict[str, Any]:
 
 
 __all__ = [
-    "TrainerStateGuard", "collate", "fake_batch", "held_models", "is_one_pass", "is_trainer", "longest_allowed_length",
+    "RngStates", "TrainerStateGuard", "batch_tensors", "collate", "fake_batch", "held_models", "is_one_pass", "is_trainer", "longest_allowed_length",
     "longest_index", "plain_counters", "sequence_length", "training_dataset", "worst_case_batch",
 ]

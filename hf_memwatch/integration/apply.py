@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..core.run_config import RunConfig, checkpointing_requested, model_is_checkpointing, optim_name
+from ..estimation.trl_replay import batches_generation, steps_per_generation
 from ..planning.plan import Plan
 
 
@@ -25,6 +26,10 @@ def apply_plan(trainer: Any, plan: Plan) -> list[str]:
     args.per_device_train_batch_size = plan.micro_batch_size
     trainer._train_batch_size = args.train_batch_size  # the Trainer's cached copy (micro-batch x n_gpu)
     args.gradient_accumulation_steps = plan.gradient_accumulation_steps
+    if batches_generation(trainer):
+        # GRPO, RLOO: the generation batch is kept, so a smaller micro-batch generates once every more
+        # micro-steps — as GRPOConfig/RLOOConfig derive it for a user who writes the plan by hand.
+        args.steps_per_generation = steps_per_generation(trainer, plan.micro_batch_size)
     if plan.optim != optim_name(args):
         args.optim = OptimizerNames(plan.optim)
     if plan.activation_checkpointing and not (checkpointing_requested(args) or model_is_checkpointing(trainer.model)):

@@ -49,7 +49,7 @@ import torch
 from ..core.errors import MemWatchConfigError, PlanError, is_oom_error
 from ..core.run_config import RunConfig, generation_kwargs
 from ..core.units import format_bytes
-from ..estimation.trainer_replay import is_one_pass, training_dataset
+from ..estimation.trainer_replay import RngStates, is_one_pass, training_dataset
 from ..measure.attribution import weight_storages
 from ..measure.backends import backend_for
 from ..measure.footprint import (
@@ -160,12 +160,15 @@ class AutoMode:
         @functools.wraps(original)
         def train(*args: Any, **kwargs: Any) -> Any:
             resume = kwargs.get("resume_from_checkpoint", args[0] if args else None)
+            rng = RngStates.capture()  # planning leaves no trace: the run draws what it would have drawn
             try:
                 self.before_train(trainer, resume)
             except (PlanError, MemWatchConfigError):
                 raise  # the run cannot fit, or was misconfigured: stop before training
             except Exception as exc:  # noqa: BLE001 - a fault of ours must never kill the run
                 self._planning_failed(trainer, exc)
+            finally:
+                rng.restore()
             return self._train_with_safety_net(trainer, original, resume, args, kwargs)
 
         train._memwatch_auto = True  # type: ignore[attr-defined]
@@ -556,35 +559,6 @@ def worst_batch_of(trainer: Any, run: RunConfig) -> WorstBatch | None:
         packing=run.packing,
         model_max_length=model_max_length if isinstance(model_max_length, int) and model_max_length < 10**9 else None,
     )
-
-
-class RngStates:
-    """Python, NumPy, torch (and CUDA) RNG states, to run a step again from the same draws."""
-
-    def __init__(self, states: dict[str, Any]) -> None:
-        self.states = states
-
-    @classmethod
-    def capture(cls) -> RngStates:
-        import random
-
-        import numpy
-
-        states = {"python": random.getstate(), "numpy": numpy.random.get_state(), "torch": torch.get_rng_state()}
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            states["cuda"] = torch.cuda.get_rng_state_all()
-        return cls(states)
-
-    def restore(self) -> None:
-        import random
-
-        import numpy
-
-        random.setstate(self.states["python"])
-        numpy.random.set_state(self.states["numpy"])
-        torch.set_rng_state(self.states["torch"])
-        if "cuda" in self.states:
-            torch.cuda.set_rng_state_all(self.states["cuda"])
 
 
 # -- distributed agreement -----------------------------------------------------------------------
