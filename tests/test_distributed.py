@@ -234,6 +234,32 @@ def test_auto_mode_agrees_one_plan_when_only_one_rank_must_act(ddp_runs):
     assert len(truth) == 3 and max(truth) <= facts[1]["auto_budget"], (truth, facts[1]["auto_budget"])
 
 
+def test_planned_ddp_run_equals_the_hand_configured_run_of_its_plan(ddp_runs):
+    _, facts = ddp_runs
+    for fact in facts:
+        assert len(fact["auto"]["losses"]) == 3
+        assert fact["auto"]["losses"] == pytest.approx(fact["hand"]["losses"], rel=1e-6)
+        assert fact["auto"]["grad_norms"] == pytest.approx(fact["hand"]["grad_norms"], rel=1e-6)
+
+
+def test_one_rank_that_would_not_fit_switches_every_rank_before_the_next_step(ddp_runs):
+    """Rank 1 alone holds an extra configured peak in step 1: both ranks turn checkpointing on, the same
+    plan, recorded after step 1 and before step 2 (the run finished: no rank waited alone)."""
+    out, facts = ddp_runs
+    records = [timeline(out / "replan", rank) for rank in (0, 1)]
+    plans = [[r for r in recs if r["event"] == "plan"] for recs in records]
+    for rank_plans in plans:
+        assert len(rank_plans) == 2, rank_plans
+        assert not rank_plans[0]["activation_checkpointing"] and rank_plans[1]["activation_checkpointing"]
+        assert "rank 1:" in rank_plans[1]["reason"] and "agreed by all ranks" in rank_plans[1]["reason"]
+    assert [{k: p[-1][k] for k in PLAN_KEYS} for p in plans][0] == [{k: p[-1][k] for k in PLAN_KEYS} for p in plans][1]
+    for recs in records:  # switched between step 1 and step 2
+        order = [(r["event"], r.get("step")) for r in recs if r["event"] in ("plan", "step")]
+        switch = [i for i, (event, _) in enumerate(order) if event == "plan"][1]
+        assert order[switch - 1] == ("step", 1) and order[switch + 1] == ("step", 2), order
+    assert len(facts[0]["replan"]["losses"]) == len(facts[1]["replan"]["losses"]) == 3
+
+
 def test_a_rank_that_cannot_plan_stops_every_rank_without_a_hang(ddp_runs):
     """Rank 1's budget is below the weights: PlanError there, and the same stop on rank 0."""
     _, facts = ddp_runs

@@ -205,8 +205,10 @@ def _fsdp_text(args: Any) -> str:
 def _fsdp_from_arguments(args: Any, world_size: int) -> Engine:
     plugin = dict(getattr(args, "fsdp_plugin_args", None) or {})
     options = _fsdp_text(args).upper().split()
-    strategy = next((o for o in options if o in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD",
-                                                 "HYBRID_SHARD_ZERO2")), "FULL_SHARD")
+    reshard = str(plugin.get("reshard_after_forward", "")).upper()
+    strategy = next((o for o in (*options, reshard) if o in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD",
+                                                             "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")),
+                    "SHARD_GRAD_OP" if reshard == "FALSE" else "FULL_SHARD")
     return Engine(kind="fsdp", world_size=world_size, fsdp_version=int(plugin.get("fsdp_version", 1) or 1),
                   fsdp_strategy=strategy, fsdp_wrap=plugin.get("auto_wrap_policy"),
                   fsdp_cpu_offload="OFFLOAD" in options or bool(plugin.get("cpu_offload")),
@@ -236,10 +238,19 @@ def engine_of_accelerator(accelerator: Any, world_size: int, hidden_size: int | 
         return Engine(kind="fsdp", world_size=world_size, fsdp_version=int(getattr(plugin, "fsdp_version", 1) or 1),
                       fsdp_strategy=name or "FULL_SHARD",
                       fsdp_wrap=wrap if isinstance(wrap, str) or wrap is None else getattr(wrap, "__name__", str(wrap)),
-                      fsdp_cpu_offload=bool(getattr(offload, "offload_params", offload is True)),
+                      fsdp_cpu_offload=_offloads_params(offload),
                       cpu_ram_efficient_loading=bool(getattr(plugin, "cpu_ram_efficient_loading", False)),
                       source="accelerator", ignored=ignored)
     return Engine(kind=_plain("", world_size), world_size=world_size, source="accelerator", ignored=ignored)
+
+
+def _offloads_params(policy: Any) -> bool:
+    """FSDP1's ``CPUOffload(offload_params=...)``, FSDP2's ``CPUOffloadPolicy`` (``OffloadPolicy``: none)."""
+    if isinstance(policy, bool):
+        return policy
+    if hasattr(policy, "offload_params"):
+        return bool(policy.offload_params)
+    return type(policy).__name__ == "CPUOffloadPolicy"
 
 
 def engine_of(args: Any, accelerator: Any = None, model: Any = None, env: Mapping[str, str] | None = None) -> Engine:
