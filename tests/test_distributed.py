@@ -476,3 +476,26 @@ def test_deepspeed_storages_without_deepspeed_is_empty():
     model = torch.nn.Linear(4, 2)
     optimizer = torch.optim.AdamW(model.parameters())
     assert deepspeed_storages(model, optimizer, None) == {"weights": {}, "gradients": {}, "optimizer_states": {}}
+
+
+@pytest.mark.parametrize("name, shard, offload", [("zero2", "zero2", "none"), ("zero3", "zero3", "none"),
+                                                  ("zero3_offload", "zero3", "optimizer")])
+def test_cli_estimate_agrees_with_the_auto_modes_prediction(zero_runs, tmp_path, capsys, name, shard, offload):
+    """``hf-memwatch estimate --world-size 2 --shard ... --offload ...`` with the run's bucket settings against
+    the prediction the auto mode made for the same run (``estimate(trainer)`` before train()) and against
+    each rank's measured peak."""
+    from hf_memwatch.cli.main import main
+
+    out, facts = zero_runs
+    gpt2_model().config.save_pretrained(tmp_path)
+    argv = ["estimate", str(tmp_path), "--batch-size", "4", "--accum", "2", "--seq-len", "32", "--world-size", "2",
+            "--shard", shard, "--offload", offload, "--reduce-bucket-size", "1e5", "--json"]
+    if shard == "zero3":
+        argv += ["--prefetch-bucket-size", "1e5"]
+    assert main(argv) == 0
+    predicted = json.loads(capsys.readouterr().out)["peak_bytes"]
+    auto = facts[0][name]["predicted_peak"]
+    assert abs(predicted / auto - 1) <= 0.01, (predicted, auto)
+    for rank in (0, 1):
+        measured = max(r["peak"] for r in timeline(out / name, rank) if r["event"] == "step")
+        assert -0.01 <= predicted / measured - 1 <= 0.03, (predicted, measured)
