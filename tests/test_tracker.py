@@ -63,6 +63,23 @@ def test_resized_storage_is_recounted():
     assert tracker.allocated == 4000
 
 
+def test_storage_resized_to_zero_outside_an_operator_is_freed_against_the_profiler():
+    """FSDP2 frees all-gathered parameters with ``UntypedStorage.resize_(0)``, which no operator reports:
+    the live count and the next peak follow PyTorch's own allocator events."""
+    tracker = StorageTracker("cpu")
+    tracker.watch_resizes = True  # as registering FSDP2's DTensor parameters sets it
+    prof = cpu_memory_profile()
+    with prof, tracker:
+        gathered = torch.ones(4096)  # 16 KiB, "all-gathered"
+        gathered.untyped_storage().resize_(0)  # freed as FSDP2 frees it
+        nxt = torch.ones(2048)  # the next unit: the peak must not stack it on the freed one
+        assert tracker.allocated == 2048 * 4
+        gathered.untyped_storage().resize_(4096 * 4)  # gathered again in place
+        assert sum(tracker.live().values()) == tracker.allocated == (4096 + 2048) * 4
+    assert tracker.peak == window_peak(prof, 0) == (4096 + 2048) * 4
+    del nxt
+
+
 def test_saved_registry_counts_by_storage_and_releases_after_backward():
     registry = SavedTensorRegistry()
     w = torch.randn(64, 64, requires_grad=True)

@@ -21,6 +21,7 @@ import io
 import json
 from typing import Any
 
+from ..core.errors import MemWatchConfigError
 from ..core.run_config import RunConfig
 from ..core.units import format_bytes, parse_bytes
 from ..estimation.estimate import (
@@ -59,6 +60,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budget", default=None, help="memory budget per device, e.g. 24GiB")
     parser.add_argument("--world-size", type=int, default=1, help="data-parallel ranks (default 1)")
     parser.add_argument("--shard", choices=SHARDS, default="none", help="ZeRO stage or FSDP full shard")
+    parser.add_argument("--offload", choices=("none", "optimizer", "params"), default="none",
+                        help="DeepSpeed ZeRO offload to host RAM (zero1/2/3; params: zero3 only)")
+    parser.add_argument("--reduce-bucket-size", type=float, default=None,
+                        help="DeepSpeed reduce_bucket_size in elements (default DeepSpeed's 5e8)")
+    parser.add_argument("--prefetch-bucket-size", type=float, default=None,
+                        help="DeepSpeed stage3_prefetch_bucket_size in elements (default 5e7)")
+    parser.add_argument("--max-live-parameters", type=float, default=None,
+                        help="DeepSpeed stage3_max_live_parameters in elements (default 1e9)")
+    parser.add_argument("--max-reuse-distance", type=float, default=None,
+                        help="DeepSpeed stage3_max_reuse_distance in elements (default 1e9)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     add_peft_arguments(parser)
     add_eval_arguments(parser)
@@ -171,7 +182,35 @@ def _run_config(args: argparse.Namespace) -> RunConfig:
         micro_batch_size=args.batch_size, gradient_accumulation_steps=args.accum, checkpointing=args.checkpointing,
         optim=args.optim, precision=args.precision, device=args.device, world_size=args.world_size,
         shard=args.shard, seq_len=args.seq_len, task=args.task, seq2seq_target_len=args.target_len,
+        engine=deepspeed_engine(args),
     )
+
+
+def deepspeed_engine(args: argparse.Namespace) -> Any:
+    """The DeepSpeed engine ``--shard zero1/2/3`` with ``--offload`` and the bucket flags describe
+    (the JSON the auto mode reads, built from the flags; None for other shards)."""
+    if not str(args.shard).startswith("zero") or int(args.world_size) < 2:
+        if getattr(args, "offload", "none") != "none":
+            raise MemWatchConfigError("--offload needs --shard zero1/zero2/zero3 and --world-size >= 2")
+        return None
+    from ..core.engine import engine_from_deepspeed_config
+
+    zero: dict[str, Any] = {"stage": int(args.shard[-1])}
+    for flag, key in (("reduce_bucket_size", "reduce_bucket_size"), ("prefetch_bucket_size", "stage3_prefetch_bucket_size"),
+                      ("max_live_parameters", "stage3_max_live_parameters"),
+                      ("max_reuse_distance", "stage3_max_reuse_distance")):
+        value = getattr(args, flag, None)
+        if value is not None:
+            if value < 0:
+                raise MemWatchConfigError(f"--{flag.replace('_', '-')} must be >= 0; got {value}")
+            zero[key] = int(value)
+    if args.offload == "params" and zero["stage"] != 3:
+        raise MemWatchConfigError("--offload params needs --shard zero3 (DeepSpeed offloads parameters in ZeRO-3 only)")
+    if args.offload in ("optimizer", "params"):
+        zero["offload_optimizer"] = {"device": "cpu"}
+    if args.offload == "params":
+        zero["offload_param"] = {"device": "cpu"}
+    return engine_from_deepspeed_config({"zero_optimization": zero}, int(args.world_size))
 
 
 def remedies(args: argparse.Namespace, budget: int, given: Any) -> list[dict[str, Any]]:

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from .engine import Engine, engine_of
 from .errors import MemWatchConfigError
 
 
@@ -66,6 +67,8 @@ class RunConfig:
     peft_model: bool = False  # the trained model is a PEFT model (adapters trained, base frozen)
     # share of the predicted peak the optimizer states take (None: not predicted yet)
     optimizer_state_share: float | None = None
+    # the engine as accelerate builds it (core/engine.py); None: given by plain values (world_size, shard)
+    engine: Engine | None = None
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "gradient_accumulation_steps", "world_size"):
@@ -96,12 +99,16 @@ class RunConfig:
         )
         if self.seq_len is not None:
             kwargs["seq_len"] = self.seq_len
+        if self.engine is not None and self.engine.kind == "deepspeed":
+            kwargs["engine"] = self.engine
         return kwargs
 
     # -- from a live Trainer ----------------------------------------------------------------
     @classmethod
-    def from_args(cls, args: Any, model: Any = None, seq_len: int | None = None) -> RunConfig:
-        """The configuration ``TrainingArguments`` ``args`` (and ``model``'s state, when given) describe."""
+    def from_args(cls, args: Any, model: Any = None, seq_len: int | None = None, accelerator: Any = None) -> RunConfig:
+        """The configuration ``TrainingArguments`` ``args`` (and ``model``'s state, when given) describe;
+        the engine is ``accelerator``'s when given (what ``prepare()`` will build), else the arguments'."""
+        engine = engine_of(args, accelerator, model)
         return cls(
             micro_batch_size=int(args.per_device_train_batch_size),
             gradient_accumulation_steps=int(args.gradient_accumulation_steps),
@@ -110,7 +117,7 @@ class RunConfig:
             precision=precision_of(args),
             device=torch.device(args.device).type,
             world_size=max(1, int(getattr(args, "world_size", 1) or 1)),
-            shard=shard_of(args),
+            shard=engine.shard,
             max_grad_norm=float(getattr(args, "max_grad_norm", 0.0) or 0.0),
             seq_len=seq_len,
             checkpointing_unavailable=None if model is None else checkpointing_unavailable_reason(model),
@@ -127,12 +134,13 @@ class RunConfig:
             generation_num_beams=_positive_int(getattr(args, "generation_num_beams", None)),
             precompute_ref_log_probs=_optional_bool(getattr(args, "precompute_ref_log_probs", None)),
             peft_model=is_peft_model(model),
+            engine=engine,
         )
 
     @classmethod
     def from_trainer(cls, trainer: Any, seq_len: int | None = None) -> RunConfig:
         """The configuration ``trainer`` will train with (arguments + the live model's state)."""
-        run = cls.from_args(trainer.args, trainer.model, seq_len)
+        run = cls.from_args(trainer.args, trainer.model, seq_len, getattr(trainer, "accelerator", None))
         custom = getattr(trainer, "optimizer", None) is not None or getattr(trainer, "optimizer_cls_and_kwargs", None)
         return run.replace(custom_optimizer=bool(custom))
 
@@ -199,12 +207,6 @@ def checkpointing_unavailable_reason(model: Any) -> str | None:
 
 
 def shard_of(args: Any) -> str:
-    """``zero1``/``zero2``/``zero3`` under DeepSpeed, ``fsdp`` under FSDP, else ``none``."""
-    if getattr(args, "fsdp", None):
-        return "fsdp"
-    config = getattr(getattr(args, "hf_deepspeed_config", None), "config", None)
-    if isinstance(config, dict):
-        stage = int((config.get("zero_optimization") or {}).get("stage", 0) or 0)
-        if stage in (1, 2, 3):
-            return f"zero{stage}"
-    return "none"
+    """``zero1``/``zero2``/``zero3`` under DeepSpeed, ``fsdp`` under FSDP, else ``none``: the engine
+    the arguments select by accelerate's rules (``fsdp=`` on CPU ranks is DDP; see ``core/engine.py``)."""
+    return engine_of(args).shard

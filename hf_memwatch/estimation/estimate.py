@@ -38,7 +38,7 @@ from .generation import GenerationSettings
 from .layers import AUTO_MIN_LAYERS, SHORT_DEPTHS, extrapolate, homogeneous_layers, truncated
 from .peft import LoraSpec, apply_peft, is_adapter_dir, load_adapter, meta_copy
 from .quantized import QuantSpec, fake_quantized_param, quantize_meta
-from .shard import shard_classes
+from .shard import engine_classes, shard_classes
 from .step import CUDA_BLOCK, LOGITS, LOGITS_FP32, simulate_step
 from .trainer_replay import (
     TrainerStateGuard,
@@ -351,6 +351,7 @@ def estimate(
     generation_max_length: int | None = None,
     generation_num_beams: int | None = None,
     optimizer_step: bool = True,
+    engine: Any = None,
 ) -> MemoryEstimate:
     """Predict the peak memory of one Trainer optimizer step (per device), split by class.
 
@@ -384,6 +385,11 @@ def estimate(
     ``predict_with_generate``, ``generation_max_length``, ``generation_num_beams``: ``Seq2SeqTrainer``'s
     generation-based prediction (:mod:`hf_memwatch.estimation.generation`; given a Trainer, None
     = its ``Seq2SeqTrainingArguments``'): the generated tokens, the KV cache of max length x beams.
+
+    ``engine`` (a :class:`~hf_memwatch.core.engine.Engine`; given a Trainer, None = the one its
+    accelerator will build) adds what DeepSpeed holds beyond the ZeRO split (fp32 master partition,
+    buckets, ZeRO-3 prefetch, offload: :func:`~hf_memwatch.estimation.shard.engine_classes`); it
+    applies when its shard and world size are the estimate's.
 
     ``optimizer_step=False`` replays the forward and backward alone, without optimizer state:
     about a third faster, and a floor under the step's peak (lower by at least the optimizer
@@ -499,7 +505,12 @@ def estimate(
     if not optimizer_step:
         notes.append("forward and backward only (optimizer_step=False): no optimizer state or step, "
                      "a floor under the step's peak")
-    per_phase = {phase: shard_classes(classes, model, world_size, shard, notes, precision)
+    if engine is None and trainer is not None:
+        engine = RunConfig.from_trainer(trainer).engine
+    if engine is not None and (engine.shard != shard or engine.world_size != world_size):
+        engine = None  # asked for another layout than the run's engine: the ZeRO split alone
+    per_phase = {phase: engine_classes(shard_classes(classes, model, world_size, shard, notes, precision), model,
+                                       engine, notes, precision, device)[0]
                  for phase, classes in phase_classes.items()}
     phase_peaks = {phase: sum(classes.values()) for phase, classes in per_phase.items()}
     peak_phase = max(phase_peaks, key=lambda p: phase_peaks[p])

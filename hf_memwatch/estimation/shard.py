@@ -17,9 +17,32 @@ Kept deliberately simple; every rule is applied to the class split of each phase
   single-process mixed precision (fp32 weights, autocast) is what the other rules divide.
 
 Activations and temporaries are per-rank already (each rank runs its own micro-batch).
+
+Given the :class:`~hf_memwatch.core.engine.Engine` DeepSpeed runs (its JSON read by ``RunConfig``),
+:func:`engine_classes` adds what the engine itself holds, measured on 2 gloo ranks (test GPT-2,
+590,336 fp32 parameters, buckets of 100,000 elements; ``tests/test_distributed.py``):
+
+- the fp32 master partition, also in fp32 training (``single_partition_of_fp32_groups`` /
+  ``fp32_partitioned_groups_flat``, a copy of the rank's share: 1,180,672 B per rank, counted with
+  the optimizer states as in the ZeRO paper);
+- ZeRO-2/3: the reduce bucket (``reduce_bucket_size`` elements of the gradients' dtype, at most the
+  trainable parameters), live from the first backward on;
+- ZeRO-3: gathered parameters are released only when they will not be used again within
+  ``stage3_max_reuse_distance`` elements (default 1e9) and fewer than ``stage3_max_live_parameters``
+  are live: a model below both stays gathered whole from the forward to the backward that uses it
+  (measured: weights 1,180,672 B partition + 2,361,344 B gathered after the forward). Otherwise the
+  working set is the layer being computed plus what the prefetch may gather (at most
+  ``stage3_prefetch_bucket_size`` elements, at most one more layer), bounded by the live limit;
+- ``offload_optimizer``: DeepSpeed keeps an fp32 gradient partition in host memory for the CPU step
+  (measured: gradients 2,761,344 B = 1,580,672 B + 1,180,672 B);
+- ``offload_optimizer``/``offload_param``: the states (and parameters) live in host RAM. On CPU ranks
+  host RAM is the device, so the figures stay; on an accelerator they leave the device classes and
+  are reported as host bytes (``host_bytes``), to count against the host limit.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -103,6 +126,69 @@ def _deepspeed_mixed_precision(classes: dict[str, int], model: torch.nn.Module, 
     _note(notes, f"zero3 (DeepSpeed, 16-bit): weights / {world_size} in 16 bits + the largest layer gathered "
                  f"twice ({gathered} bytes); fp32 master, gradients and optimizer states / {world_size}")
     return out
+
+
+def engine_classes(classes: dict[str, int], model: torch.nn.Module, engine: Any, notes: list[str],
+                   precision: str = "fp32", device: str = "cpu") -> tuple[dict[str, int], int]:
+    """(per-rank classes, host bytes) with what DeepSpeed ``engine`` holds beyond the ZeRO split.
+
+    ``classes`` are :func:`shard_classes`' output for ``engine.shard``. Only fp32 ZeRO gains here
+    (the 16-bit rules above already count the master copy).
+
+    Example:
+        >>> from hf_memwatch.core.engine import Engine
+        >>> zero2 = Engine(kind="deepspeed", world_size=2, zero_stage=2, reduce_bucket_size=10)
+        >>> c = {"weights": 400, "gradients": 200, "optimizer_states": 400, "activations": 0,
+        ...      "temporaries": 0, "other": 0}
+        >>> engine_classes(c, torch.nn.Linear(10, 10, bias=False), zero2, [])[0]["optimizer_states"]
+        600
+    """
+    if engine is None or engine.kind != "deepspeed" or engine.zero_stage not in (1, 2, 3) or engine.world_size < 2:
+        return dict(classes), 0
+    out = dict(classes)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    numel = sum(p.numel() for p in trainable)
+    size = trainable[0].element_size() if trainable else 4
+    world, stage = engine.world_size, engine.zero_stage
+    if precision not in ("bf16", "fp16"):
+        out["optimizer_states"] += _ceil_div(4 * numel, world)
+        _note(notes, f"zero{stage} (DeepSpeed, fp32): + the fp32 master partition ({_ceil_div(4 * numel, world)} bytes)")
+    if stage >= 2:
+        bucket = min(int(engine.reduce_bucket_size or numel), numel) * size
+        out["gradients"] += bucket
+        _note(notes, f"zero{stage}: + the reduce bucket ({bucket} bytes)")
+    if stage == 3:
+        out["weights"] += zero3_gathered_bytes(model, engine) - 2 * largest_layer_bytes(model)  # shard_classes' 2 layers
+        _note(notes, f"zero3: {zero3_gathered_bytes(model, engine)} bytes of parameters gathered at once")
+    if engine.offload_optimizer != "none":
+        out["gradients"] += _ceil_div(4 * numel, world)
+        _note(notes, f"offload optimizer: + the fp32 gradient partition for the host step ({_ceil_div(4 * numel, world)} bytes)")
+    host = 0
+    if engine.offload != "none":
+        moved = ["optimizer_states"] + (["weights"] if engine.offload == "params" else [])
+        if device != "cpu":
+            host = sum(out[name] for name in moved)
+            for name in moved:
+                out[name] = 0
+            _note(notes, f"offload {engine.offload}: {host} bytes in host RAM, off the device")
+        else:
+            _note(notes, f"offload {engine.offload}: on CPU ranks host RAM is the device; the states stay counted")
+    return out, host
+
+
+def zero3_gathered_bytes(model: torch.nn.Module, engine: Any) -> int:
+    """Parameter bytes ZeRO-3 holds gathered at once (see the module doc for the rule)."""
+    params = list(model.parameters())
+    numel = sum(p.numel() for p in params)
+    full = sum(p.numel() * p.element_size() for p in params)
+    size = params[0].element_size() if params else 4
+    reuse = engine.max_reuse_distance if engine.max_reuse_distance is not None else 1_000_000_000
+    live = engine.max_live_parameters if engine.max_live_parameters is not None else 1_000_000_000
+    if reuse >= numel and live >= numel:
+        return full
+    layer = largest_layer_bytes(model)
+    prefetch = min(layer, int(engine.prefetch_bucket_size or 0) * size)
+    return min(layer + prefetch, max(layer, live * size))
 
 
 def _ceil_div(a: int, b: int) -> int:

@@ -115,6 +115,26 @@ def _already_placed(data: Any) -> Any:
     return data
 
 
+def _autograd_backward(loss: Any, **kwargs: Any) -> None:
+    """``accelerator.backward`` as plain autograd, for a replay under an engine that does not exist yet.
+
+    Under DeepSpeed, accelerate's backward goes to ``deepspeed_engine_wrapped``, which ``train()``
+    builds (None before it; the engine's own buffers are modelled by
+    :mod:`hf_memwatch.estimation.shard`). Its keywords (``scale_wrt_gas``, ``sync_gradients``) are
+    the engine's; the loss is already scaled by the Trainer as DeepSpeed's engine would not rescale it.
+    """
+    kwargs.pop("scale_wrt_gas", None)
+    kwargs.pop("sync_gradients", None)
+    kwargs.pop("learning_rate", None)
+    loss.backward(**kwargs)
+
+
+def engine_backward_detached(accelerator: Any) -> bool:
+    """Whether ``accelerator.backward`` would call an engine the replay must not touch (DeepSpeed's)."""
+    kind = str(getattr(getattr(accelerator, "distributed_type", None), "value", "") or "").upper()
+    return kind == "DEEPSPEED"
+
+
 class TrainerStateGuard:
     """Everything a replayed step may change in a Trainer, restored on exit.
 
@@ -139,9 +159,16 @@ class TrainerStateGuard:
         # The replay's batches are already fake tensors on the simulated device (the CPU, for every
         # target): the Trainer's move to ``args.device`` ("cpu:0" under DDP, "cuda:0") would mismatch.
         self.trainer._prepare_input = _already_placed
+        # The engine (DeepSpeed's) is built by train(); the replay's backward is autograd's.
+        self.accelerator = getattr(self.trainer, "accelerator", None)
+        self.backward_patched = engine_backward_detached(self.accelerator)
+        if self.backward_patched:
+            self.accelerator.backward = _autograd_backward
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        if self.backward_patched:
+            del self.accelerator.backward  # the class's method again
         attributes = vars(self.trainer)
         for name in set(attributes) - self.names:
             delattr(self.trainer, name)

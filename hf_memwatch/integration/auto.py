@@ -149,6 +149,8 @@ class AutoMode:
         self.measured: list[StepFootprint] = []  # the first steps' footprints
         self.advised = False  # the expandable-segments advice was logged
         self.plan_changed_the_run = False  # the last plan differs from the run as configured
+        self._pending_why: str | None = None  # distributed: this rank's reason to switch, until agreed
+        self._agreements = 0  # distributed: between-step agreements joined (the first MEASURED_STEPS steps)
 
     # -- wiring -------------------------------------------------------------------------------
     def install(self, trainer: Any) -> None:
@@ -459,14 +461,43 @@ class AutoMode:
         else:
             return None
         refused = RunConfig.from_trainer(trainer).checkpointing_unavailable
-        if not refused and _distributed():
-            # Every rank must run the same plan, and agreeing here would be a collective per step
-            # that a rank whose monitoring failed would never join: the agreed plan stays.
-            refused = "in a distributed run the ranks keep the plan agreed before training"
         if refused:
             logger.warning("hf-memwatch: %s, but %s", why, refused)
             self._checkpointing_refused = True  # warn once
             return None
+        if _distributed():
+            # Every rank must run the same plan: the switch waits for the agreement of the first
+            # steps (agree_between_steps), which every rank joins, its own check failed or not.
+            self._pending_why = why
+            return None
+        return self._switch_checkpointing(trainer, why)
+
+    def agree_between_steps(self, trainer: Any) -> dict[str, Any] | None:
+        """Distributed runs, after each of the first :data:`MEASURED_STEPS` steps: every rank says whether
+        its next step would not fit (:meth:`after_step`'s verdict), in one ``all_gather_object``; when
+        any rank's would not, every rank turns activation checkpointing on before the next step.
+
+        Called on every rank at every step end, whether this rank's monitoring worked or not (its
+        verdict is then None), so no rank waits in the collective alone."""
+        if not _distributed() or self.plan is None or self.plan.get("status") == "failed" or trainer is None:
+            return None
+        if self._agreements >= MEASURED_STEPS:
+            return None
+        self._agreements += 1
+        from ..measure.distributed import gather_objects
+
+        why, self._pending_why = self._pending_why, None
+        verdicts = gather_objects(why)
+        pressed = [(rank, text) for rank, text in enumerate(verdicts) if text]
+        if not pressed or self.plan.get("activation_checkpointing"):
+            return None
+        rank, text = pressed[0]
+        return self._switch_checkpointing(trainer, f"rank {rank}: {text}" + (
+            f" (and {len(pressed) - 1} more rank(s))" if len(pressed) > 1 else "") + "; agreed by all ranks")
+
+    def _switch_checkpointing(self, trainer: Any, why: str) -> dict[str, Any]:
+        """Activation checkpointing on now, recorded as the plan in force."""
+        assert self.plan is not None and self.budget is not None
         enable_checkpointing_now(trainer)
         record = dict(self.plan, activation_checkpointing=True,
                       reason=f"{why}: activation checkpointing turned on between steps",

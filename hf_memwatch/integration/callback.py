@@ -419,8 +419,19 @@ class MemWatch(TrainerCallback, ExportableState):
                 monitor.attach(monitor.model, kwargs["optimizer"])
             monitor.snapshot("after_optimizer")
 
-    @_guarded
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._step_end()
+        if self._auto is not None:
+            # Not guarded by this rank's monitoring state: every rank of a distributed run joins the
+            # between-step agreement of the first steps, whatever its own monitoring did.
+            try:
+                self._auto.agree_between_steps(self.trainer)
+            except Exception as exc:  # noqa: BLE001 - the plan in force stays; training goes on
+                logger.warning("hf-memwatch: the ranks did not agree between steps (%s: %s); the plan stays",
+                               type(exc).__name__, exc)
+
+    @_guarded
+    def _step_end(self) -> None:
         if self.monitor is not None and self.monitor.in_step:
             self.monitor.end_step()
             self._watch_leaks()

@@ -190,6 +190,8 @@ class CpuTrackedBackend(AllocatorBackend):
         self._capacity = _meminfo("MemTotal")
 
     def read(self) -> AllocatorReading:
+        if self.tracker.watch_resizes:
+            self.tracker.refresh_sizes()  # FSDP2's all-gathers resized outside operators
         return AllocatorReading(
             allocated=self.tracker.allocated,
             reserved=None,

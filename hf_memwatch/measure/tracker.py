@@ -109,6 +109,9 @@ class StorageTracker(TorchDispatchMode):
         if recording is not None:
             self.events = []
             recording.append(self.events)
+        # Re-read storage sizes (refresh_sizes) at each would-be peak: on once a DTensor (FSDP2) is
+        # registered, as its all-gathers are resized outside operators; off, no per-peak cost.
+        self.watch_resizes = False
 
     # -- accounting -------------------------------------------------------------------------
     def _free(self, ref: _StorageRef) -> None:
@@ -144,9 +147,37 @@ class StorageTracker(TorchDispatchMode):
                 self.events.append((id(ref), nbytes))
         else:
             return
+        if self.watch_resizes and self.allocated > self.peak:
+            self.refresh_sizes()  # storages resized outside any operator (FSDP2's resize_(0)) first
         if self.allocated > self.peak:
             self.peak = self.allocated
             self.on_new_peak()
+
+    def refresh_sizes(self) -> int:
+        """Re-read the size of every live storage; returns the bytes the count changed by.
+
+        ``UntypedStorage.resize_`` is no operator (the dispatch mode never sees it): FSDP2 frees its
+        all-gathered parameters with ``resize_(0)`` and allocates them again with ``resize_(n)``. A
+        storage resized so is counted at its size when the peak could rise and when the live set is
+        read, so a freed all-gather is neither in the peak nor in ``other`` (with ``watch_resizes``,
+        set when a DTensor is registered; :meth:`live` always re-reads).
+        """
+        change = 0
+        for ref in list(self._live.values()):
+            storage = ref()
+            if storage is None:
+                continue
+            nbytes = storage.nbytes()
+            if self.round_to > 1 and nbytes:
+                nbytes = -(-nbytes // self.round_to) * self.round_to
+            if nbytes != ref.nbytes:
+                change += nbytes - ref.nbytes
+                ref.nbytes = nbytes
+        self.allocated += change
+        if change > 0 and self.allocated > self.peak:  # grown back in place (resize_(n)) since last seen
+            self.peak = self.allocated
+            self.on_new_peak()
+        return change
 
     def on_new_peak(self) -> None:
         """Called when ``peak`` rises; subclasses record what is live at that moment."""
@@ -155,6 +186,8 @@ class StorageTracker(TorchDispatchMode):
         """Count storages created outside the tracker (weights, a batch loaded between steps)."""
         for tensor in tensors:
             if isinstance(tensor, torch.Tensor):
+                if not self.watch_resizes and type(tensor).__name__ == "DTensor":
+                    self.watch_resizes = True  # FSDP2: all-gathers freed by resize_(0)
                 for plain in plain_tensors(tensor):
                     self._track_plain(plain)
 
@@ -163,7 +196,8 @@ class StorageTracker(TorchDispatchMode):
         self.peak = self.allocated
 
     def live(self) -> Mapping[int, int]:
-        """Snapshot of live storage key -> bytes."""
+        """Snapshot of live storage key -> bytes (sizes re-read: :meth:`refresh_sizes`)."""
+        self.refresh_sizes()
         return {key: ref.nbytes for key, ref in list(self._live.items())}
 
     def live_refs(self) -> Mapping[int, Any]:

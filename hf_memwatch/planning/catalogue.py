@@ -101,6 +101,8 @@ def _eight_bit_unavailable(run: RunConfig) -> str | None:
         return "a custom optimizer was handed to the Trainer"
     if run.optim in EIGHT_BIT_NAMES:
         return None
+    if run.engine is not None and run.engine.engine_optimizer:
+        return "the DeepSpeed config builds its own optimizer (its 'optimizer' section): the Trainer's optim is not used"
     if run.optim not in ADAMW_NAMES:
         return f"optim={run.optim!r} is not AdamW, and replacing it would change the training algorithm"
     share = run.optimizer_state_share

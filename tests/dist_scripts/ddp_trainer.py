@@ -11,7 +11,12 @@ Runs, each in its own output dir under OUT_DIR:
 * ``bucket_view``: the same with ``gradient_as_bucket_view=True`` (gradients are the buckets);
 * ``auto``: ``MemWatch(auto=True)`` with a budget that fits on rank 0 and not on rank 1, under
   ``torch.profiler`` (the planned run's truth);
-* ``auto_fail``: rank 1's budget is below the weights: both ranks must stop with a ``PlanError``.
+* ``auto_fail``: rank 1's budget is below the weights: both ranks must stop with a ``PlanError``;
+* ``replan``: both ranks' budget 1.5 x the configured peak (the plan keeps the run as given), and rank 1
+  alone holds one more configured peak's worth of memory during step 1 (:class:`RankSpike`): its
+  footprint check finds the next step would not fit, and both ranks must switch the same remedy
+  before step 2, agreed without a hang (issue 19);
+* ``hand``: the ``auto`` run's plan configured by hand, without MemWatch (same losses and grad norms).
 """
 
 from __future__ import annotations
@@ -62,9 +67,28 @@ class ProfileTraining(TrainerCallback):
         self.step_peaks = step_peaks(self.prof, self.baseline)
 
 
-def run(out: Path, name: str, callbacks: list, bucket_view: bool = False, profiled: bool = False) -> dict:
+class RankSpike(TrainerCallback):
+    """On one rank, during step 1 only, ``nbytes`` held from step begin to step end (a rank-local spike)."""
+
+    def __init__(self, rank: int, nbytes: int) -> None:
+        self.rank, self.nbytes, self.held = rank, nbytes, None
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == 0 and world()[0] == self.rank:
+            self.held = torch.ones(self.nbytes // 4)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.held = None
+
+
+def run(out: Path, name: str, callbacks: list, bucket_view: bool = False, profiled: bool = False,
+        plan: dict | None = None) -> dict:
     model = gpt2_model()
-    args = training_args(out / name, ddp_backend="gloo", per_device_train_batch_size=8, max_steps=3)
+    plan = plan or {"micro_batch_size": 8, "gradient_accumulation_steps": 1, "activation_checkpointing": False,
+                    "optim": "adamw_torch"}
+    args = training_args(out / name, ddp_backend="gloo", per_device_train_batch_size=plan["micro_batch_size"],
+                         gradient_accumulation_steps=plan["gradient_accumulation_steps"],
+                         gradient_checkpointing=plan["activation_checkpointing"], optim=plan["optim"], max_steps=3)
     trainer = Trainer(model=model, args=args, train_dataset=token_dataset(64, 32, 1000),
                       callbacks=callbacks + ([StepMarker()] if profiled else []))
     if bucket_view:  # the Trainer's arguments cannot set it; accelerate's DDP kwargs handler can
@@ -77,6 +101,7 @@ def run(out: Path, name: str, callbacks: list, bucket_view: bool = False, profil
     return {
         "truth_step_peaks": profiler.step_peaks if profiler is not None else None,
         "losses": loss_history(trainer),
+        "grad_norms": [entry["grad_norm"] for entry in trainer.state.log_history if "grad_norm" in entry],
         "param_bytes": unique_bytes(p for p in model.parameters() if p.requires_grad),
         "bucket_sizes": ddp_bucket_sizes(ddp) if ddp is not None else None,
         "ddp": ddp is not None,
@@ -106,6 +131,13 @@ def main() -> None:
     facts["auto_budget"] = budget
     facts["auto"] = run(out, "auto", [MemWatch(auto=True, budget=budget, report=False, summary=False)],
                         profiled=True)
+    plans = [json.loads(line) for line in (out / "auto" / "memwatch" / ("timeline.jsonl" if rank == 0 else f"timeline.rank{rank}.jsonl")).read_text().splitlines()]
+    agreed = [r for r in plans if r["event"] == "plan"][-1]
+    facts["hand"] = run(out, "hand", [], plan={k: agreed[k] for k in ("micro_batch_size", "gradient_accumulation_steps",
+                                                                       "activation_checkpointing", "optim")})
+    facts["replan_budget"] = int(1.5 * facts["max_peak_over_ranks"])
+    facts["replan"] = run(out, "replan", [MemWatch(auto=True, budget=facts["replan_budget"], report=False, summary=False),
+                                          RankSpike(1, facts["max_peak_over_ranks"])])
     # Rank 1's budget is below the weights alone: it cannot plan, and rank 0 must not wait for it.
     try:
         budget = 8 * 2**30 if rank == 0 else 2**20

@@ -6,7 +6,14 @@ OUT_DIR with what DeepSpeed itself holds on that rank (read from its ZeRO optimi
 not through hf_memwatch) at the first step's ``step_begin``, first micro-step end (gradient
 accumulation 2, so gradients are still held) and ``step_end``; the test compares MemWatch's
 timeline of the same run with them. Runs, each in OUT_DIR/<name>: ``zero1``, ``zero2``, ``zero3``
-with MemWatch full; ``zero2_plain`` without it (the loss history must not change).
+with MemWatch full, and ``zero3_offload`` (``offload_optimizer: cpu``) with MemWatch.
+
+The auto mode on each engine (issue 19), for ``zero2``, ``zero3`` and ``zero3_offload``: the
+prediction of the configured run before ``train()`` (no DeepSpeed engine exists yet), then
+``<name>_auto`` with ``MemWatch(auto=True, budget=0.7 x`` the configured run's step peak as MemWatch
+measured it on this rank ``)``, and ``<name>_hand``: the agreed plan configured by hand, without
+MemWatch (its losses and gradient norms must equal the planned run's; it also shows that monitoring
+changes nothing).
 """
 
 from __future__ import annotations
@@ -23,18 +30,37 @@ import torch  # noqa: E402
 from conftest import gpt2_model, loss_history, token_dataset, training_args  # noqa: E402
 from transformers import Trainer, TrainerCallback  # noqa: E402
 
-from hf_memwatch import MemWatch  # noqa: E402
+from hf_memwatch import MemWatch, estimate  # noqa: E402
+from hf_memwatch.core.run_config import RunConfig  # noqa: E402
 
 # Small buckets: DeepSpeed's default reduce bucket (5e8 elements) would allocate 2 GB per rank.
 BUCKET = 100_000
 
 
-def deepspeed_config(stage: int) -> dict:
+PLAN = ("micro_batch_size", "gradient_accumulation_steps", "activation_checkpointing", "optim")
+CONFIGURED = {"micro_batch_size": 4, "gradient_accumulation_steps": 2, "activation_checkpointing": False,
+              "optim": "adamw_torch"}
+
+
+def deepspeed_config(stage: int, offload: bool = False) -> dict:
     zero = {"stage": stage, "reduce_bucket_size": BUCKET, "allgather_bucket_size": BUCKET}
     if stage == 3:
         zero.update(stage3_prefetch_bucket_size=BUCKET, stage3_param_persistence_threshold=0)
-    return {"zero_optimization": zero, "train_micro_batch_size_per_gpu": "auto",
-            "gradient_accumulation_steps": "auto", "zero_allow_untested_optimizer": True}
+    config = {"zero_optimization": zero, "train_micro_batch_size_per_gpu": "auto",
+              "gradient_accumulation_steps": "auto", "zero_allow_untested_optimizer": True}
+    if offload:  # ZeRO-Offload stepping the Trainer's own optimizer on the host partitions
+        zero["offload_optimizer"] = {"device": "cpu"}
+        config["zero_force_ds_cpu_optimizer"] = False
+    return config
+
+
+def timeline(run_dir: Path, rank: int) -> list[dict]:
+    name = "timeline.jsonl" if rank == 0 else f"timeline.rank{rank}.jsonl"
+    return [json.loads(line) for line in (run_dir / "memwatch" / name).read_text().splitlines() if line.strip()]
+
+
+def history(trainer, key: str) -> list[float]:
+    return [entry[key] for entry in trainer.state.log_history if key in entry]
 
 
 def storage_bytes(tensors) -> int:
@@ -102,24 +128,58 @@ class DeepSpeedHoldings(TrainerCallback):
             self._record("step_end", model)
 
 
-def run(out: Path, name: str, stage: int, watch: bool) -> dict:
-    model = gpt2_model()
-    args = training_args(out / name, per_device_train_batch_size=4, gradient_accumulation_steps=2,
-                         max_steps=2, deepspeed=deepspeed_config(stage))
+def build(out: Path, name: str, stage: int, callbacks: list, plan: dict | None = None, offload: bool = False) -> Trainer:
+    plan = plan or CONFIGURED
+    args = training_args(out / name, per_device_train_batch_size=plan["micro_batch_size"],
+                         gradient_accumulation_steps=plan["gradient_accumulation_steps"],
+                         gradient_checkpointing=plan["activation_checkpointing"], optim=plan["optim"],
+                         max_steps=2, deepspeed=deepspeed_config(stage, offload))
+    return Trainer(model=gpt2_model(), args=args, train_dataset=token_dataset(64, 32, 1000), callbacks=callbacks)
+
+
+def run(out: Path, name: str, stage: int, offload: bool = False) -> dict:
     holdings = DeepSpeedHoldings()
-    callbacks = [MemWatch(detail="full", report=False, summary=False)] if watch else []
-    trainer = Trainer(model=model, args=args, train_dataset=token_dataset(64, 32, 1000),
-                      callbacks=callbacks + [holdings])
+    watch = MemWatch(detail="full", report=False, summary=False)
+    # DeepSpeed's own holdings are read for the runs the split test checks (not under offload)
+    trainer = build(out, name, stage, [watch] + ([] if offload else [holdings]), offload=offload)
+    run_config = RunConfig.from_trainer(trainer)  # before train(): no DeepSpeed engine yet
+    predicted = estimate(trainer).peak_bytes
     trainer.train()
+    model = trainer.model
     return {"losses": loss_history(trainer), "deepspeed": holdings.records,
-            "full_param_numel": sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters())}
+            "full_param_numel": sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters()),
+            "engine": run_config.engine.describe(), "shard": run_config.shard, "offload": run_config.engine.offload,
+            "predicted_peak": predicted}
+
+
+def auto(out: Path, name: str, stage: int, rank: int, offload: bool = False) -> dict:
+    """The auto mode at 0.7 x the configured run's peak, and the hand-configured run of its plan."""
+    peak = max(r["peak"] for r in timeline(out / name, rank) if r["event"] == "step")
+    budget = int(0.7 * peak)
+    planned = build(out, f"{name}_auto", stage, [MemWatch(auto=True, budget=budget, report=False, summary=False)],
+                    offload=offload)
+    planned.train()
+    records = timeline(out / f"{name}_auto", rank)
+    plans = [r for r in records if r["event"] == "plan"]
+    plan = {k: plans[-1][k] for k in PLAN} if plans and plans[-1].get("status") != "failed" else None
+    hand = None
+    if plan is not None:
+        hand = build(out, f"{name}_hand", stage, [], plan, offload)
+        hand.train()
+    return {"configured_peak": peak, "budget": budget, "plans": plans,
+            "step_peaks": [r["peak"] for r in records if r["event"] == "step"],
+            "losses": history(planned, "loss"), "grad_norms": history(planned, "grad_norm"),
+            "hand_losses": None if hand is None else history(hand, "loss"),
+            "hand_grad_norms": None if hand is None else history(hand, "grad_norm")}
 
 
 def main() -> None:
     out = Path(sys.argv[1])
-    facts = {f"zero{stage}": run(out, f"zero{stage}", stage, watch=True) for stage in (1, 2, 3)}
-    facts["zero2_plain"] = run(out, "zero2_plain", 2, watch=False)
+    facts = {f"zero{stage}": run(out, f"zero{stage}", stage) for stage in (1, 2, 3)}
+    facts["zero3_offload"] = run(out, "zero3_offload", 3, offload=True)
     rank = torch.distributed.get_rank()
+    facts["auto"] = {name: auto(out, name, stage, rank, offload=name.endswith("offload"))
+                     for name, stage in (("zero2", 2), ("zero3", 3), ("zero3_offload", 3))}
     facts["world"] = [rank, torch.distributed.get_world_size()]
     (out / f"deepspeed.rank{rank}.json").write_text(json.dumps(facts))
     torch.distributed.barrier()

@@ -1,0 +1,93 @@
+"""Per-rank accuracy of the engine-aware prediction on 2 CPU ranks (issue 19).
+
+Launches ``tests/dist_scripts/deepspeed_zero.py`` with ``torchrun --nproc-per-node 2`` (gloo,
+DeepSpeed's CPU accelerator; test GPT-2, 590,336 fp32 parameters, micro-batch 4 x accumulation 2,
+32 tokens, buckets of 100,000 elements, 2 steps) and writes, per engine and rank, the prediction
+made before ``train()`` (``estimate(trainer)``, no DeepSpeed engine yet) against the step peak
+MemWatch measured on that rank, and the auto mode's run at 0.7 x that peak.
+
+The reference is MemWatch's per-rank step peak, not the profiler's: under DeepSpeed, gloo's worker
+threads allocate short-lived buffers that the training thread's profiler/tracker do not attribute
+(docs/distributed.md). Usage: ``python benchmarks/engines_accuracy.py --out benchmarks/results/engines_accuracy.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "tests" / "dist_scripts" / "deepspeed_zero.py"
+ENGINES = ("zero1", "zero2", "zero3", "zero3_offload")
+
+
+def launch(out: Path) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", HF_HUB_OFFLINE="1", WANDB_MODE="offline")
+    proc = subprocess.Popen([str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", "2", "--master-addr",
+                             "127.0.0.1", "--master-port", str(port), str(SCRIPT), str(out)], env=env,
+                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    try:
+        if proc.wait(timeout=900) != 0:
+            raise SystemExit(f"{SCRIPT.name} exited with {proc.returncode}")
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise SystemExit(f"{SCRIPT.name} did not finish in 900 s") from None
+
+
+def step_peak(run_dir: Path, rank: int) -> int:
+    name = "timeline.jsonl" if rank == 0 else f"timeline.rank{rank}.jsonl"
+    records = [json.loads(line) for line in (run_dir / "memwatch" / name).read_text().splitlines() if line.strip()]
+    return max(r["peak"] for r in records if r["event"] == "step")
+
+
+def table(out: Path) -> str:
+    facts = [json.loads((out / f"deepspeed.rank{rank}.json").read_text()) for rank in (0, 1)]
+    lines = ["| engine | rank | predicted before train() (B) | measured step peak (B) | error |",
+             "|---|---|---|---|---|"]
+    errors = []
+    for engine in ENGINES:
+        for rank in (0, 1):
+            predicted, measured = facts[rank][engine]["predicted_peak"], step_peak(out / engine, rank)
+            error = predicted / measured - 1
+            errors.append(abs(error))
+            lines.append(f"| {facts[rank][engine]['engine']} | {rank} | {predicted:,} | {measured:,} | {100 * error:+.2f}% |")
+    lines += ["", f"median |error| {100 * statistics.median(errors):.2f}%, worst {100 * max(errors):.2f}%", "",
+              "| auto mode | rank | budget (0.7 x peak) | plan | predicted | measured step peaks | fits |",
+              "|---|---|---|---|---|---|---|"]
+    for engine, run in facts[0]["auto"].items():
+        for rank in (0, 1):
+            run = facts[rank]["auto"][engine]
+            plan = run["plans"][-1]
+            text = (f"{plan['micro_batch_size']} x {plan['gradient_accumulation_steps']}, "
+                    f"ckpt {plan['activation_checkpointing']}, {plan['optim']}")
+            peaks = ", ".join(f"{p:,}" for p in run["step_peaks"])
+            lines.append(f"| {engine} | {rank} | {run['budget']:,} | {text} | {plan['predicted_peak']:,} | {peaks} | "
+                         f"{max(run['step_peaks']) <= run['budget']} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "engines_accuracy.md"))
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        launch(Path(tmp))
+        body = table(Path(tmp))
+    Path(args.out).write_text("# Engine-aware prediction per rank (2 CPU ranks, gloo, DeepSpeed 0.19.8)\n\n"
+                              "`python benchmarks/engines_accuracy.py` (see its docstring for the setup).\n\n" + body + "\n")
+    print(body)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""The engine the run really trains under (issue 19): ``hf_memwatch.core.engine`` and ``RunConfig``.
+
+Single-process checks of the readers; the engines themselves run on 2 gloo ranks in
+``tests/test_distributed.py`` (DeepSpeed ZeRO-1/2/3 + offload, DDP). FSDP cannot run through the
+Trainer on CPU ranks (accelerate builds FSDP on accelerator devices only), so its planning is
+tested against accelerate's own ``FullyShardedDataParallelPlugin`` as the accelerator reports it.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from conftest import gpt2_model, training_args
+
+from hf_memwatch.core.engine import (
+    engine_from_deepspeed_config,
+    engine_of,
+    engine_of_accelerator,
+    engine_of_environment,
+)
+from hf_memwatch.core.run_config import RunConfig
+from hf_memwatch.estimation.estimate import estimate
+
+
+def test_fsdp_argument_on_cpu_is_planned_as_the_ddp_the_trainer_runs(tmp_path):
+    """``fsdp="full_shard"`` on CPU: accelerate runs DDP, so the plan must not assume half-size ranks."""
+    args = training_args(tmp_path, fsdp="full_shard")
+    run = RunConfig.from_args(args, gpt2_model())
+    assert run.shard == "none" and run.engine.kind in ("single", "ddp")
+    assert any(why.startswith("fsdp=") and "CPU ranks run DDP" in why for why in run.engine.ignored), run.engine.ignored
+
+
+def test_launcher_environment_selects_the_engine_by_accelerates_rules():
+    env = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_RESHARD_AFTER_FORWARD": "false",
+           "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP", "FSDP_CPU_RAM_EFFICIENT_LOADING": "true"}
+    on_gpu = engine_of_environment(env, device="cuda", world_size=4)
+    assert (on_gpu.kind, on_gpu.fsdp_version, on_gpu.fsdp_strategy, on_gpu.fsdp_wrap) == (
+        "fsdp", 2, "SHARD_GRAD_OP", "TRANSFORMER_BASED_WRAP")
+    assert on_gpu.cpu_ram_efficient_loading and on_gpu.shard == "fsdp"
+    on_cpu = engine_of_environment(env, device="cpu", world_size=2)
+    assert on_cpu.kind == "ddp" and on_cpu.shard == "none" and on_cpu.ignored
+    ds = engine_of_environment({"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3",
+                                "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "cpu"}, device="cpu", world_size=2)
+    assert (ds.shard, ds.offload) == ("zero3", "optimizer")
+    assert engine_of_environment({"ACCELERATE_USE_DEEPSPEED": "true"}, "cpu", 2, use_cpu=True).kind == "ddp"
+
+
+def test_deepspeed_json_buckets_auto_resolved_as_the_trainer_resolves_them():
+    config = {"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+                                    "stage3_param_persistence_threshold": "auto", "allgather_bucket_size": 2e8,
+                                    "offload_param": {"device": "cpu"}},
+              "optimizer": {"type": "AdamW"}}
+    engine = engine_from_deepspeed_config(config, world_size=2, hidden_size=128)
+    assert (engine.reduce_bucket_size, engine.prefetch_bucket_size, engine.param_persistence_threshold) == (
+        128 * 128, int(0.9 * 128 * 128), 1280)
+    assert engine.allgather_bucket_size == 200_000_000 and engine.offload == "params" and engine.engine_optimizer
+    # the Trainer's optim is not what DeepSpeed steps: 8-bit AdamW is no remedy there
+    from hf_memwatch.planning.catalogue import unavailable_remedies
+
+    run = RunConfig(micro_batch_size=4, world_size=2, shard="zero3", engine=engine)
+    assert "8-bit AdamW" in unavailable_remedies(run)
+
+
+def test_fsdp_planned_from_the_engine_the_accelerator_reports(tmp_path, monkeypatch):
+    """accelerate's real FSDP2 plugin, as an accelerator on 2 GPUs would hold it: the run is planned sharded."""
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    monkeypatch.setenv("FSDP_CPU_RAM_EFFICIENT_LOADING", "true")
+    plugin = FullyShardedDataParallelPlugin()
+    accelerator = SimpleNamespace(state=SimpleNamespace(distributed_type=DistributedType.FSDP, fsdp_plugin=plugin))
+    engine = engine_of_accelerator(accelerator, world_size=2)
+    assert (engine.kind, engine.fsdp_version, engine.shard, engine.source) == ("fsdp", 2, "fsdp", "accelerator")
+    assert engine.cpu_ram_efficient_loading and not engine.fsdp_cpu_offload
+    # The accelerator wins over arguments that say nothing of FSDP
+    args = training_args(tmp_path)
+    assert engine_of(args, accelerator).shard == "fsdp"
+    model = gpt2_model()
+    run = RunConfig.from_args(args, model, seq_len=32, accelerator=accelerator).replace(world_size=2)
+    sharded = estimate(model, **run.estimate_kwargs())
+    whole = estimate(model, **run.replace(world_size=1, shard="none").estimate_kwargs())
+    assert sharded.classes["optimizer_states"] == pytest.approx(whole.classes["optimizer_states"] / 2, abs=8)
