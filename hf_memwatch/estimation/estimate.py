@@ -32,6 +32,7 @@ from ..core.errors import MemWatchConfigError
 from ..core.run_config import RunConfig
 from ..core.units import format_bytes, parse_bytes
 from ..measure.attribution import is_quantized_param, weight_storages
+from ..measure.peak_tensors import PeakTensors
 from .generation import GenerationSettings
 from .layers import AUTO_MIN_LAYERS, SHORT_DEPTHS, extrapolate, homogeneous_layers, truncated
 from .peft import LoraSpec, apply_peft, is_adapter_dir, load_adapter, meta_copy
@@ -83,6 +84,8 @@ class MemoryEstimate:
     eval_peak_bytes: int | None = None
     eval_peak_phase: str | None = None
     eval_classes: dict[str, int] | None = None
+    # The tensors alive at the predicted peak (``top_tensors`` > 0): the largest, by module and operator.
+    peak_tensors: PeakTensors | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain-data form (the CLI's ``--json`` object)."""
@@ -341,6 +344,7 @@ def estimate(
     generation_max_length: int | None = None,
     generation_num_beams: int | None = None,
     optimizer_step: bool = True,
+    top_tensors: int = 0,
 ) -> MemoryEstimate:
     """Predict the peak memory of one Trainer optimizer step (per device), split by class.
 
@@ -454,12 +458,13 @@ def estimate(
             config=config, task=task, batch_size=batch_size, seq_len=seq_len,
             target_len=seq2seq_target_len or seq_len, precision=precision, optim=optim,
             checkpointing=checkpointing, accum=accum, device=device, max_grad_norm=max_grad_norm,
-            trainer=trainer, sample=sample, optimizer_step=optimizer_step,
+            trainer=trainer, sample=sample, optimizer_step=optimizer_step, top=top_tensors,
         )
         guard = TrainerStateGuard(trainer, accum) if trainer is not None else contextlib.nullcontext()
         try:
             with guard:
-                phase_classes, phase_details = _simulate(model, fake_mode, config, extrapolate_layers, notes, run)
+                phase_classes, phase_details, phase_tensors = _simulate(
+                    model, fake_mode, config, extrapolate_layers, notes, run)
         except (MemWatchConfigError, KeyboardInterrupt):
             raise
         except Exception as exc:  # the model cannot run this configuration: say so in one line
@@ -526,6 +531,7 @@ def estimate(
         eval_peak_bytes=None if evaluation is None else evaluation.peak_bytes,
         eval_peak_phase=None if evaluation is None else evaluation.peak_phase,
         eval_classes=None if evaluation is None else evaluation.classes,
+        peak_tensors=phase_tensors.get(peak_phase),
     )
 
 
@@ -671,25 +677,30 @@ def _on_target(nbytes: int, device: str) -> int:
 
 
 def _simulate(model: torch.nn.Module, fake_mode: Any, config: Any, extrapolate_layers: bool | None,
-              notes: list[str], run: dict[str, Any]) -> tuple[dict[str, dict[str, int]], dict[str, Any]]:
-    """Per-phase class splits and details of the step: by depth extrapolation where exact and wanted.
+              notes: list[str], run: dict[str, Any]) -> tuple[dict[str, dict[str, int]], dict[str, Any], dict[str, Any]]:
+    """Per-phase class splits, details and peak tensors of the step: by depth extrapolation where exact
+    and wanted.
 
-    The details (logits) do not depend on depth: the deeper short simulation's are kept.
+    The details (logits) do not depend on depth: the deeper short simulation's are kept; so are its
+    peak tensors (a note says so: the layers beyond hold more of the same).
     """
     stack = homogeneous_layers(model, config) if extrapolate_layers is not False else None
     depth = getattr(config, "num_hidden_layers", 0) or 0
     if stack is not None and (extrapolate_layers or depth >= AUTO_MIN_LAYERS):
-        short, details = {}, {}
+        short, details, tensors = {}, {}, {}
         for layers in SHORT_DEPTHS:
             with truncated(stack, config, layers):
                 simulation = simulate_step(model, fake_mode, **run)
             short[layers], details = simulation.phase_classes, simulation.phase_details
+            tensors = simulation.phase_tensors
         extended = extrapolate(short, depth)
         if extended is not None:
             notes.append(f"depth extrapolated from {SHORT_DEPTHS[0]} and {SHORT_DEPTHS[1]} simulated layers")
-            return extended, details
+            if tensors:
+                notes.append(f"peak tensors: those of the {SHORT_DEPTHS[1]}-layer simulation")
+            return extended, details, tensors
     simulation = simulate_step(model, fake_mode, **run)
-    return simulation.phase_classes, simulation.phase_details
+    return simulation.phase_classes, simulation.phase_details, simulation.phase_tensors
 
 
 def largest_fitting_batch(

@@ -14,7 +14,7 @@ from __future__ import annotations
 import types
 import weakref
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -48,6 +48,10 @@ def run_as_called(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
             torch.set_autocast_enabled(device, False)
 
 
+if TYPE_CHECKING:
+    from .peak_tensors import PeakCensus
+
+
 class _StorageRef(weakref.ref):
     __slots__ = ("key", "nbytes")
 
@@ -73,12 +77,17 @@ class StorageTracker(TorchDispatchMode):
         self.peak = 0
         self._live: dict[int, _StorageRef] = {}
         self._on_free = self._free  # bound once: one object for every weakref callback
+        # Optional: told of each allocation, free and new peak (the tensors at a peak); None costs nothing.
+        self.census: PeakCensus | None = None
+        self._func: Any = None  # the operator whose outputs are being tracked (None: registered)
 
     # -- accounting -------------------------------------------------------------------------
     def _free(self, ref: _StorageRef) -> None:
         if self._live.get(ref.key) is ref:
             del self._live[ref.key]
             self.allocated -= ref.nbytes
+            if self.census is not None:
+                self.census.on_free(ref.key)
 
     def _track_plain(self, tensor: torch.Tensor) -> None:
         if tensor.device.type != self.device_type:
@@ -94,16 +103,22 @@ class StorageTracker(TorchDispatchMode):
                 return
             self.allocated += nbytes - known.nbytes  # resized in place (out= ops, resize_)
             known.nbytes = nbytes
+            if self.census is not None:
+                self.census.on_resize(key, nbytes)
         elif nbytes:
             ref = _StorageRef(storage, self._on_free)
             ref.key = key
             ref.nbytes = nbytes
             self._live[key] = ref
             self.allocated += nbytes
+            if self.census is not None:
+                self.census.on_alloc(key, nbytes, tensor, self._func)
         else:
             return
         if self.allocated > self.peak:
             self.peak = self.allocated
+            if self.census is not None:
+                self.census.on_peak()
             self.on_new_peak()
 
     def on_new_peak(self) -> None:
@@ -111,6 +126,7 @@ class StorageTracker(TorchDispatchMode):
 
     def register(self, tensors: Iterable[torch.Tensor | None]) -> None:
         """Count storages created outside the tracker (weights, a batch loaded between steps)."""
+        self._func = None
         for tensor in tensors:
             if isinstance(tensor, torch.Tensor):
                 for plain in plain_tensors(tensor):
@@ -119,6 +135,8 @@ class StorageTracker(TorchDispatchMode):
     def reset_peak(self) -> None:
         """Start a new peak window at the current live bytes."""
         self.peak = self.allocated
+        if self.census is not None:
+            self.census.start_window()
 
     def live(self) -> Mapping[int, int]:
         """Snapshot of live storage key -> bytes."""
@@ -144,6 +162,7 @@ class StorageTracker(TorchDispatchMode):
             out = func(*args, **(kwargs or {}))
         else:
             out = run_as_called(func, args, kwargs or {})
+        self._func = func
         if isinstance(out, torch.Tensor):
             self._track_output(out)
         elif isinstance(out, (tuple, list)):

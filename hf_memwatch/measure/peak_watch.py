@@ -1,0 +1,118 @@
+"""The ``peak_tensors`` record of each fully tracked step: what the :class:`StepMonitor` asks of the census.
+
+===================  =====================================================================================
+record field          meaning
+===================  =====================================================================================
+``step``, ``rank``    the optimizer step and the rank
+``phase``             the snapshot closing the window that holds the step's peak (``after_backward`` ...)
+``micro_step``        its micro-batch
+``peak``              bytes of every storage alive at that moment (the step record's ``peak`` on the CPU)
+``count``             storages alive then
+``tensors``           the ``top`` largest: ``bytes``, ``shape``, ``dtype``, ``class``, ``operator``,
+                      ``module``, ``stage`` (forward | backward | optimizer | resident | outside)
+``by_module``         every storage alive then, grouped by module path: ``name``, ``bytes``, ``count``
+``by_operator``       the same by operator
+``by_class``          the same by memory class (``temporaries``: freed before the window closed)
+``source``            ``tracker`` (CPU: every operator observed), ``cuda_history`` (the allocator's
+                      recorded history: sizes and frames, no shape), ``cuda_saved`` (CUDA without it:
+                      the storages the classes know at the closing snapshot: weights, gradients,
+                      states, saved tensors; no temporaries)
+===================  =====================================================================================
+
+CPU cost: one :class:`~hf_memwatch.measure.peak_tensors.TensorInfo` per allocation of a tracked step,
+the module hooks during tracked steps only, and one summary per snapshot that raises the step's peak
+(at most the five phases); light steps run none of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from .module_scope import ModuleScope
+from .peak_tensors import DEFAULT_TOP, PeakCensus, PeakTensors, TensorInfo, resident_namer, summarize
+
+#: The stage that runs after each snapshot phase until the model's hooks say otherwise.
+STAGE_AFTER = {"step_begin": "forward", "after_forward": "backward", "after_backward": "optimizer",
+               "after_optimizer": "zero_grad", "step_end": "outside"}
+
+
+class PeakWatch:
+    """Keeps the census of a tracked backend and writes one ``peak_tensors`` record per full step."""
+
+    def __init__(self, backend: Any, saved: Any, top: int = DEFAULT_TOP) -> None:
+        self.backend, self.saved, self.top = backend, saved, top
+        tracker = getattr(backend, "tracker", None)
+        self.census: PeakCensus | None = None
+        if top > 0 and tracker is not None:
+            self.census = tracker.census = PeakCensus()
+        self.scope = ModuleScope(self.census) if self.census is not None else None
+        self.model: torch.nn.Module | None = None
+        self.optimizer: Any = None
+        self.best: tuple[int, str, int, PeakTensors] | None = None  # peak, phase, micro_step, summary
+        self.active = False
+
+    def attach(self, model: torch.nn.Module | None, optimizer: Any) -> None:
+        self.model, self.optimizer = model, optimizer
+        if self.scope is not None:
+            self.scope.attach(model)
+
+    def begin_step(self, tracked: bool) -> None:
+        """A step starts; ``tracked``: its operators are observed (a full, uncompiled CPU step)."""
+        self.best = None
+        self.active = tracked and self.census is not None
+        if self.active:
+            self.saved.observer = self.census.on_saved
+            self.scope.start()
+
+    def stop(self) -> None:
+        if self.scope is not None:
+            self.scope.stop()
+        if self.census is not None and self.saved.observer == self.census.on_saved:
+            self.saved.observer = None
+        self.active = False
+
+    def observe(self, record: dict[str, Any], classes: tuple[Mapping[int, int], ...] | None) -> None:
+        """A full snapshot closed a window: summarize it when it holds the step's highest peak so far."""
+        if not self.active or record.get("peak") is None or classes is None:
+            return
+        if self.best is None or record["peak"] > self.best[0]:
+            summary = self.summarize(self.census.alive_at_peak(), classes)
+            self.best = (record["peak"], record["phase"], record["micro_step"], summary)
+        if self.scope is not None:
+            self.scope.set_stage(STAGE_AFTER.get(record["phase"], "outside"))
+
+    def summarize(self, alive: list[TensorInfo], classes: tuple[Mapping[int, int], ...]) -> PeakTensors:
+        weights, grads, states, saved = classes
+
+        def classify(info: TensorInfo) -> str:
+            alive_now = not info.died
+            if alive_now and info.key in weights:
+                return "weights"
+            if alive_now and info.key in grads:
+                return "gradients"
+            if alive_now and info.key in states:
+                return "optimizer_states"
+            if info.saved or (alive_now and info.key in saved):
+                return "activations"
+            return "other" if alive_now else "temporaries"
+
+        return summarize(alive, classify, resident_namer(self.model, self.optimizer), self.top)
+
+    def end_step(self, step: int, rank: int) -> dict[str, Any] | None:
+        """The step's ``peak_tensors`` record (None on a light step)."""
+        best, self.best = self.best, None
+        self.stop()
+        if best is None:
+            return None
+        peak, phase, micro_step, summary = best
+        return {"event": "peak_tensors", "step": step, "rank": rank, "phase": phase, "micro_step": micro_step,
+                "source": "tracker", **summary.as_record()}
+
+    def at_failure(self, classes: tuple[Mapping[int, int], ...]) -> PeakTensors | None:
+        """The storages alive now (an out-of-memory error inside a tracked step)."""
+        if self.census is None or not self.census.live:
+            return None
+        return self.summarize(self.census.alive_now(), classes)
