@@ -272,8 +272,46 @@ def headline(peak: PeakTensors, phase: str | None = None, limit: int = 3) -> lis
     for (_, _, operator, cls), same in list(kinds.items())[:limit]:
         t = same[0]
         shape = " × ".join(str(d) for d in t.shape) or "scalar"
-        modules = sorted({s.module for s in same})
-        where = modules[0] if len(modules) == 1 else f"{modules[0]} … ({len(modules)} modules)"
+        where = _common_module(same)
         lines.append(f"  {shape} {t.dtype} = {format_bytes(t.bytes)} each, {len(same)} alive among the top {len(peak.tensors)} — {cls}, "
                      f"{operator} in {where}")
     return lines
+
+
+def removed_by(before: PeakTensors, after: PeakTensors, limit: int = 3) -> list[str]:
+    """What a change (a remedy) takes off the peak: each class's bytes less, then the kinds of listed
+    tensors (shape, dtype, operator) at ``before``'s peak that ``after``'s no longer has.
+
+    Example:
+        >>> a = PeakTensor(4096, [4, 256], "fp32", "activations", "aten.mul", "m.layers.0.mlp", "forward")
+        >>> before = PeakTensors(8192, 2, [a, a], by_class={"activations": 8192})
+        >>> removed_by(before, PeakTensors(0, 0, [], by_class={}))
+        ['activations -8.00 KiB', '2 × 4 × 256 fp32 (aten.mul in m.layers.0.mlp)']
+    """
+    lines = [f"{cls} -{format_bytes(nbytes - after.by_class.get(cls, 0))}"
+             for cls, nbytes in sorted(before.by_class.items(), key=lambda item: -item[1])
+             if nbytes - after.by_class.get(cls, 0) > 0]
+    kinds: dict[tuple[Any, ...], list[PeakTensor]] = {}
+    for tensor in before.tensors:
+        kinds.setdefault((tuple(tensor.shape), tensor.dtype, tensor.operator), []).append(tensor)
+    left: dict[tuple[Any, ...], int] = {}
+    for tensor in after.tensors:
+        key = (tuple(tensor.shape), tensor.dtype, tensor.operator)
+        left[key] = left.get(key, 0) + 1
+    for key, same in kinds.items():
+        gone = len(same) - left.get(key, 0)
+        if gone > 0 and len(lines) < limit + len(before.by_class):
+            shape = " × ".join(str(d) for d in key[0]) or "scalar"
+            lines.append(f"{gone} × {shape} {key[1]} ({key[2]} in {_common_module(same)})")
+    return lines
+
+
+def _common_module(tensors: list[PeakTensor]) -> str:
+    """The module path, or the pattern of several (``model.layers.*.mlp``)."""
+    names = sorted({t.module for t in tensors})
+    if len(names) == 1:
+        return names[0]
+    parts = [name.split(".") for name in names]
+    if len({len(p) for p in parts}) == 1:
+        return ".".join(p[0] if len({q[i] for q in parts}) == 1 else "*" for i, p in enumerate(zip(*parts)))
+    return f"{names[0]} … ({len(names)} modules)"

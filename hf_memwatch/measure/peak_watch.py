@@ -54,6 +54,14 @@ class PeakWatch:
         self.best: tuple[int, str, int, PeakTensors] | None = None  # peak, phase, micro_step, summary
         self.active = False
 
+    def set_top(self, top: int) -> None:
+        """List ``top`` storages per peak; 0 switches the census off (the tracker is told of nothing)."""
+        self.top = top
+        if top <= 0 and self.census is not None:
+            self.stop()
+            self.backend.tracker.census = None
+            self.census = self.scope = None
+
     def attach(self, model: torch.nn.Module | None, optimizer: Any) -> None:
         self.model, self.optimizer = model, optimizer
         if self.scope is not None:
