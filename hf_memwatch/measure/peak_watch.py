@@ -53,6 +53,7 @@ class PeakWatch:
         self.optimizer: Any = None
         self.best: tuple[int, str, int, PeakTensors] | None = None  # peak, phase, micro_step, summary
         self.active = False
+        self.last: dict[str, Any] | None = None  # the last peak_tensors record written
 
     def set_top(self, top: int) -> None:
         """List ``top`` storages per peak; 0 switches the census off (the tracker is told of nothing)."""
@@ -116,11 +117,38 @@ class PeakWatch:
         if best is None:
             return None
         peak, phase, micro_step, summary = best
-        return {"event": "peak_tensors", "step": step, "rank": rank, "phase": phase, "micro_step": micro_step,
-                "source": "tracker", **summary.as_record()}
+        self.last = {"event": "peak_tensors", "step": step, "rank": rank, "phase": phase, "micro_step": micro_step,
+                     "source": "tracker", **summary.as_record()}
+        return self.last
 
     def at_failure(self, classes: tuple[Mapping[int, int], ...]) -> PeakTensors | None:
         """The storages alive now (an out-of-memory error inside a tracked step)."""
         if self.census is None or not self.census.live:
             return None
         return self.summarize(self.census.alive_now(), classes)
+
+
+def cuda_allocator_tensors(device: Any, top: int = DEFAULT_TOP) -> PeakTensors | None:
+    """CUDA: the ``top`` largest blocks allocated now, from the caching allocator's snapshot
+    (``torch.cuda.memory._snapshot``): sizes, and with recorded history (``record_history=True``) the
+    innermost Python frame that allocated each as its ``operator``; no shapes (the allocator has none).
+    Written for the OOM post-mortem; not run on the CPU-only development machines."""
+    try:
+        snapshot = torch.cuda.memory._snapshot()
+    except Exception:  # noqa: BLE001 - no CUDA, or an allocator without snapshots
+        return None
+    index = getattr(device, "index", None)
+    blocks = []
+    for segment in snapshot.get("segments", []):
+        if index is not None and segment.get("device") not in (None, index):
+            continue
+        for block in segment.get("blocks", []):
+            if block.get("state") == "active_allocated":
+                frames = [f for f in block.get("frames") or [] if str(f.get("filename", "")).endswith(".py")]
+                where = f"{frames[0].get('name')} ({frames[0].get('filename')}:{frames[0].get('line')})" if frames else "?"
+                info = TensorInfo(len(blocks), int(block.get("requested_size") or block.get("size") or 0), (), None,
+                                  None, ("?", "?"), 0)
+                blocks.append((info, where))
+    names = {id(info): where for info, where in blocks}
+    return summarize([info for info, _ in blocks], lambda info: "allocated",
+                     lambda info: ("block: " + names[id(info)], "?"), top)
