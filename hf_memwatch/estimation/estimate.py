@@ -370,6 +370,10 @@ def estimate(
     prepared by PEFT's ``prepare_model_for_kbit_training`` (QLoRA with ``lora``/``adapter``); a
     built model or Trainer is estimated as it is loaded, its bitsandbytes layers as they are.
 
+    ``top_tensors`` = N > 0: ``peak_tensors`` lists the N largest tensors alive at the predicted peak
+    (shape, dtype, class, operator, module) and every tensor then grouped by module and operator
+    (:mod:`hf_memwatch.estimation.peak`); 0 (default) keeps no census, as planning does.
+
     With ``eval_batch_size`` and ``eval_samples`` the evaluation loop is predicted too
     (``eval_peak_bytes``, ``eval_peak_phase``, ``eval_classes``; :mod:`hf_memwatch.estimation.eval_loop`):
     ``eval_accumulation_steps``, ``eval_seq_len`` (default ``seq_len``), ``prediction_loss_only``

@@ -363,6 +363,7 @@ class MemWatch(TrainerCallback, ExportableState):
         # Under DDP/DeepSpeed the monitor also counts the engine's buckets and partitions.
         self.monitor = make_monitor(backend, writer, rank, self.trainer)
         self.monitor.peaks.set_top(self.top_tensors)
+        self.monitor.peaks.history = self.record_history
         self.monitor.attach(model, kwargs.get("optimizer"))
         writer.write(run_meta(model, RunConfig.from_args(args, model)))  # model and batch, for the picture's title and the summary
         if self.record_history:

@@ -112,7 +112,7 @@ class StepMonitor:
             if not self._untracked_compiled_step():
                 self.backend.start_tracking()
             self.saved.start()
-        self.peaks.begin_step(full and self.backend.tracking)
+        self.peaks.begin_step(full and self.backend.tracking, full)
         return self.snapshot("step_begin")
 
     def end_step(self) -> dict[str, Any]:

@@ -177,6 +177,8 @@ def operator_name(func: Any) -> str:
 def dtype_name(dtype: Any) -> str:
     """``fp32``-style names: the ones the CLI and the docs use."""
     short = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64"}
+    if dtype is None:
+        return "?"  # known by its size only (CUDA allocator blocks, saved storages)
     return short.get(dtype, str(dtype).replace("torch.", ""))
 
 

@@ -54,6 +54,9 @@ class PeakWatch:
         self.best: tuple[int, str, int, PeakTensors] | None = None  # peak, phase, micro_step, summary
         self.active = False
         self.last: dict[str, Any] | None = None  # the last peak_tensors record written
+        self.history = False  # CUDA: the allocator's history is recorded (MemWatch(record_history=True))
+        self.cuda = False  # this step is a full CUDA step (no census: the allocator or the classes tell)
+        self.source = "tracker"
 
     def set_top(self, top: int) -> None:
         """List ``top`` storages per peak; 0 switches the census off (the tracker is told of nothing)."""
@@ -68,10 +71,12 @@ class PeakWatch:
         if self.scope is not None:
             self.scope.attach(model)
 
-    def begin_step(self, tracked: bool) -> None:
-        """A step starts; ``tracked``: its operators are observed (a full, uncompiled CPU step)."""
+    def begin_step(self, tracked: bool, full: bool = False) -> None:
+        """A step starts; ``tracked``: its operators are observed (a full, uncompiled CPU step);
+        ``full``: tracked in full (on CUDA the record comes from the allocator or the classes)."""
         self.best = None
         self.active = tracked and self.census is not None
+        self.cuda = full and self.top > 0 and getattr(self.backend, "kind", None) == "cuda"
         if self.active:
             self.saved.observer = self.census.on_saved
             self.scope.start()
@@ -85,6 +90,10 @@ class PeakWatch:
 
     def observe(self, record: dict[str, Any], classes: tuple[Mapping[int, int], ...] | None) -> None:
         """A full snapshot closed a window: summarize it when it holds the step's highest peak so far."""
+        if self.cuda and classes is not None and record.get("peak") is not None:
+            if self.best is None or record["peak"] > self.best[0]:
+                self.best = (record["peak"], record["phase"], record["micro_step"], self._cuda_summary(classes))
+            return
         if not self.active or record.get("peak") is None or classes is None:
             return
         if self.best is None or record["peak"] > self.best[0]:
@@ -117,9 +126,35 @@ class PeakWatch:
         if best is None:
             return None
         peak, phase, micro_step, summary = best
+        source = ("cuda_history" if self.history else "cuda_saved") if self.cuda else "tracker"
         self.last = {"event": "peak_tensors", "step": step, "rank": rank, "phase": phase, "micro_step": micro_step,
-                     "source": "tracker", **summary.as_record()}
+                     "source": source, **summary.as_record()}
         return self.last
+
+    def _cuda_summary(self, classes: tuple[Mapping[int, int], ...]) -> PeakTensors:
+        """CUDA, at the snapshot closing the window of the step's highest peak (not run on the CPU-only
+        development machines): with recorded history, the allocator's live blocks and their frames;
+        else the storages the classes know then (weights, gradients, states, saved tensors)."""
+        if self.history:
+            found = cuda_allocator_tensors(self.backend.device, self.top)
+            if found is not None:
+                return found
+        weights, grads, states, saved = classes
+        infos, seen = [], set()
+        for storages in (weights, grads, states, saved):
+            for key, nbytes in storages.items():
+                if key not in seen:
+                    seen.add(key)
+                    infos.append(TensorInfo(key, nbytes, (), None, None, ("?", "saved"), 0))
+
+        def classify(info: TensorInfo) -> str:
+            for name, storages in (("weights", weights), ("gradients", grads), ("optimizer_states", states)):
+                if info.key in storages:
+                    return name
+            return "activations"
+
+        namer = resident_namer(self.model, self.optimizer)
+        return summarize(infos, classify, lambda info: namer(info) or ("saved for backward", "?"), self.top)
 
     def at_failure(self, classes: tuple[Mapping[int, int], ...]) -> PeakTensors | None:
         """The storages alive now (an out-of-memory error inside a tracked step)."""
