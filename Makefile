@@ -25,6 +25,7 @@ lint: venv
 	$(VENV)/bin/ruff check hf_memwatch tests examples benchmarks
 
 test: lint
+	command -v chromium >/dev/null || (apt-get update && apt-get install -y chromium)
 	$(VENV)/bin/pytest -q -p no:cacheprovider --doctest-modules hf_memwatch tests
 
 demo: venv

@@ -96,6 +96,12 @@ def test_real_cpu_oom_writes_the_post_mortem_and_the_error_reaches_the_user_unch
     assert sum(live.values()) == oom["allocated_at_failure"]
     assert live["activations"] > live["weights"] > 0 and live["optimizer_states"] == 0
     assert f"| activations | {live['activations'] / 2**20:.2f} MiB |" in report
+    # The largest tensors alive at the failure, with the module that made each: every storage counted.
+    tensors = report.split("## Largest tensors", 1)[1].split("## ", 1)[0]
+    assert (f"every storage alive when the allocation failed (step 1, CPU tracker): "
+            f"{oom['allocated_at_failure'] / 2**20:.2f} MiB") in tensors, tensors
+    rows = [line for line in tensors.splitlines() if line.startswith("| ") and "MiB" in line]
+    assert len(rows) == 10 and any("| transformer.h." in row and "| forward |" in row for row in rows), tensors
     # The dying process has no CPU memory left (the failing pass's activations are still held by the
     # traceback), so the report names the estimate command instead of running the estimator there;
     # the figures it gives are checked below, where memory allows.

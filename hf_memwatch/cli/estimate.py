@@ -36,6 +36,7 @@ from ..estimation.estimate import (
 )
 from ..estimation.optim import SUPPORTED_OPTIMS
 from ..estimation.quantized import COMPUTE_DTYPES, QUANT_TYPES
+from ..measure.peak_tensors import PeakTensors, headline, removed_by
 from ..planning.catalogue import advice, with_state_share
 from ..planning.chooser import candidates
 from ..planning.planner import plan_for
@@ -71,6 +72,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-reuse-distance", type=float, default=None,
                         help="DeepSpeed stage3_max_reuse_distance in elements (default 1e9)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--top", type=int, default=0, metavar="N",
+                        help="list the N largest tensors alive at the predicted peak, by module and operator; "
+                             "with --budget, what each remedy removes")
     add_peft_arguments(parser)
     add_eval_arguments(parser)
 
@@ -234,10 +238,16 @@ def remedies(args: argparse.Namespace, budget: int, given: Any) -> list[dict[str
             return cache[batch]
 
         peak = peak_of(args.batch_size)
+        removes = None
+        if args.top > 0 and given.peak_tensors is not None and changes:
+            after = estimate(args.model, **run.replace(
+                checkpointing=plan.activation_checkpointing, optim=plan.optim).estimate_kwargs(),
+                **peft_kwargs(args), top_tensors=args.top).peak_tensors
+            removes = None if after is None else removed_by(given.peak_tensors, after)
         rows.append({
             "remedy": " + ".join(changes) or "as given", "checkpointing": plan.activation_checkpointing,
             "optim": plan.optim, "peak_bytes": peak, "fits": peak <= budget,
-            "largest_fitting_batch": largest_fitting(peak_of, budget, 4096),
+            "largest_fitting_batch": largest_fitting(peak_of, budget, 4096), "removes": removes,
         })
     return rows
 
@@ -258,7 +268,7 @@ def run(args: argparse.Namespace) -> int:
     # stderr for one line on error
     with contextlib.redirect_stdout(io.StringIO()):
         result = estimate(args.model, budget=budget, **_run_config(args).estimate_kwargs(), **peft_kwargs(args),
-                          **eval_kwargs(args))
+                          **eval_kwargs(args), top_tensors=max(args.top, 0))
         payload = result.to_dict()
         # Savings that change what is computed (a fused loss, no reference model): shown, never planned.
         payload["advice"] = [item.as_dict() for item in advice(
@@ -304,6 +314,8 @@ def _print_table(payload: dict[str, Any]) -> None:
                   f"(trainable {payload['trainable_params']:,}) · target {cfg['device']}")
     for note in payload["notes"]:
         console.print(f"note: {note}")
+    if payload.get("peak_tensors"):
+        print_peak_tensors(PeakTensors.from_record(payload["peak_tensors"]), payload["peak_phase"], console)
     print_eval(payload, console)
     for item in payload.get("advice", []):
         console.print(f"advice (not planned): {item['name']} saves up to {format_bytes(item['saving'])} — {item['how']}")
@@ -319,5 +331,25 @@ def _print_table(payload: dict[str, Any]) -> None:
         remedy_table.add_row(row["remedy"], format_bytes(row["peak_bytes"]), "yes" if row["fits"] else "no",
                              str(row["largest_fitting_batch"]))
     console.print(remedy_table)
+    for row in payload["remedies"]:
+        if row.get("removes"):
+            console.print(f"{row['remedy']} removes: " + "; ".join(row["removes"]))
     plan = payload.get("plan")
     console.print(f"plan (same effective batch): {plan['explain'] if plan else 'nothing fits'}")
+
+
+def print_peak_tensors(peak: PeakTensors, phase: str, console: Any, groups: int = 5) -> None:
+    """The largest tensors at the peak (``--top N``), then the bytes by module and by operator."""
+    from rich.table import Table
+
+    for line in headline(peak, phase):
+        console.print(line)
+    table = Table(title=f"the {len(peak.tensors)} largest tensors at the peak")
+    for column in ("bytes", "shape", "dtype", "class", "operator", "module", "stage"):
+        table.add_column(column, justify="right" if column == "bytes" else "left")
+    for t in peak.tensors:
+        table.add_row(format_bytes(t.bytes), " × ".join(map(str, t.shape)), t.dtype, t.cls, t.operator,
+                      t.module, t.stage)
+    console.print(table)
+    for title, rows in (("by module", peak.by_module), ("by operator", peak.by_operator)):
+        console.print(f"{title}: " + ", ".join(f"{g.name} {format_bytes(g.bytes)} ({g.count})" for g in rows[:groups]))

@@ -207,6 +207,25 @@ class FootprintRecord(TypedDict):
     advice: str | None
 
 
+class PeakTensorsRecord(TypedDict):
+    """The tensors alive at a fully tracked step's peak (:mod:`hf_memwatch.measure.peak_watch`): the
+    ``top`` largest storages (``bytes``, ``shape``, ``dtype``, ``class``, ``operator``, ``module``,
+    ``stage``) and every storage then grouped ``by_module``, ``by_operator`` and ``by_class``."""
+
+    event: Literal["peak_tensors"]
+    step: int
+    rank: int
+    phase: str
+    micro_step: int
+    source: str  # tracker (CPU) | cuda_history | cuda_saved
+    peak: Bytes
+    count: int
+    tensors: list
+    by_module: list
+    by_operator: list
+    by_class: dict[str, int]
+
+
 RECORDS: dict[str, type] = {
     "snapshot": SnapshotRecord,
     "step": StepRecord,
@@ -217,6 +236,7 @@ RECORDS: dict[str, type] = {
     "leak": LeakRecord,
     "oom_recovered": OomRecoveredRecord,
     "footprint": FootprintRecord,
+    "peak_tensors": PeakTensorsRecord,
 }
 
 

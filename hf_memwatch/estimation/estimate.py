@@ -32,6 +32,7 @@ from ..core.errors import MemWatchConfigError
 from ..core.run_config import RunConfig
 from ..core.units import format_bytes, parse_bytes
 from ..measure.attribution import is_quantized_param, weight_storages
+from ..measure.peak_tensors import PeakTensors
 from ..measure.tracker import recording_allocations
 from .cuda_device import cuda_step_reserve
 from .generation import GenerationSettings
@@ -93,6 +94,8 @@ class MemoryEstimate:
     reserved_bytes: int | None = None
     device_bytes: int | None = None
     device_overheads: dict[str, int | None] = field(default_factory=dict)
+    # The tensors alive at the predicted peak (``top_tensors`` > 0): the largest, by module and operator.
+    peak_tensors: PeakTensors | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain-data form (the CLI's ``--json`` object)."""
@@ -352,6 +355,7 @@ def estimate(
     generation_num_beams: int | None = None,
     optimizer_step: bool = True,
     engine: Any = None,
+    top_tensors: int = 0,
 ) -> MemoryEstimate:
     """Predict the peak memory of one Trainer optimizer step (per device), split by class.
 
@@ -376,6 +380,10 @@ def estimate(
     quantization, or 8-bit) loads the base from a config or path as ``BitsAndBytesConfig`` does,
     prepared by PEFT's ``prepare_model_for_kbit_training`` (QLoRA with ``lora``/``adapter``); a
     built model or Trainer is estimated as it is loaded, its bitsandbytes layers as they are.
+
+    ``top_tensors`` = N > 0: ``peak_tensors`` lists the N largest tensors alive at the predicted peak
+    (shape, dtype, class, operator, module) and every tensor then grouped by module and operator
+    (:mod:`hf_memwatch.estimation.peak`); 0 (default) keeps no census, as planning does.
 
     With ``eval_batch_size`` and ``eval_samples`` the evaluation loop is predicted too
     (``eval_peak_bytes``, ``eval_peak_phase``, ``eval_classes``; :mod:`hf_memwatch.estimation.eval_loop`):
@@ -470,7 +478,7 @@ def estimate(
             config=config, task=task, batch_size=batch_size, seq_len=seq_len,
             target_len=seq2seq_target_len or seq_len, precision=precision, optim=optim,
             checkpointing=checkpointing, accum=accum, device=device, max_grad_norm=max_grad_norm,
-            trainer=trainer, sample=sample, optimizer_step=optimizer_step,
+            trainer=trainer, sample=sample, optimizer_step=optimizer_step, top=top_tensors,
             replay=None if trainer is None else TrainerReplay(
                 trainer, lambda module: fake_copy(module, fake_mode, "cpu"), batch_size, accum),
         )
@@ -480,7 +488,8 @@ def estimate(
         recording = recording_allocations() if device == "cuda" else contextlib.nullcontext([])
         try:
             with guard, recording as traces:
-                phase_classes, phase_details = _simulate(model, fake_mode, config, extrapolate_layers, notes, run)
+                phase_classes, phase_details, phase_tensors = _simulate(
+                    model, fake_mode, config, extrapolate_layers, notes, run)
         except (MemWatchConfigError, KeyboardInterrupt):
             raise
         except Exception as exc:  # the model cannot run this configuration: say so in one line
@@ -560,6 +569,7 @@ def estimate(
         reserved_bytes=reserved_bytes,
         device_bytes=device_bytes,
         device_overheads=device_overheads,
+        peak_tensors=phase_tensors.get(peak_phase),
     )
 
 
@@ -705,25 +715,30 @@ def _on_target(nbytes: int, device: str) -> int:
 
 
 def _simulate(model: torch.nn.Module, fake_mode: Any, config: Any, extrapolate_layers: bool | None,
-              notes: list[str], run: dict[str, Any]) -> tuple[dict[str, dict[str, int]], dict[str, Any]]:
-    """Per-phase class splits and details of the step: by depth extrapolation where exact and wanted.
+              notes: list[str], run: dict[str, Any]) -> tuple[dict[str, dict[str, int]], dict[str, Any], dict[str, Any]]:
+    """Per-phase class splits, details and peak tensors of the step: by depth extrapolation where exact
+    and wanted.
 
-    The details (logits) do not depend on depth: the deeper short simulation's are kept.
+    The details (logits) do not depend on depth: the deeper short simulation's are kept; so are its
+    peak tensors (a note says so: the layers beyond hold more of the same).
     """
     stack = homogeneous_layers(model, config) if extrapolate_layers is not False else None
     depth = getattr(config, "num_hidden_layers", 0) or 0
     if stack is not None and (extrapolate_layers or depth >= AUTO_MIN_LAYERS):
-        short, details = {}, {}
+        short, details, tensors = {}, {}, {}
         for layers in SHORT_DEPTHS:
             with truncated(stack, config, layers):
                 simulation = simulate_step(model, fake_mode, **run)
             short[layers], details = simulation.phase_classes, simulation.phase_details
+            tensors = simulation.phase_tensors
         extended = extrapolate(short, depth)
         if extended is not None:
             notes.append(f"depth extrapolated from {SHORT_DEPTHS[0]} and {SHORT_DEPTHS[1]} simulated layers")
-            return extended, details
+            if tensors:
+                notes.append(f"peak tensors: those of the {SHORT_DEPTHS[1]}-layer simulation")
+            return extended, details, tensors
     simulation = simulate_step(model, fake_mode, **run)
-    return simulation.phase_classes, simulation.phase_details
+    return simulation.phase_classes, simulation.phase_details, simulation.phase_tensors
 
 
 def largest_fitting_batch(

@@ -37,9 +37,11 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from ..measure.attribution import weight_tensors
+from ..measure.peak_tensors import PeakCensus, PeakTensors
 from ..measure.saved_tensors import SavedTensorRegistry
 from ..measure.tracker import StorageTracker
 from .optim import BNB_OPTIMS, build_optimizer
+from .peak import PeakCensusWatch
 from .trainer_replay import batch_tensors, fake_batch
 
 CUDA_BLOCK = 512  # the CUDA caching allocator rounds every block up to a multiple of 512 bytes
@@ -54,6 +56,8 @@ class StepSimulation:
     notes: list[str] = field(default_factory=list)
     # per phase, inside each class, the bytes of named tensors at that high (see LOGITS)
     phase_details: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict)
+    # per phase, the tensors alive at that high (with ``top`` > 0; :mod:`hf_memwatch.estimation.peak`)
+    phase_tensors: dict[str, PeakTensors] = field(default_factory=dict)
 
 
 LOGITS = "logits"
@@ -139,6 +143,8 @@ class EstimateTracker(StorageTracker):
         self.allocated += nbytes
         if self.allocated > self.peak:
             self.peak = self.allocated
+            if self.census is not None:
+                self.census.on_peak()
             self.on_new_peak()
         del self._live[-1]
         self.allocated -= nbytes
@@ -566,6 +572,8 @@ class _Phases:
         self.weights, self.other = weights, other
         self.best: dict[str, dict[str, int]] = {}
         self.details: dict[str, dict[str, dict[str, int]]] = {}
+        self.tensors: dict[str, PeakTensors] = {}
+        self.census: PeakCensusWatch | None = None
 
     def close(self, phase: str) -> None:
         tracker = self.tracker
@@ -578,6 +586,10 @@ class _Phases:
             if sum(classes.values()) > sum(self.best.get(phase, {}).values() or [-1]):
                 self.best[phase] = classes
                 self.details[phase] = details
+                if self.census is not None:
+                    self.tensors[phase] = self.census.summary(grads, states)
+        if self.census is not None:
+            self.census.after(phase)
         tracker.reset_peak()
 
 
@@ -591,7 +603,7 @@ def simulate_step(
     model: torch.nn.Module, fake_mode: Any, *, config: Any, task: str, batch_size: int, seq_len: int,
     target_len: int, precision: str, optim: str, checkpointing: bool, accum: int, device: str,
     max_grad_norm: float, steps: int = 2, trainer: Any = None, sample: Any = None,
-    optimizer_step: bool = True, replay: Any = None,
+    optimizer_step: bool = True, replay: Any = None, top: int = 0,
 ) -> StepSimulation:
     """Run ``steps`` Trainer optimizer steps on the fake ``model``; the peak and its split.
 
@@ -600,6 +612,8 @@ def simulate_step(
     ``num_items_in_batch`` count) — the caller guards the Trainer's state
     (:class:`~hf_memwatch.estimation.trainer_replay.TrainerStateGuard`); with ``sample`` (a collated
     batch of real tensors), every micro-batch is a fake copy of it instead of a synthetic batch.
+    ``top`` > 0: the ``top`` largest tensors alive at each phase's high, grouped by module and
+    operator (``phase_tensors``; :class:`~hf_memwatch.estimation.peak.PeakCensusWatch`).
     ``optimizer_step=False`` replays the forward and backward alone, without optimizer state
     (nothing primed, no clipping, no step): only the ``after_forward``/``after_backward`` phases,
     which lie under the full step's by exactly the optimizer states that would be resident.
@@ -632,6 +646,8 @@ def simulate_step(
         bnb_cpu_kernels=(target == "cpu" and optim in BNB_OPTIMS),
     )
     weights_of_model = weight_tensors(model)  # quantization state included
+    if top > 0:
+        tracker.census = PeakCensus()  # before the weights: it knows every storage the tracker does
     tracker.register(weights_of_model)
     held_weights = list(replay.held_weights) if replay is not None else []  # a Trainer's other models
     tracker.register(held_weights)
@@ -642,6 +658,8 @@ def simulate_step(
     weights = _refs(tracker, weights_of_model + held_weights)
     other: dict[int, Any] = {}
     phases = _Phases(tracker, model, optimizer, weights, other)
+    if top > 0:
+        phases.census = PeakCensusWatch(tracker, saved, model, optimizer, weights, other, top)
     params = [p for p in model.parameters() if p.requires_grad]
 
     with warnings.catch_warnings(), real_batch_masks(), fake_mode, tracker:
@@ -716,7 +734,8 @@ def simulate_step(
                 kept = (*FORWARD_BACKWARD_PHASES, GENERATION_PHASE)
                 return StepSimulation(
                     {phase: phases.best[phase] for phase in kept if phase in phases.best},
-                    notes, {phase: phases.details.get(phase, {}) for phase in kept if phase in phases.best})
+                    notes, {phase: phases.details.get(phase, {}) for phase in kept if phase in phases.best},
+                    {phase: t for phase, t in phases.tensors.items() if phase in kept})
             if max_grad_norm and max_grad_norm > 0:
                 torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
             optimizer.step()
@@ -726,9 +745,11 @@ def simulate_step(
             phases.close("step_end")
         finally:
             saved.stop()
+            if phases.census is not None:
+                phases.census.close()
             _restore_forward(model, saved_forward)
             _restore_kv_cache(model, saved_use_cache)
-    return StepSimulation(dict(phases.best), notes, dict(phases.details))
+    return StepSimulation(dict(phases.best), notes, dict(phases.details), dict(phases.tensors))
 
 
 def _close_after_forward(phases: _Phases, replay: Any) -> Any:

@@ -8,6 +8,8 @@ Timeline records (``<output_dir>/memwatch/timeline.jsonl``) — see README "Time
   ``allocated``), ``spike``, ``allocator_overhead``, ``fragmentation``, ``num_alloc_retries``,
   ``num_ooms``, ``device_free``, ``device_total``, ``host_rss``, ``host_vms``, ``detail`` (full|light).
 * ``step`` once per optimizer step: ``peak``, ``peak_phase``, ``dominant``.
+* ``peak_tensors`` once per fully tracked CPU step: the largest storages alive at its peak, by module
+  and operator (:mod:`hf_memwatch.measure.peak_watch`; ``top_tensors``).
 * ``eval`` once per evaluation/prediction loop (snapshots of the loop carry ``stage``: ``eval`` or
   ``predict``; training snapshots have no ``stage``). See :mod:`hf_memwatch.integration.eval_watch`.
 * ``leak`` once per class found growing step after step at ``step_end`` (``measure/leaks.py``).
@@ -36,6 +38,7 @@ from ..measure.backends import backend_for
 from ..measure.distributed import make_monitor
 from ..measure.leaks import HOST_RSS, LeakWatch
 from ..measure.monitor import StepMonitor
+from ..measure.peak_tensors import DEFAULT_TOP
 from ..planning.budget import remaining, validate_budget
 from ..reporting.background import wait_for_report
 from ..reporting.oom import (
@@ -130,6 +133,8 @@ class MemWatch(TrainerCallback, ExportableState):
             checkpointing on between steps when peaks near the budget. See docs/auto.md.
         budget: bytes, a size such as ``"20GiB"``, or a fraction of device memory; default 90% of
             what this process may use.
+        top_tensors: storages listed in each full step's ``peak_tensors`` record (the largest alive at
+            the step's peak, with the bytes by module and operator; 0: none, no census kept).
 
     Usage:
         >>> trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[MemWatch()])  # doctest: +SKIP
@@ -148,6 +153,7 @@ class MemWatch(TrainerCallback, ExportableState):
         record_history: bool = False,
         auto: bool = False,
         budget: int | float | str | None = None,
+        top_tensors: int = DEFAULT_TOP,
     ) -> None:
         if detail not in ("auto", "full", "light"):
             raise MemWatchConfigError(f"MemWatch(detail=...) must be 'auto', 'full' or 'light'; got {detail!r}")
@@ -165,6 +171,9 @@ class MemWatch(TrainerCallback, ExportableState):
         for name, value in flags.items():
             if not isinstance(value, bool):
                 raise MemWatchConfigError(f"MemWatch({name}=...) must be True or False; got {value!r}")
+        if isinstance(top_tensors, bool) or not isinstance(top_tensors, int) or top_tensors < 0:
+            raise MemWatchConfigError(f"MemWatch(top_tensors=...) must be an int >= 0; got {top_tensors!r}")
+        self.top_tensors = top_tensors
         self.scalars, self.report, self.summary = scalars, report, summary
         self.oom_report, self.record_history = oom_report, record_history
         self.detail = detail
@@ -319,6 +328,7 @@ class MemWatch(TrainerCallback, ExportableState):
                 "auto": self.auto, "budget": self.budget,
                 "scalars": self.scalars, "report": self.report, "summary": self.summary,
                 "oom_report": self.oom_report, "record_history": self.record_history,
+                "top_tensors": self.top_tensors,
             },
             "attributes": {"auto_plan": self.auto_plan} if self.auto_plan else {},
         }
@@ -352,6 +362,8 @@ class MemWatch(TrainerCallback, ExportableState):
                 writer.write(record)
         # Under DDP/DeepSpeed the monitor also counts the engine's buckets and partitions.
         self.monitor = make_monitor(backend, writer, rank, self.trainer)
+        self.monitor.peaks.set_top(self.top_tensors)
+        self.monitor.peaks.history = self.record_history
         self.monitor.attach(model, kwargs.get("optimizer"))
         writer.write(run_meta(model, RunConfig.from_args(args, model)))  # model and batch, for the picture's title and the summary
         if self.record_history:

@@ -26,6 +26,7 @@ from .attribution import (
 )
 from .backends import AllocatorBackend
 from .footprint import host_sizes
+from .peak_watch import PeakWatch
 from .saved_tensors import SavedTensorRegistry
 from .storage import collect_storages, nested_tensors
 
@@ -90,12 +91,15 @@ class StepMonitor:
         self.eval: EvalLoopState | None = None  # the evaluation loop in progress, if any
         self.last_eval: dict[str, Any] | None = None  # the last loop's ``eval`` record
         self._after_eval = False
+        self.peaks = PeakWatch(backend, self.saved)  # the tensors at each full step's peak (peak_tensors)
+        self._last_classes: tuple[dict[int, int], ...] | None = None
 
     # -- lifecycle --------------------------------------------------------------------------
     def attach(self, model: torch.nn.Module | None, optimizer: Any) -> None:
         self.model = model
         self.attached_optimizer = optimizer  # as handed over (a ZeRO optimizer under DeepSpeed)
         self.optimizer = unwrap_optimizer(optimizer) if optimizer is not None else None
+        self.peaks.attach(model, self.optimizer)
 
     def begin_step(self, step: int, full: bool) -> dict[str, Any]:
         self.step, self.micro_step, self.full, self.in_step = step, 0, full, True
@@ -108,6 +112,7 @@ class StepMonitor:
             if not self._untracked_compiled_step():
                 self.backend.start_tracking()
             self.saved.start()
+        self.peaks.begin_step(full and self.backend.tracking, full)
         return self.snapshot("step_begin")
 
     def end_step(self) -> dict[str, Any]:
@@ -130,11 +135,15 @@ class StepMonitor:
         }
         self.last_step = record
         self._write(record)
+        peak_tensors = self.peaks.end_step(self.step, self.rank)
+        if peak_tensors is not None:
+            self._write(peak_tensors)
         if self.writer is not None:
             self.writer.flush()
         return record
 
     def stop_tracking(self) -> None:
+        self.peaks.stop()
         self.saved.stop()
         self.backend.stop_tracking()
 
@@ -175,6 +184,7 @@ class StepMonitor:
         elif self.full:
             record = self.measure(phase, micro_step)
             self._last_full[(phase, micro_step)] = record
+            self.peaks.observe(record, self._last_classes)
         else:
             record = self._light_snapshot(phase, micro_step)
         self.backend.reset_peak()
@@ -219,6 +229,7 @@ class StepMonitor:
 
     def _measure(self, phase: str, micro_step: int) -> dict[str, Any]:
         weights, grads, states, saved = self._class_storages()
+        self._last_classes = (weights, grads, states, saved)
         reading = self.backend.read()
         allocated, peak = reading.allocated, reading.peak
         live_storages = self.backend.live_storages()

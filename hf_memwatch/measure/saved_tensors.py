@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from .storage import same_device
@@ -43,6 +45,7 @@ class SavedTensorRegistry:
         self._counts: dict[int, int] = {}
         self._bytes: dict[int, tuple[int, torch.device]] = {}
         self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
+        self.observer: Callable[[int], None] | None = None  # told each storage key saved (PeakCensus.on_saved)
 
     def _pack(self, tensor: torch.Tensor) -> object:
         storage = tensor.untyped_storage()
@@ -51,6 +54,8 @@ class SavedTensorRegistry:
         if count is None:
             self._counts[key] = 1
             self._bytes[key] = (storage.nbytes(), tensor.device)
+            if self.observer is not None:
+                self.observer(key)
         else:
             self._counts[key] = count + 1
         return _Saved(tensor, key, self)

@@ -16,7 +16,7 @@ import contextvars
 import types
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -77,6 +77,8 @@ def recording_allocations() -> Iterator[list[list[tuple[int, int]]]]:
         yield traces
     finally:
         _RECORDING.reset(token)
+if TYPE_CHECKING:
+    from .peak_tensors import PeakCensus
 
 
 class _StorageRef(weakref.ref):
@@ -112,6 +114,9 @@ class StorageTracker(TorchDispatchMode):
         # Re-read storage sizes (refresh_sizes) at each would-be peak: on once a DTensor (FSDP2) is
         # registered, as its all-gathers are resized outside operators; off, no per-peak cost.
         self.watch_resizes = False
+        # Optional: told of each allocation, free and new peak (the tensors at a peak); None costs nothing.
+        self.census: PeakCensus | None = None
+        self._func: Any = None  # the operator whose outputs are being tracked (None: registered)
 
     # -- accounting -------------------------------------------------------------------------
     def _free(self, ref: _StorageRef) -> None:
@@ -120,6 +125,8 @@ class StorageTracker(TorchDispatchMode):
             self.allocated -= ref.nbytes
             if self.events is not None:
                 self.events.append((id(ref), 0))
+            if self.census is not None:
+                self.census.on_free(ref.key)
 
     def _track_plain(self, tensor: torch.Tensor) -> None:
         if tensor.device.type != self.device_type:
@@ -137,6 +144,8 @@ class StorageTracker(TorchDispatchMode):
             known.nbytes = nbytes
             if self.events is not None:  # to an allocator: a free, then a new block
                 self.events.extend(((id(known), 0), (id(known), nbytes)))
+            if self.census is not None:
+                self.census.on_resize(key, nbytes)
         elif nbytes:
             ref = _StorageRef(storage, self._on_free)
             ref.key = key
@@ -145,12 +154,16 @@ class StorageTracker(TorchDispatchMode):
             self.allocated += nbytes
             if self.events is not None:
                 self.events.append((id(ref), nbytes))
+            if self.census is not None:
+                self.census.on_alloc(key, nbytes, tensor, self._func)
         else:
             return
         if self.watch_resizes and self.allocated > self.peak:
             self.refresh_sizes()  # storages resized outside any operator (FSDP2's resize_(0)) first
         if self.allocated > self.peak:
             self.peak = self.allocated
+            if self.census is not None:
+                self.census.on_peak()
             self.on_new_peak()
 
     def refresh_sizes(self) -> int:
@@ -184,6 +197,7 @@ class StorageTracker(TorchDispatchMode):
 
     def register(self, tensors: Iterable[torch.Tensor | None]) -> None:
         """Count storages created outside the tracker (weights, a batch loaded between steps)."""
+        self._func = None
         for tensor in tensors:
             if isinstance(tensor, torch.Tensor):
                 if not self.watch_resizes and type(tensor).__name__ == "DTensor":
@@ -194,6 +208,8 @@ class StorageTracker(TorchDispatchMode):
     def reset_peak(self) -> None:
         """Start a new peak window at the current live bytes."""
         self.peak = self.allocated
+        if self.census is not None:
+            self.census.start_window()
 
     def live(self) -> Mapping[int, int]:
         """Snapshot of live storage key -> bytes (sizes re-read: :meth:`refresh_sizes`)."""
@@ -220,6 +236,7 @@ class StorageTracker(TorchDispatchMode):
             out = func(*args, **(kwargs or {}))
         else:
             out = run_as_called(func, args, kwargs or {})
+        self._func = func
         if isinstance(out, torch.Tensor):
             self._track_output(out)
         elif isinstance(out, (tuple, list)):

@@ -30,6 +30,7 @@ from ..core.run_config import RunConfig, is_peft_model
 from ..core.units import format_bytes
 from ..measure.footprint import advice_from_stats, allocator_settings
 from ..planning.catalogue import advice, single_remedies, with_state_share
+from .oom_tensors import tensor_lines, tensors_at_failure
 
 logger = logging.getLogger("hf_memwatch")
 
@@ -233,6 +234,10 @@ def write_oom_report(
     except Exception:  # noqa: BLE001 - the dying process may not afford the walk; report without it
         at_failure = None
     live_now = at_failure["allocated"] if at_failure else None
+    try:
+        failure_tensors = tensors_at_failure(monitor)
+    except Exception:  # noqa: BLE001 - as above: the report goes on without the list
+        failure_tensors = None
     monitor.stop_tracking()  # the estimator below must not run under our tracking mode
     if snapshot_path is None:
         snapshot_path = _dump_cuda_snapshot(directory)
@@ -257,7 +262,7 @@ def write_oom_report(
     def render(baseline: int | None, remedies: list[tuple[str, int | None, str]], note: str) -> None:
         text = render_oom_report(
             exc, monitor, last, config, model, at_failure, baseline, remedies, note, plan, snapshot_path,
-            allocator_advice=advice,
+            allocator_advice=advice, failure_tensors=failure_tensors,
         )
         partial = path.with_suffix(".md.partial")
         partial.write_text(text, encoding="utf-8")
@@ -318,6 +323,7 @@ def render_oom_report(
     plan: Any,
     snapshot_path: Path | None,
     allocator_advice: str | None = None,
+    failure_tensors: Any = None,
 ) -> str:
     """The Markdown text of the post-mortem; ``allocator_advice``: the CUDA allocator's
     (:func:`~hf_memwatch.measure.footprint.expandable_segments_advice`), when the gap called for it."""
@@ -352,6 +358,7 @@ def render_oom_report(
     if at_failure is not None:
         lines += ["", "## Live memory when the allocation failed", ""]
         lines += _class_table(at_failure, spike=False)
+    lines += tensor_lines(failure_tensors)
     lines += ["", f"## Live memory at the last snapshot (`{last['phase']}`)" if last else "", ""]
     if last is not None and last.get("allocated") is not None:
         lines += _class_table(last)

@@ -56,6 +56,7 @@ class RankTimeline:
     events: list[dict[str, Any]] = field(default_factory=list)  # plan, remedy, oom
     evals: list[dict[str, Any]] = field(default_factory=list)  # one ``eval`` record per eval/predict loop
     meta: dict[str, Any] = field(default_factory=dict)
+    peak_tensors: dict[int, dict[str, Any]] = field(default_factory=dict)  # step -> its ``peak_tensors`` record
 
 
 def load_run(path: str | os.PathLike[str]) -> list[RankTimeline]:
@@ -78,6 +79,8 @@ def load_run(path: str | os.PathLike[str]) -> list[RankTimeline]:
                 run.meta.update(record)
             elif kind in ("plan", "remedy", "oom"):
                 run.events.append(record)
+            elif kind == "peak_tensors":
+                run.peak_tensors[int(record["step"])] = record
         runs.append(run)
     if not any(run.snapshots for run in runs):
         raise MemWatchConfigError(f"the timeline under {path} has no snapshot with allocator figures to draw")
@@ -333,7 +336,7 @@ def write_report(path: str | os.PathLike[str], out: str | os.PathLike[str], budg
         if suffix == ".png":
             fig.savefig(out, dpi=120, bbox_inches="tight")
         else:
-            out.write_text(render_html(runs, fig), encoding="utf-8")
+            out.write_text(render_html(runs, fig, budget), encoding="utf-8")
     finally:
         import matplotlib.pyplot as plt
 
@@ -341,11 +344,18 @@ def write_report(path: str | os.PathLike[str], out: str | os.PathLike[str], budg
     return out
 
 
-def render_html(runs: list[RankTimeline], fig: Any) -> str:
-    """A self-contained page: the picture (inline PNG) and a table of every step."""
+def render_html(runs: list[RankTimeline], fig: Any, budget: int | None = None) -> str:
+    """A self-contained page: the interactive chart (:mod:`hf_memwatch.reporting.page`, Plotly inlined)
+    where Plotly is installed, the picture (inline PNG) and a table of every step."""
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=110, bbox_inches="tight")
     image = base64.b64encode(buffer.getvalue()).decode("ascii")
+    try:
+        from .page import render_page
+    except ImportError:  # no plotly (the ``page`` extra): the static page below
+        pass
+    else:
+        return render_page(runs, image, [_rank_section(run) for run in runs], budget)
     title = html.escape(title_of(runs).replace("\n", " — "))
     parts = [
         "<!doctype html><html><head><meta charset='utf-8'>",
@@ -355,14 +365,17 @@ def render_html(runs: list[RankTimeline], fig: Any) -> str:
         f"</head><body><h1>{title}</h1>",
         f"<img alt='memory per phase' src='data:image/png;base64,{image}'>",
     ]
-    for run in runs:
-        parts.append(f"<h2>rank {run.rank}: steps</h2>")
-        parts.append(_steps_table(run))
-        if run.events:
-            parts.append("<h3>events</h3><ul>")
-            parts += [f"<li>{html.escape(str(e))}</li>" for e in run.events]
-            parts.append("</ul>")
+    parts += [_rank_section(run) for run in runs]
     parts.append("</body></html>")
+    return "\n".join(parts)
+
+
+def _rank_section(run: RankTimeline) -> str:
+    parts = [f"<h2>rank {run.rank}: steps</h2>", _steps_table(run)]
+    if run.events:
+        parts.append("<h3>events</h3><ul>")
+        parts += [f"<li>{html.escape(str(e))}</li>" for e in run.events]
+        parts.append("</ul>")
     return "\n".join(parts)
 
 

@@ -1,0 +1,213 @@
+"""The interactive page: ``hf-memwatch report RUN -o memory.html`` — one self-contained file.
+
+Plotly (``include_plotlyjs=True``: the library is inlined, the page loads with no network) draws,
+for every rank, the live classes of each snapshot as stacked bars (one bar per phase of each step,
+hover: step, micro-batch, phase and each class's bytes), the spike on top, each step's peak as a
+marker, the budget and the plan's predicted peak as lines, eval/predict loops and plan/remedy/OOM
+events as marked vertical lines; a range slider zooms over steps; a menu selects the rank. A click on
+a step (its bars or its peak marker) shows that step's ``peak_tensors`` record below the chart: the
+largest tensors alive at its peak, then the bytes by module and by operator. The static PNG
+(``memory.png``) stays for the summary and CI logs; the page also embeds it, and a table of every step.
+
+==================  ===================================================================
+element id           content
+==================  ===================================================================
+``memchart``         the Plotly chart (``data``: per rank, the classes, spike, peaks)
+``peak-data``        JSON: ``"rank:step"`` -> that step's ``peak_tensors`` record
+``tensors``          filled on click: ``<h2>``, the top-tensors table, module/operator tables
+==================  ===================================================================
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from typing import Any
+
+from ..core.categories import LIVE_CLASSES
+from ..core.units import format_bytes
+from .report import COLOURS, LABELS, SPIKE, RankTimeline, budget_of, live_bands, title_of
+
+CHART_ID = "memchart"
+
+# Runs after Plotly drew the chart: a click on any point carries [rank, step] in its customdata.
+_CLICK_JS = """
+var chart = document.getElementById('{plot_id}');
+var peaks = JSON.parse(document.getElementById('peak-data').textContent);
+function esc(s) { var d = document.createElement('div'); d.textContent = String(s); return d.innerHTML; }
+function size(n) {
+  var units = ['B', 'KiB', 'MiB', 'GiB', 'TiB'], i = 0;
+  while (Math.abs(n) >= 1024 && i < units.length - 1) { n /= 1024; i++; }
+  return i ? n.toFixed(2) + ' ' + units[i] : n + ' B';
+}
+function table(cls, head, rows) {
+  var out = '<table class="' + cls + '"><tr>' + head.map(function (h) { return '<th>' + esc(h) + '</th>'; }).join('') + '</tr>';
+  rows.forEach(function (r) { out += '<tr>' + r.map(function (c) { return '<td>' + esc(c) + '</td>'; }).join('') + '</tr>'; });
+  return out + '</table>';
+}
+function show(rank, step) {
+  var box = document.getElementById('tensors'), rec = peaks[rank + ':' + step];
+  if (!rec) { box.innerHTML = '<h2>step ' + esc(step) + ' (rank ' + esc(rank) + ')</h2><p class="none">no tensor list for this step: only fully tracked CPU steps have one</p>'; return; }
+  var html = '<h2>step ' + esc(step) + ' (rank ' + esc(rank) + '): ' + size(rec.peak) + ' at ' + esc(rec.phase) + ', ' + rec.count + ' storages alive</h2>';
+  html += '<h3>the ' + rec.tensors.length + ' largest tensors at the peak</h3>';
+  html += table('top-tensors', ['bytes', 'shape', 'dtype', 'class', 'operator', 'module', 'stage'],
+    rec.tensors.map(function (t) { return [size(t.bytes), t.shape.join(' \\u00d7 '), t.dtype, t['class'], t.operator, t.module, t.stage]; }));
+  var groups = function (g) { return g.map(function (x) { return [x.name, size(x.bytes), x.count]; }); };
+  html += '<h3>by module</h3>' + table('by-module', ['module', 'bytes', 'storages'], groups(rec.by_module));
+  html += '<h3>by operator</h3>' + table('by-operator', ['operator', 'bytes', 'storages'], groups(rec.by_operator));
+  box.innerHTML = html;
+}
+chart.on('plotly_click', function (ev) {
+  var p = ev.points && ev.points[0];
+  if (p && p.customdata) { show(p.customdata[0], p.customdata[1]); }
+});
+"""
+
+_STYLE = ("body{font-family:sans-serif;margin:1.5em}table{border-collapse:collapse;margin-bottom:1em}"
+          "td,th{border:1px solid #ccc;padding:2px 8px;text-align:right}th{background:#eee}"
+          "td:nth-child(6),td:nth-child(5){text-align:left}.hint{color:#555}")
+
+
+def _rank_traces(go: Any, run: RankTimeline, visible: bool) -> list[Any]:
+    """The stacked classes, the spike and the step peaks of one rank (all carry [rank, step])."""
+    snaps = run.snapshots
+    xs = list(range(len(snaps)))
+    custom = [[run.rank, s["step"]] for s in snaps]
+    labels = [f"step {s['step']} · mb {s.get('micro_step', 0)} · {s['phase']}" for s in snaps]
+    traces = []
+    for band in live_bands(snaps):
+        traces.append(go.Bar(
+            x=xs, y=band.values, name=f"{band.label} (rank {run.rank})", legendgroup=band.name,
+            marker_color=band.colour, customdata=custom, text=labels, textposition="none", visible=visible,
+            hovertext=[format_bytes(v) for v in band.values],
+            hovertemplate="%{text}<br>" + band.name + ": %{hovertext}<extra></extra>"))
+    # The spike of each phase: from the higher live end of the phase up to its peak, between the snapshots.
+    sx: list[Any] = []
+    sy: list[Any] = []
+    scustom: list[Any] = []
+    stext: list[Any] = []
+    for i, snap in enumerate(snaps):
+        if snap.get("spike"):
+            floor = snap["allocated"] if i == 0 else max(snaps[i - 1]["allocated"], snap["allocated"])
+            x = 0 if i == 0 else i - 0.5
+            sx += [x, x, None]
+            sy += [floor, floor + snap["spike"], None]
+            scustom += [custom[i], custom[i], None]
+            text = f"{labels[i]}<br>spike: {format_bytes(snap['spike'])} (temporaries inside the phase)"
+            stext += [text, text, None]
+    traces.append(go.Scatter(
+        x=sx, y=sy, mode="lines", name=f"{LABELS[SPIKE]} (rank {run.rank})", customdata=scustom, text=stext,
+        line={"color": COLOURS[SPIKE], "width": 9}, visible=visible, hovertemplate="%{text}<extra></extra>"))
+    index = {(s["step"], s["phase"], s.get("micro_step", 0)): i for i, s in enumerate(snaps)}
+    peak_x, peak_y, peak_custom, peak_text = [], [], [], []
+    for step in run.steps:
+        i = index.get((step["step"], step.get("peak_phase"), step.get("peak_micro_step", 0)))
+        if i is not None and step.get("peak") is not None:
+            peak_x.append(i - 0.5 if i else 0)
+            peak_y.append(step["peak"])
+            peak_custom.append([run.rank, step["step"]])
+            peak_text.append(f"step {step['step']} peak {format_bytes(step['peak'])} at {step.get('peak_phase')}"
+                             f" · dominant {step.get('dominant')} · click: its tensors")
+    traces.append(go.Scatter(
+        x=peak_x, y=peak_y, mode="markers", name=f"step peak (rank {run.rank})", customdata=peak_custom,
+        marker={"symbol": "triangle-down", "size": 11, "color": "black"}, text=peak_text, visible=visible,
+        hovertemplate="%{text}<extra></extra>"))
+    return traces
+
+
+def _marks(run: RankTimeline) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Vertical lines and labels: eval/predict loops (after the step they followed), plan/remedy/oom."""
+    snaps = run.snapshots
+    first = {}
+    for i, s in enumerate(snaps):
+        first.setdefault(s["step"], i)
+    shapes, notes = [], []
+    for loop in run.evals:
+        after = [i for i, s in enumerate(snaps) if s["step"] <= (loop.get("step") or 0)]
+        x = (after[-1] + 0.5) if after else -0.5
+        shapes.append({"type": "line", "x0": x, "x1": x, "yref": "paper", "y0": 0, "y1": 1,
+                       "line": {"color": "darkorange", "dash": "dash"}})
+        notes.append({"x": x, "y": loop["peak"], "text": f"{loop.get('stage')} {format_bytes(loop['peak'])}",
+                      "showarrow": False, "font": {"color": "darkorange"}, "yshift": 10})
+    for event in run.events:
+        x = first.get(event.get("step"), 0) if event.get("step") is not None else 0
+        label = str(event.get("event"))
+        if label == "plan" and event.get("micro_batch_size"):
+            label += f": micro-batch {event['micro_batch_size']} × accum {event.get('gradient_accumulation_steps', 1)}"
+        shapes.append({"type": "line", "x0": x - 0.5, "x1": x - 0.5, "yref": "paper", "y0": 0, "y1": 1,
+                       "line": {"color": "purple", "dash": "dot"}})
+        notes.append({"x": x - 0.5, "yref": "paper", "y": 1.0, "text": label, "showarrow": False,
+                      "font": {"color": "purple", "size": 10}, "xanchor": "left"})
+    return shapes, notes
+
+
+def build_figure(runs: list[RankTimeline], budget: int | None = None) -> Any:
+    """The Plotly figure: every rank's traces, the first rank visible, a menu to choose."""
+    import plotly.graph_objects as go
+
+    budget = budget if budget is not None else budget_of(runs)
+    fig = go.Figure()
+    per_rank: list[int] = []
+    for n, run in enumerate(runs):
+        traces = _rank_traces(go, run, visible=n == 0)
+        per_rank.append(len(traces))
+        fig.add_traces(traces)
+    shapes, notes = _marks(runs[0]) if runs else ([], [])
+    if budget:
+        shapes.append({"type": "line", "xref": "paper", "x0": 0, "x1": 1, "y0": budget, "y1": budget,
+                       "line": {"color": "black", "dash": "dash"}})
+        notes.append({"xref": "paper", "x": 1, "y": budget, "text": f"budget {format_bytes(budget)}",
+                      "showarrow": False, "xanchor": "right", "yshift": 8})
+    predicted = next((e.get("predicted_peak") for e in reversed(runs[0].events) if e.get("event") == "plan"), None)
+    if predicted:
+        shapes.append({"type": "line", "xref": "paper", "x0": 0, "x1": 1, "y0": predicted, "y1": predicted,
+                       "line": {"color": "purple", "dash": "dashdot"}})
+    snaps = runs[0].snapshots
+    starts = [(i, s["step"]) for i, s in enumerate(snaps) if s["phase"] == "step_begin"]
+    every = max(1, len(starts) // 20)
+    buttons = []
+    for n, run in enumerate(runs):
+        visible = [m == n for m, count in enumerate(per_rank) for _ in range(count)]
+        buttons.append({"label": f"rank {run.rank}", "method": "update", "args": [{"visible": visible}]})
+    fig.update_layout(
+        title=title_of(runs).replace("\n", "<br><sup>") + ("</sup>" if "\n" in title_of(runs) else ""),
+        barmode="stack", bargap=0.05, shapes=shapes, annotations=notes, hovermode="closest",
+        xaxis={"title": "optimizer step (one bar per phase)", "rangeslider": {"visible": True},
+               "tickvals": [i for i, _ in starts[::every]], "ticktext": [str(step) for _, step in starts[::every]]},
+        yaxis={"title": "bytes", "tickformat": "~s", "rangemode": "tozero"}, height=620,
+        legend={"orientation": "v"},
+        updatemenus=[{"buttons": buttons, "direction": "down", "x": 0, "xanchor": "left", "y": 1.12,
+                      "yanchor": "top", "showactive": True}] if len(runs) > 1 else [],
+    )
+    return fig
+
+
+def peak_data(runs: list[RankTimeline]) -> dict[str, Any]:
+    """``"rank:step"`` -> the step's ``peak_tensors`` record (what a click shows)."""
+    return {f"{run.rank}:{step}": record for run in runs for step, record in run.peak_tensors.items()}
+
+
+def render_page(runs: list[RankTimeline], png_base64: str, steps_tables: list[str], budget: int | None = None) -> str:
+    """The whole page: the chart (Plotly inlined), the click target, the PNG and the steps tables."""
+    fig = build_figure(runs, budget)
+    chart = fig.to_html(full_html=False, include_plotlyjs=True, div_id=CHART_ID, post_script=_CLICK_JS,
+                        config={"displaylogo": False, "responsive": True})
+    data = json.dumps(peak_data(runs)).replace("</", "<\\/")
+    title = html.escape(title_of(runs).replace("\n", " — "))
+    parts = [
+        "<!doctype html><html><head><meta charset='utf-8'>", f"<title>{title}</title>",
+        f"<style>{_STYLE}</style></head><body>",
+        f"<script type='application/json' id='peak-data'>{data}</script>",
+        chart,
+        "<p class='hint'>Hover a bar for its bytes; drag or use the slider to zoom over steps; click a step "
+        "(a bar or its peak ▼) for the tensors alive at its peak, by module and operator.</p>",
+        "<div id='tensors'></div>",
+        "<h2>picture</h2>",
+        f"<img alt='memory per phase' src='data:image/png;base64,{png_base64}'>",
+        *steps_tables,
+        "</body></html>",
+    ]
+    return "\n".join(parts)
+
+
+__all__ = ["CHART_ID", "build_figure", "peak_data", "render_page", "LIVE_CLASSES"]
