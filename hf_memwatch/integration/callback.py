@@ -33,6 +33,7 @@ from ..core.run_config import RunConfig
 from ..core.timeline import TIMELINE_DIRNAME, TimelineWriter
 from ..core.units import format_bytes
 from ..measure.backends import backend_for
+from ..measure.batches import FormedBatches
 from ..measure.distributed import make_monitor
 from ..measure.leaks import HOST_RSS, LeakWatch
 from ..measure.monitor import StepMonitor
@@ -353,6 +354,8 @@ class MemWatch(TrainerCallback, ExportableState):
         # Under DDP/DeepSpeed the monitor also counts the engine's buckets and partitions.
         self.monitor = make_monitor(backend, writer, rank, self.trainer)
         self.monitor.attach(model, kwargs.get("optimizer"))
+        if backend.observes_operators and kwargs.get("train_dataloader") is not None:
+            self.monitor.add_contributor(FormedBatches(kwargs["train_dataloader"]))  # the look-ahead batch
         writer.write(run_meta(model, RunConfig.from_args(args, model)))  # model and batch, for the picture's title and the summary
         if self.record_history:
             start_allocator_history(self.monitor)
