@@ -42,6 +42,7 @@ class Comparison:
     truth: list[int]
     live: list[int]
     estimate: int | None = None
+    losses: tuple[list[float], list[float]] = ([], [])  # unwatched, watched
 
     @property
     def perturbation(self) -> float:
@@ -67,11 +68,12 @@ def _baseline(trainer: Any) -> int:
     return sum(sum(weight_storages(model, None).values()) for model in models)
 
 
-def _profiled(trainer: Any) -> tuple[int, list[int]]:
+def _profiled(trainer: Any) -> tuple[int, list[int], list[float]]:
     baseline = _baseline(trainer)
     with cpu_memory_profile() as prof:
         trainer.train()
-    return window_peak(prof, baseline), step_peaks(prof, baseline)
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    return window_peak(prof, baseline), step_peaks(prof, baseline), losses
 
 
 def compare(build: Builder, name: str = "", *, unwatched: bool = True, with_estimate: bool = False) -> Comparison:
@@ -82,17 +84,19 @@ def compare(build: Builder, name: str = "", *, unwatched: bool = True, with_esti
     with tempfile.TemporaryDirectory() as plain_dir, tempfile.TemporaryDirectory() as watched_dir, \
             warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        without = _profiled(build(plain_dir, [StepMarker()]))[0] if unwatched else None
+        without, plain_losses = None, []
+        if unwatched:
+            without, _, plain_losses = _profiled(build(plain_dir, [StepMarker()]))
         trainer = build(watched_dir, [StepMarker(), MemWatch(detail="full", report=False, summary=False)])
         predicted = None
         if with_estimate:
             from ..estimation.estimate import estimate
 
             predicted = estimate(trainer).peak_bytes
-        watched, truth = _profiled(trainer)
+        watched, truth, losses = _profiled(trainer)
         lines = (Path(watched_dir) / "memwatch" / "timeline.jsonl").read_text().splitlines()
         live = [r["peak"] for r in map(json.loads, filter(str.strip, lines)) if r["event"] == "step"]
-    return Comparison(name, without, watched, truth, live, predicted)
+    return Comparison(name, without, watched, truth, live, predicted, (plain_losses, losses))
 
 
 # -- cases ------------------------------------------------------------------------------------------
@@ -102,7 +106,7 @@ def _args(out: str, config_class: Any = None, **extra: Any) -> Any:
 
     common = dict(output_dir=out, per_device_train_batch_size=4, max_steps=2, logging_steps=1, report_to=[],
                   save_strategy="no", use_cpu=True, disable_tqdm=True, dataloader_num_workers=0, seed=0)
-    return (config_class or TrainingArguments)(**common, **extra)
+    return (config_class or TrainingArguments)(**{**common, **extra})
 
 
 def _trainer(model: Any, dataset: Any, **extra: Any) -> Builder:
