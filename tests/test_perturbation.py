@@ -32,9 +32,9 @@ def test_profiler_peak_is_the_same_with_memwatch_attached_and_the_estimate_predi
         assert abs(result.estimate_error) <= 0.005, (result.estimate, result.without)
 
 
-@pytest.mark.parametrize("family", ["qwen2", "mixtral", "deberta_v2"])
+@pytest.mark.parametrize("family", ["qwen2", "deberta_v2"])
 def test_families_allocate_the_same_watched(family):
-    # one decoder, one mixture of experts, one encoder of the accuracy suite's families
+    # one decoder, one encoder of the accuracy suite's families (every family: benchmarks/perturbation.py)
     result = compare(family_case(family), family)
     assert abs(result.perturbation) <= 0.005, (result.without, result.watched)
     assert result.losses[0] == result.losses[1]
