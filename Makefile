@@ -41,6 +41,7 @@ bench: venv
 	$(PY) benchmarks/autotune.py
 	$(PY) benchmarks/lengths.py --out benchmarks/results/lengths.md
 	$(PY) benchmarks/eval_accuracy.py
+	$(PY) benchmarks/perturbation.py
 
 gpu-check: venv
 	$(PY) benchmarks/gpu_check.py --out benchmarks/results/gpu

@@ -35,6 +35,7 @@ from ..core.run_config import RunConfig
 from ..core.timeline import TIMELINE_DIRNAME, TimelineWriter
 from ..core.units import format_bytes
 from ..measure.backends import backend_for
+from ..measure.batches import FormedBatches
 from ..measure.distributed import make_monitor
 from ..measure.leaks import HOST_RSS, LeakWatch
 from ..measure.monitor import StepMonitor
@@ -365,6 +366,8 @@ class MemWatch(TrainerCallback, ExportableState):
         self.monitor.peaks.set_top(self.top_tensors)
         self.monitor.peaks.history = self.record_history
         self.monitor.attach(model, kwargs.get("optimizer"))
+        if backend.observes_operators and kwargs.get("train_dataloader") is not None:
+            self.monitor.add_contributor(FormedBatches(kwargs["train_dataloader"]))  # the look-ahead batch
         writer.write(run_meta(model, RunConfig.from_args(args, model)))  # model and batch, for the picture's title and the summary
         if self.record_history:
             start_allocator_history(self.monitor)

@@ -149,6 +149,8 @@ class StepMonitor:
 
     def close(self) -> None:
         self.stop_tracking()
+        for contributor in self.contributors:  # what a contributor installed (a collator wrapper) goes
+            getattr(contributor, "close", lambda: None)()
         if self.writer is not None:
             self.writer.close()
 

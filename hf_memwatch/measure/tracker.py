@@ -4,7 +4,9 @@ PyTorch's CPU allocator has no ``memory_allocated()``. :class:`StorageTracker` i
 ``TorchDispatchMode`` that sees every tensor an operator returns, registers each new storage with a
 weak reference, and drops it when the storage dies: a live byte count and its peak, as the allocator
 would report them. It only observes (``func`` runs unchanged, another library's Python kernel under
-its caller's autocast: :func:`run_as_called`) so numerics are untouched, and it nests
+its caller's autocast: :func:`run_as_called`, the two operators whose C++ callers branch on "a
+dispatch mode is active" as unobserved: :mod:`~hf_memwatch.measure.unperturbed`) so numerics and
+bytes are untouched, and it nests
 with other dispatch modes and with ``torch.profiler``. Under ``FakeTensorMode`` the same tracker
 measures a step without allocating it, which is how the estimator works.
 """
@@ -22,6 +24,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .storage import plain_tensors
+from .unperturbed import OPERATORS as _UNPERTURBED
+from .unperturbed import prepare as _prepare_unperturbed
+from .unperturbed import run_unperturbed
 
 # Operator namespaces whose kernels are PyTorch's own: they run alike in a dispatch mode or not.
 _BUILT_IN_NAMESPACES = frozenset({"aten", "prim", "prims"})
@@ -232,7 +237,11 @@ class StorageTracker(TorchDispatchMode):
 
     # -- dispatch ---------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if getattr(func, "namespace", "aten") in _BUILT_IN_NAMESPACES:  # (a wrapper of ours: plain)
+        if func in _UNPERTURBED:  # kernels a mode would change: as they run unobserved
+            out = run_unperturbed(func, args, kwargs or {})
+            if out is None:
+                out = func(*args, **(kwargs or {}))
+        elif getattr(func, "namespace", "aten") in _BUILT_IN_NAMESPACES:  # (a wrapper of ours: plain)
             out = func(*args, **(kwargs or {}))
         else:
             out = run_as_called(func, args, kwargs or {})
@@ -255,6 +264,10 @@ class StorageTracker(TorchDispatchMode):
         else:
             for plain in plain_tensors(tensor):
                 self._track_plain(plain)
+
+    def __enter__(self) -> StorageTracker:
+        _prepare_unperturbed()  # once per process, before any operator is handled
+        return super().__enter__()
 
     # The mode is entered and left from different Trainer events, not in one ``with`` block.
     def start(self) -> None:
