@@ -121,7 +121,9 @@ class RunConfig:
             prediction_loss_only=bool(getattr(args, "prediction_loss_only", False)),
             auto_find_batch_size=bool(getattr(args, "auto_find_batch_size", False)),
             max_length=_positive_int(getattr(args, "max_length", None) or getattr(args, "max_seq_length", None)),
-            group_by_length=bool(getattr(args, "group_by_length", False)),
+            group_by_length=bool(getattr(args, "group_by_length", False))  # transformers 4.x; 5.x: the strategy
+            or str(getattr(getattr(args, "train_sampling_strategy", None), "value",
+                           getattr(args, "train_sampling_strategy", None))) == "group_by_length",
             padding_free=getattr(args, "padding_free", None),
             packing=bool(getattr(args, "packing", False)),
             predict_with_generate=bool(getattr(args, "predict_with_generate", False)),
