@@ -61,7 +61,7 @@ def test_qlora_estimate_matches_the_profiler(llama_checkpoint: Path, capsys: Any
     quant = QuantSpec(bits=4, quant_type="nf4", double_quant=True)
     argv = ["estimate", str(llama_checkpoint), "--batch-size", "2", "--seq-len", "16", "--precision", "bf16",
             "--lora-r", "8", "--lora-alpha", "16", "--lora-targets", "all-linear", "--json", "--load-in-4bit",
-            "--double-quant"]
+            "--double-quant", "--no-checkpointing"]  # the base below is prepared without checkpointing
     assert main(argv) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["config"]["quantization"] == {"bits": 4, "quant_type": "nf4", "double_quant": True,
@@ -88,6 +88,30 @@ def test_qlora_estimate_matches_the_profiler(llama_checkpoint: Path, capsys: Any
     assert data["details"]["weights"]["frozen"] == data["classes"]["weights"] - 4 * trainable
     truth = trainer_peak(model, task="causal-lm", batch_size=2, seq_len=16, precision="bf16")
     assert abs(data["peak_bytes"] - truth) <= 0.005 * truth, (data["peak_bytes"], truth)
+
+
+def test_the_cli_quantized_path_checkpoints_as_prepare_model_for_kbit_training(llama_checkpoint: Path,
+                                                                               capsys: Any) -> None:
+    """Without --checkpointing/--no-checkpointing, ``--load-in-4bit`` estimates the base as PEFT prepares
+    it by default (checkpointing on), against the profiler's peak of that run."""
+    from peft import get_peft_model, prepare_model_for_kbit_training
+    from transformers import AutoModelForCausalLM
+
+    argv = ["estimate", str(llama_checkpoint), "--batch-size", "2", "--seq-len", "64", "--precision", "bf16",
+            "--lora-r", "8", "--lora-alpha", "16", "--lora-targets", "all-linear", "--json", "--load-in-4bit"]
+    peaks = {}
+    for extra in ([], ["--checkpointing"], ["--no-checkpointing"]):
+        assert main([*argv, *extra]) == 0
+        data = json.loads(capsys.readouterr().out)
+        peaks[" ".join(extra)] = data["peak_bytes"]
+        assert data["config"]["checkpointing"] is (extra != ["--no-checkpointing"])
+    assert peaks[""] == peaks["--checkpointing"] < peaks["--no-checkpointing"]
+    quant = QuantSpec(bits=4)
+    base = AutoModelForCausalLM.from_pretrained(llama_checkpoint, quantization_config=quant.bnb_config(),
+                                                device_map="cpu")
+    model = get_peft_model(prepare_model_for_kbit_training(base), LORA.peft_config("causal-lm"))
+    truth = trainer_peak(model, task="causal-lm", batch_size=2, seq_len=64, precision="bf16")
+    assert 0.99 * truth <= peaks[""] <= 1.03 * truth, (peaks, truth)
 
 
 @pytest.mark.parametrize(("flags", "message"), [

@@ -55,7 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="fp32, or bf16/fp16 mixed precision as the Trainer runs it")
     parser.add_argument("--optim", default="adamw_torch",
                         help=f"TrainingArguments.optim name: {', '.join(SUPPORTED_OPTIMS)}")
-    parser.add_argument("--checkpointing", action="store_true", help="activation (gradient) checkpointing")
+    parser.add_argument("--checkpointing", action=argparse.BooleanOptionalAction, default=None,
+                        help="activation (gradient) checkpointing (default: off; on with --load-in-4bit/--load-in-8bit, "
+                             "as prepare_model_for_kbit_training turns it on: --no-checkpointing for without)")
     parser.add_argument("--accum", type=int, default=1, help="gradient accumulation steps (default 1)")
     parser.add_argument("--device", choices=DEVICES, default="cpu", help="the target device (default cpu)")
     parser.add_argument("--budget", default=None, help="memory budget per device, e.g. 24GiB")
@@ -180,10 +182,20 @@ def quantization(args: argparse.Namespace) -> Any:
                      compute_dtype=args.bnb_4bit_compute_dtype or "fp32")
 
 
+def checkpointing_of(args: argparse.Namespace) -> bool:
+    """``--checkpointing``/``--no-checkpointing`` when given; otherwise on for a quantized base, as
+    PEFT's ``prepare_model_for_kbit_training`` (``use_gradient_checkpointing=True`` by default) leaves it
+    (measured, tiny 4-bit Llama + LoRA, bf16, 2 x 64 tokens, tests/test_qlora.py: the prepared run peaks at
+    2,540,492 B; estimated -0.32% with checkpointing, +33.14% without)."""
+    if args.checkpointing is not None:
+        return bool(args.checkpointing)
+    return bool(getattr(args, "load_in_4bit", False) or getattr(args, "load_in_8bit", False))
+
+
 def _run_config(args: argparse.Namespace) -> RunConfig:
     """The command's configuration as the planning core's :class:`RunConfig`."""
     return RunConfig(
-        micro_batch_size=args.batch_size, gradient_accumulation_steps=args.accum, checkpointing=args.checkpointing,
+        micro_batch_size=args.batch_size, gradient_accumulation_steps=args.accum, checkpointing=checkpointing_of(args),
         optim=args.optim, precision=args.precision, device=args.device, world_size=args.world_size,
         shard=args.shard, seq_len=args.seq_len, task=args.task, seq2seq_target_len=args.target_len,
         engine=deepspeed_engine(args),
@@ -270,6 +282,9 @@ def run(args: argparse.Namespace) -> int:
         result = estimate(args.model, budget=budget, **_run_config(args).estimate_kwargs(), **peft_kwargs(args),
                           **eval_kwargs(args), top_tensors=max(args.top, 0))
         payload = result.to_dict()
+        if args.checkpointing is None and checkpointing_of(args):
+            payload["notes"] = [*payload.get("notes", []), "activation checkpointing on, as "
+                                "prepare_model_for_kbit_training turns it on for a quantized base (--no-checkpointing: off)"]
         # Savings that change what is computed (a fused loss, no reference model): shown, never planned.
         payload["advice"] = [item.as_dict() for item in advice(
             _run_config(args), result.frozen_models, logits_bytes(result), result.peak_bytes)]

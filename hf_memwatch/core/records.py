@@ -86,7 +86,8 @@ class _PlanRequired(TypedDict):
 
 class PlanRecord(_PlanRequired, total=False):
     """The auto mode's plan (also the callback's saved state). ``status`` is ``"failed"`` when planning
-    failed and the run goes on as configured; ``configured`` is the configuration it was made for;
+    failed and the run goes on as configured (only with ``allow_over_budget``; ``"over_budget"`` when it
+    is predicted or measured over the budget); ``configured`` is the configuration it was made for;
     ``sample`` the sample it planned for (the longest batch of the whole dataset: its index, length,
     how it was found); ``budget_bound_by`` the real limit the default budget was taken from; ``margin``
     the planning margin in force (``budget / (1 + margin)`` is planned against) and ``margin_source``
@@ -106,6 +107,8 @@ class PlanRecord(_PlanRequired, total=False):
     advice: list[dict[str, Any]]  # catalogue.Advice.as_dict(): name, saving (bytes), how; never applied
     eval_predicted_peak: Bytes
     eval_reason: str
+    source: str  # "predicted" (the estimator replayed the step), "measured" (micro-steps measured live), "none"
+    measurements: list[dict[str, Any]]  # measured: micro_batch_size, activation_checkpointing, peak, before
 
 
 class _EvalRequired(TypedDict):

@@ -65,6 +65,8 @@ class RunConfig:
     # TRL preference trainers (DPO): the config's precompute_ref_log_probs; None: no such option
     precompute_ref_log_probs: bool | None = None
     peft_model: bool = False  # the trained model is a PEFT model (adapters trained, base frozen)
+    # why the trainer fixed something from the micro-batch at __init__ (None: nothing): no plan changes it
+    micro_batch_fixed: str | None = None
     # share of the predicted peak the optimizer states take (None: not predicted yet)
     optimizer_state_share: float | None = None
     # the engine as accelerate builds it (core/engine.py); None: given by plain values (world_size, shard)
@@ -126,7 +128,9 @@ class RunConfig:
             prediction_loss_only=bool(getattr(args, "prediction_loss_only", False)),
             auto_find_batch_size=bool(getattr(args, "auto_find_batch_size", False)),
             max_length=_positive_int(getattr(args, "max_length", None) or getattr(args, "max_seq_length", None)),
-            group_by_length=bool(getattr(args, "group_by_length", False)),
+            group_by_length=bool(getattr(args, "group_by_length", False))  # transformers 4.x; 5.x: the strategy
+            or str(getattr(getattr(args, "train_sampling_strategy", None), "value",
+                           getattr(args, "train_sampling_strategy", None))) == "group_by_length",
             padding_free=getattr(args, "padding_free", None),
             packing=bool(getattr(args, "packing", False)),
             predict_with_generate=bool(getattr(args, "predict_with_generate", False)),
@@ -142,7 +146,24 @@ class RunConfig:
         """The configuration ``trainer`` will train with (arguments + the live model's state)."""
         run = cls.from_args(trainer.args, trainer.model, seq_len, getattr(trainer, "accelerator", None))
         custom = getattr(trainer, "optimizer", None) is not None or getattr(trainer, "optimizer_cls_and_kwargs", None)
-        return run.replace(custom_optimizer=bool(custom))
+        return run.replace(custom_optimizer=bool(custom), micro_batch_fixed=micro_batch_fixed_reason(trainer))
+
+
+def micro_batch_fixed_reason(trainer: Any) -> str | None:
+    """Why ``trainer`` fixed part of its training from ``per_device_train_batch_size`` at ``__init__``
+    (None: it reads the micro-batch only when ``train()`` builds the loop), so that another micro-batch
+    would train something else than the run as configured.
+
+    TRL's KTOTrainer with a KL term pairs each prompt with the completion of its neighbour within
+    dataset batches of ``per_device_train_batch_size`` (``KL_completion_ids``, mapped at ``__init__``):
+    with micro-batch 2 instead of 4 the KL estimate is made from other pairs (measured on a tiny Llama,
+    tests/test_kto_auto.py: step-1 grad norm 1.1859783 at 2 x 2 against 1.1860000 at 4 x 1).
+    """
+    if getattr(trainer, "calculate_KL", False) and any(c.__name__ == "KTOTrainer" for c in type(trainer).__mro__):
+        return (f"{type(trainer).__name__} paired its KL completions within batches of per_device_train_batch_size="
+                f"{trainer.args.per_device_train_batch_size} when it was built: another micro-batch would change the "
+                "KL term it trains on")
+    return None
 
 
 def generation_kwargs(run: RunConfig) -> dict[str, Any]:

@@ -249,9 +249,35 @@ def collate(trainer: Any, items: list[Any]) -> dict[str, Any]:
     return collator(items)
 
 
+def longest_indices(dataset: Any, k: int, limit: int | None = None) -> list[int]:
+    """Indices of the ``k`` longest of the first ``limit`` (:data:`SCAN_ITEMS`) items, longest first."""
+    limit = SCAN_ITEMS if limit is None else limit
+    lengths = [(sequence_length(dataset[index]), -index) for index in range(min(len(dataset), limit))]
+    return [-negative for _, negative in sorted(lengths, reverse=True)[:k]]
+
+
+def distinct_batch_reason(trainer: Any) -> str | None:
+    """Why the worst micro-batch is the ``k`` longest *distinct* samples, not ``k`` copies of the longest
+    (None: copies). A padding-free collator (``DataCollatorWithFlattening``, TRL's ``padding_free``)
+    puts the micro-batch in one row: copies would count ``k`` x the longest tokens, more than any batch
+    it forms. The length-grouped sampler (``group_by_length``) batches the longest samples together: its
+    longest batch is padded to the longest, with padding where lengths differ (a padding mask, which
+    copies never have)."""
+    collator = getattr(trainer, "data_collator", None)
+    if getattr(collator, "padding_free", False) or type(collator).__name__ == "DataCollatorWithFlattening":
+        return "padding-free collator: the micro-batch's samples in one row"
+    args = getattr(trainer, "args", None)
+    strategy = getattr(args, "train_sampling_strategy", None)
+    if getattr(args, "group_by_length", False) or str(getattr(strategy, "value", strategy)) == "group_by_length":
+        return "group_by_length: the length-grouped sampler batches the longest samples together"
+    return None
+
+
 def worst_case_batch(trainer: Any, batch_size: int, sample_index: int | None = None
                      ) -> tuple[dict[str, Any] | list[Any] | None, int | None, str]:
-    """(batch of ``batch_size`` copies of the longest sample, its sequence length, note).
+    """(batch of ``batch_size`` copies of the longest sample — or, where the batches the sampler and
+    collator form say so (:func:`distinct_batch_reason`), the ``batch_size`` longest samples — its
+    sequence length, note).
 
     The batch is a dict, or a list where the collator returns one (GRPO's and RLOO's hand the
     samples to the step, which tokenizes and generates). It is None for one-pass datasets (never
@@ -264,6 +290,14 @@ def worst_case_batch(trainer: Any, batch_size: int, sample_index: int | None = N
         return None, None, "one-pass (iterable) dataset, not read: synthetic batches at the longest length allowed"
     if len(dataset) == 0:
         return None, None, "empty training dataset: synthetic batches"
+    why = distinct_batch_reason(trainer)
+    if why is not None and batch_size > 1:
+        indices = longest_indices(dataset, batch_size)
+        batch = collate(trainer, [copy.deepcopy(dataset[index]) for index in indices])
+        length = max((sequence_length_of_value(k, v) for k, v in batch.items()), default=0) or None
+        tokens = sum(sequence_length(dataset[index]) for index in indices)
+        return dict(batch), length, (f"worst case: the {len(indices)} longest samples {indices} ({tokens} tokens "
+                                     f"before padding) as collated; {why}")
     if sample_index is None:
         sample_index, _ = longest_index(dataset)
     item = dataset[sample_index]

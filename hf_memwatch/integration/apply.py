@@ -48,13 +48,16 @@ def enable_checkpointing_now(trainer: Any) -> None:
     target = getattr(trainer.model, "module", trainer.model)  # DDP / accelerate wrappers
     kwargs = dict(getattr(args, "activation_checkpointing_kwargs", None)
                   or getattr(args, "gradient_checkpointing_kwargs", None) or {})
-    kwargs.pop("every_n_layers", None)
-    kwargs.pop("offload", None)
+    layout = {}
+    if (every := kwargs.pop("every_n_layers", 1)) != 1:
+        layout["every_n_layers"] = every  # the layers the run checkpoints, as train() would
+    if kwargs.pop("offload", False):
+        layout["offload"] = True
     kwargs.setdefault("use_reentrant", False)  # works with frozen inputs (PEFT) too
     if hasattr(target, "activation_checkpointing_enable"):
-        target.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        target.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, **layout)
     else:
-        target.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        target.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs, **layout)
 
 
 def apply_eval_plan(trainer: Any, record: dict[str, Any]) -> None:

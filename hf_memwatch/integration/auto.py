@@ -112,6 +112,7 @@ def plan_record(result: PlanResult, run: RunConfig, budget: Budget, sample: dict
         "reason": chosen.reason,
         "configured": {name: getattr(run, name) for name in CONFIGURED_FIELDS},
         "sample": sample,
+        "source": "predicted",
     }
 
 
@@ -133,8 +134,10 @@ class AutoMode:
     ``plan`` (a dict, the ``plan`` event) survives in the callback's saved state.
     """
 
-    def __init__(self, budget: BudgetSpec, record: Callable[[dict[str, Any]], None]) -> None:
+    def __init__(self, budget: BudgetSpec, record: Callable[[dict[str, Any]], None], *,
+                 allow_over_budget: bool = False) -> None:
         self.budget_spec = budget
+        self.allow_over_budget = allow_over_budget  # nothing fits: train as configured with an ERROR line
         self.record = record  # writes a timeline record and the callback state
         self.budget: Budget | None = None
         self.plan: dict[str, Any] | None = None
@@ -164,11 +167,16 @@ class AutoMode:
             resume = kwargs.get("resume_from_checkpoint", args[0] if args else None)
             rng = RngStates.capture()  # planning leaves no trace: the run draws what it would have drawn
             try:
-                self.before_train(trainer, resume)
-            except (PlanError, MemWatchConfigError):
-                raise  # the run cannot fit, or was misconfigured: stop before training
-            except Exception as exc:  # noqa: BLE001 - a fault of ours must never kill the run
-                self._planning_failed(trainer, exc)
+                try:
+                    self.before_train(trainer, resume)
+                except (PlanError, MemWatchConfigError):
+                    raise  # the run cannot fit, or was misconfigured: stop before training
+                except Exception as exc:  # noqa: BLE001 - not predicted: measured (integration/measured.py)
+                    self._planning_failed(trainer, exc)
+            except PlanError as exc:
+                if not self.allow_over_budget:
+                    raise
+                self._train_over_budget(trainer, exc)
             finally:
                 rng.restore()
             return self._train_with_safety_net(trainer, original, resume, args, kwargs)
@@ -194,7 +202,7 @@ class AutoMode:
                 rng.restore()
 
     def _recoverable(self, trainer: Any, exc: BaseException, resume: Any) -> bool:
-        return (is_oom_error(exc) and self.plan is not None and self.plan.get("status") != "failed"
+        return (is_oom_error(exc) and self.plan is not None and self.plan.get("status") not in ("failed", "over_budget")
                 and resume in (None, False) and int(trainer.state.global_step) == 0
                 and len(self.recoveries) < MAX_RECOVERIES and not self._custom_optimizer)
 
@@ -243,19 +251,50 @@ class AutoMode:
             )
 
     def _planning_failed(self, trainer: Any, exc: BaseException) -> None:
-        """One warning that says what the run does instead, and a ``plan`` record with the reason."""
-        reason = (f"planning failed ({type(exc).__name__}: {exc}); training as configured, "
-                  "with monitoring but no plan")
-        logger.warning("hf-memwatch: auto mode %s", reason)
+        """The estimator could not predict the run: plan it from micro-steps measured live
+        (:mod:`hf_memwatch.integration.measured`). Where even that fails, the run is not known to fit:
+        :class:`PlanError` (stop before training), or with ``allow_over_budget`` an ERROR line."""
+        from .measured import over_budget_error, plan_by_measuring
+
+        if self.budget is None:
+            raise over_budget_error(f"hf-memwatch: the auto mode could not plan this run ({type(exc).__name__}: "
+                                    f"{exc}) nor resolve its budget; it would train unprotected.", None, None) from exc
+        try:
+            run = RunConfig.from_trainer(trainer)
+            result, predictor, fields = plan_by_measuring(trainer, run, self.budget.usable, exc)
+        except PlanError:
+            raise
+        except Exception as measuring:  # noqa: BLE001 - said, and the run stops unless asked otherwise
+            raise over_budget_error(
+                f"hf-memwatch: the auto mode could neither predict this run ({type(exc).__name__}: {exc}) nor measure "
+                f"its micro-steps ({type(measuring).__name__}: {measuring}); it is not known to fit the budget "
+                f"{self.budget.describe()}. Pass MemWatch(auto=True, allow_over_budget=True) to train as configured "
+                "anyway.", None, self.budget.usable) from measuring
+        record = dict(plan_record(result, run, self.budget, None), **fields)
+        record = agree(record, int(result.given.predicted_peak or 0) - self.budget.usable)
+        self.predictor = predictor  # answers from its measurements only (frozen)
+        self.plan_changed_the_run = result.chosen is not None and result.chosen.key() != result.given.key()
+        apply_plan(trainer, Plan.from_dict(record))
+        self.plan = record
+        logger.warning("hf-memwatch plan: %s", record["reason"])
+        self.record(record)
+        self._start_measuring(trainer)
+
+    def _train_over_budget(self, trainer: Any, exc: PlanError) -> None:
+        """``allow_over_budget``: the run goes on as configured, with an ERROR line that says how far over."""
+        need, limit = getattr(exc, "need", None), getattr(exc, "budget", None)
+        over = (f"{format_bytes(need - limit)} ({(need - limit) / limit:.1%}) over the budget {format_bytes(limit)}"
+                if need is not None and limit else "by an unknown amount over the budget (not predicted, not measured)")
+        reason = f"training as configured, {over} (allow_over_budget=True): {exc}"
+        logger.error("hf-memwatch: %s", reason)
         run = RunConfig.from_args(trainer.args)
-        # Kept as the plan in force (status "failed": nothing applied), so the timeline started at
-        # train begin carries it too.
         self.plan = {
-            "event": "plan", "status": "failed",
+            "event": "plan", "status": "over_budget" if need is not None else "failed",
             "micro_batch_size": run.micro_batch_size,
             "gradient_accumulation_steps": run.gradient_accumulation_steps,
-            "activation_checkpointing": None, "optim": None, "predicted_peak": None,
+            "activation_checkpointing": None, "optim": None, "predicted_peak": None if need is None else int(need),
             "budget": None if self.budget is None else int(self.budget.total), "reason": reason,
+            "source": "measured" if "measured live" in str(exc) else "predicted" if need is not None else "none",
         }
         self.record(self.plan)
 
@@ -354,12 +393,13 @@ class AutoMode:
         started = time.perf_counter()
         weights = sum(weight_storages(trainer.model, torch.device(trainer.args.device)).values())
         if weights >= budget.usable:
-            raise PlanError(
+            from .measured import over_budget_error
+
+            raise over_budget_error(
                 f"hf-memwatch: the budget {budget.describe()} is below what the weights alone need "
                 f"({format_bytes(weights)}): {format_bytes(weights - budget.usable)} missing. No remedy here "
                 "(accumulation, activation checkpointing, 8-bit AdamW) reduces weight memory; raise the budget, "
-                "use a smaller model, lower precision or sharding."
-            )
+                "use a smaller model, lower precision or sharding.", weights, budget.usable)
         worst = worst_batch_of(trainer, run)
         predictor = EstimatorPredictor(trainer, run, sample_index=worst.index if worst is not None else None)
         self.predictor = predictor
@@ -375,7 +415,10 @@ class AutoMode:
         self.planning_seconds = time.perf_counter() - started
         self.plan_changed_the_run = result.chosen is not None and result.chosen.key() != result.given.key()
         if result.chosen is None:
-            raise PlanError(no_fit_message(result, budget.describe()))
+            from .measured import over_budget_error
+
+            raise over_budget_error(no_fit_message(result, budget.describe()), result.best_effort().predicted_peak,
+                                    budget.usable)
         if result.chosen.key() != result.given.key():
             for name, why in result.unavailable.items():
                 logger.warning("hf-memwatch: remedy %s unavailable: %s", name, why)

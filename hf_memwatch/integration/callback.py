@@ -136,6 +136,9 @@ class MemWatch(TrainerCallback, ExportableState):
             what this process may use.
         top_tensors: storages listed in each full step's ``peak_tensors`` record (the largest alive at
             the step's peak, with the bytes by module and operator; 0: none, no census kept).
+        allow_over_budget: with ``auto``, a run that no plan is predicted or measured to fit (or that
+            could be neither predicted nor measured) trains as configured with an ERROR line saying how
+            far over it is, instead of stopping before training (:class:`PlanError`, the default).
 
     Usage:
         >>> trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[MemWatch()])  # doctest: +SKIP
@@ -155,6 +158,7 @@ class MemWatch(TrainerCallback, ExportableState):
         auto: bool = False,
         budget: int | float | str | None = None,
         top_tensors: int = DEFAULT_TOP,
+        allow_over_budget: bool = False,
     ) -> None:
         if detail not in ("auto", "full", "light"):
             raise MemWatchConfigError(f"MemWatch(detail=...) must be 'auto', 'full' or 'light'; got {detail!r}")
@@ -197,8 +201,10 @@ class MemWatch(TrainerCallback, ExportableState):
         if not isinstance(auto, bool):
             raise MemWatchConfigError(f"MemWatch(auto=...) must be True or False; got {auto!r}")
         validate_budget(budget)
+        if not isinstance(allow_over_budget, bool):
+            raise MemWatchConfigError(f"MemWatch(allow_over_budget=...) must be True or False; got {allow_over_budget!r}")
         self.auto, self.budget = auto, budget
-        self._auto = AutoMode(budget, self._record_plan) if auto else None
+        self._auto = AutoMode(budget, self._record_plan, allow_over_budget=allow_over_budget) if auto else None
 
     # -- plumbing ---------------------------------------------------------------------------
     @property
@@ -327,6 +333,7 @@ class MemWatch(TrainerCallback, ExportableState):
             "args": {
                 "detail": self.detail, "full_steps": self.full_steps, "output_dir": self.output_dir,
                 "auto": self.auto, "budget": self.budget,
+                **({"allow_over_budget": True} if self._auto is not None and self._auto.allow_over_budget else {}),
                 "scalars": self.scalars, "report": self.report, "summary": self.summary,
                 "oom_report": self.oom_report, "record_history": self.record_history,
                 "top_tensors": self.top_tensors,

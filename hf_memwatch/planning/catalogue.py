@@ -85,7 +85,11 @@ class Remedy:
 
 
 def _accumulation_options(run: RunConfig) -> list[int]:
-    return divisors(run.effective_batch)
+    return [run.micro_batch_size] if run.micro_batch_fixed else divisors(run.effective_batch)
+
+
+def _accumulation_unavailable(run: RunConfig) -> str | None:
+    return run.micro_batch_fixed
 
 
 def _checkpointing_unavailable(run: RunConfig) -> str | None:
@@ -121,7 +125,7 @@ def _eight_bit_options(run: RunConfig) -> list[str]:
     return [run.optim, eight_bit_optim(run.device)]
 
 
-ACCUMULATION = Remedy("gradient accumulation", "micro_batch_size", lambda run: None, _accumulation_options)
+ACCUMULATION = Remedy("gradient accumulation", "micro_batch_size", _accumulation_unavailable, _accumulation_options)
 CHECKPOINTING = Remedy("activation checkpointing", "activation_checkpointing", _checkpointing_unavailable,
                        _checkpointing_options)
 EIGHT_BIT_ADAMW = Remedy("8-bit AdamW", "optim", _eight_bit_unavailable, _eight_bit_options)
