@@ -1,8 +1,8 @@
 """OOM post-mortem: ``memwatch/oom_report.md`` written before an out-of-memory error leaves ``train()``.
 
-:func:`install_oom_guard` wraps the Trainer instance's ``train`` (whatever it is at the time, so it
-composes with other wrappers). On an OOM the report is written and the *same* exception object is
-re-raised with a bare ``raise``: the user's traceback is the original one. The report says at which
+:mod:`hf_memwatch.integration.patches` guards the Trainer instance's ``train``. On an OOM the report
+is written and the *same* exception object is re-raised with a bare ``raise``: the user's traceback
+is the original one (the tracker's frames around the failing operator spliced out). The report says at which
 step and phase the run died, what was live at the last snapshot, and which remedy would have saved
 how much, from :func:`hf_memwatch.estimation.estimate.estimate` when that module is importable.
 
@@ -18,14 +18,13 @@ import logging
 import os
 import re
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..core.categories import LIVE_CLASSES
-from ..core.errors import is_oom_error
 from ..core.run_config import RunConfig, is_peft_model
 from ..core.units import format_bytes
 from ..measure.footprint import advice_from_stats, allocator_settings
@@ -47,36 +46,14 @@ PHASE_IN_PROGRESS = {
 }
 
 
-# -- installing --------------------------------------------------------------------------------
-def install_oom_guard(trainer: Any, on_oom: Callable[[BaseException], None]) -> bool:
-    """Wrap ``trainer.train`` so that ``on_oom(exc)`` runs before an OOM propagates, unchanged.
+# -- installing ---------------------------------------------------------------------------------
+def prepare_post_mortem() -> None:
+    """Import the estimator now: at the OOM there may be no memory left to import with.
 
-    ``on_oom`` faults are logged, never raised: the user sees their own exception. Installs once
-    per trainer; returns False when it already was installed.
+    The guard that calls :func:`write_oom_report` wraps ``train`` in
+    :mod:`hf_memwatch.integration.patches` and re-raises the same exception object.
     """
-    current = trainer.train
-    if getattr(current, _WRAPPED_MARK, False):
-        current._memwatch_source[0] = on_oom  # a callback rebuilt from checkpoint state takes over
-        return False
-    source = [on_oom]
-    _load_estimator()  # import now: at the OOM there may be no memory left to import with
-
-    @functools.wraps(current)
-    def train(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return current(*args, **kwargs)
-        except BaseException as exc:
-            if is_oom_error(exc):
-                try:
-                    source[0](exc)
-                except Exception as inner:  # noqa: BLE001 - the user's OOM matters, not ours
-                    logger.warning("hf-memwatch: OOM report failed (%s: %s)", type(inner).__name__, inner)
-            raise
-
-    setattr(train, _WRAPPED_MARK, True)
-    train._memwatch_source = source  # type: ignore[attr-defined]
-    trainer.train = train
-    return True
+    _load_estimator()
 
 
 def start_allocator_history(monitor: Any, max_entries: int = 100_000) -> bool:
