@@ -65,6 +65,27 @@ Detail = Literal["auto", "full", "light"]
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
+_KEYWORDS = ("detail", "full_steps", "output_dir", "scalars", "report", "summary", "oom_report",
+             "record_history", "auto", "budget")
+
+
+def unknown_keywords(owner: str, unknown: dict[str, Any], known: tuple[str, ...]) -> str:
+    """One line naming the unknown keywords, the closest known name of each, and the known ones.
+
+    Example:
+        >>> unknown_keywords("MemWatch", {"budjet": 1}, ("auto", "budget"))
+        "MemWatch() got an unknown keyword 'budjet' (did you mean 'budget'?); it takes: auto, budget"
+    """
+    import difflib
+
+    names = []
+    for name in sorted(unknown):
+        close = difflib.get_close_matches(name, known, n=1)
+        names.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    plural = "s" if len(names) > 1 else ""
+    return f"{owner}() got an unknown keyword{plural} {', '.join(names)}; it takes: {', '.join(known)}"
+
+
 def _guarded(method: _F) -> _F:
     """Run a monitoring handler so that no fault of ours can kill the training run."""
 
@@ -148,7 +169,10 @@ class MemWatch(TrainerCallback, ExportableState):
         record_history: bool = False,
         auto: bool = False,
         budget: int | float | str | None = None,
+        **unknown: Any,
     ) -> None:
+        if unknown:
+            raise MemWatchConfigError(unknown_keywords("MemWatch", unknown, _KEYWORDS))
         if detail not in ("auto", "full", "light"):
             raise MemWatchConfigError(f"MemWatch(detail=...) must be 'auto', 'full' or 'light'; got {detail!r}")
         if isinstance(full_steps, bool) or not isinstance(full_steps, int) or full_steps < 1:
