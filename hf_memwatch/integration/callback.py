@@ -58,6 +58,7 @@ from .auto import AutoMode
 from .compiled import hook_target, hooks_for, runs_compiled, tracing
 from .eval_watch import container_tensors, decoding_step, held_tensors
 from .patches import install_entry_points, patches_of, remove_patches
+from .trials import TrialPeaks, trial_name
 
 logger = logging.getLogger("hf_memwatch")
 
@@ -209,7 +210,9 @@ class MemWatch(TrainerCallback, ExportableState):
         self._eval_oom_reported: BaseException | None = None  # an OOM an eval loop already reported
         self._history_started = False  # we started CUDA allocator history (and stop only that)
         self._late_run = False  # added by add_callback mid-construction: the run ends at train end
-        self._trial: Any = None  # the hyperparameter_search trial of the run in progress
+        self._trial_name: str | None = None  # the hyperparameter_search trial of the run in progress
+        self._run_peak: int | None = None  # the highest step peak of the train() call in progress
+        self.trials = TrialPeaks()
         self.leaks = LeakWatch()
         if not isinstance(auto, bool):
             raise MemWatchConfigError(f"MemWatch(auto=...) must be True or False; got {auto!r}")
@@ -282,7 +285,11 @@ class MemWatch(TrainerCallback, ExportableState):
                 pass
 
     def memwatch_dir(self, args: Any) -> Path:
-        """Folder of this run's timeline and reports."""
+        """Folder of this run's timeline and reports (a folder per trial in a hyperparameter search)."""
+        base = self._base_dir(args)
+        return base / self._trial_name if self._trial_name else base
+
+    def _base_dir(self, args: Any) -> Path:
         return Path(self.output_dir) if self.output_dir else Path(args.output_dir) / TIMELINE_DIRNAME
 
     def _remember_trainer(self, in_train: bool = False) -> None:
@@ -323,7 +330,7 @@ class MemWatch(TrainerCallback, ExportableState):
 
     def train_call(self, trainer: Any, call: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
         """The Trainer's ``train`` (``call``), planned first in the auto mode."""
-        self._trial = kwargs.get("trial")
+        self._trial_name = trial_name(trainer, kwargs.get("trial"))
         if self._auto is not None:
             return self._auto.train_call(trainer, call, args, kwargs)
         return call(*args, **kwargs)
@@ -412,7 +419,7 @@ class MemWatch(TrainerCallback, ExportableState):
             self._auto.check_installed()
         self._teardown()
         self._failed = False
-        self._first_step = None
+        self._first_step, self._run_peak = None, None
         self.leaks = LeakWatch()
         self._logging_steps = _logging_interval(args, state)
         rank = int(getattr(args, "process_index", 0))
@@ -497,7 +504,9 @@ class MemWatch(TrainerCallback, ExportableState):
     @_guarded
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.monitor is not None and self.monitor.in_step:
-            self.monitor.end_step()
+            record = self.monitor.end_step()
+            if isinstance(record.get("peak"), int):
+                self._run_peak = max(self._run_peak or 0, record["peak"])
             self._watch_leaks()
             if self._auto is not None:
                 self._auto.after_step(self.trainer, self.monitor.last_step, self.monitor.step_snapshots)
@@ -638,6 +647,12 @@ class MemWatch(TrainerCallback, ExportableState):
             self._history_started = False
         if state.is_world_process_zero and self.monitor is not None:
             self._report_process = finish_reports(self, args, state)
+        if self._trial_name is not None and state.is_world_process_zero:
+            self.trials.record(self._trial_name, self._run_peak)
+            self.trials.write(self._base_dir(args))
+            logger.info(self.trials.summary_line())
+            if self.summary:
+                print(self.trials.summary_line())
         patches = None if self.trainer is None else patches_of(self.trainer)
         if self._late_run and patches is not None:
             self._late_run = False
