@@ -17,6 +17,7 @@ from transformers import Trainer
 
 from hf_memwatch import is_oom_error
 from hf_memwatch.core.run_config import RunConfig
+from hf_memwatch.core.units import format_bytes
 from hf_memwatch.reporting.oom import estimate_remedies, requested_bytes
 
 TESTS = Path(__file__).resolve().parent
@@ -60,7 +61,7 @@ def forward_recording(*args, **kwargs):
 big.model.forward = forward_recording
 resource.setrlimit(resource.RLIMIT_AS, (vm_size() + margin, resource.getrlimit(resource.RLIMIT_AS)[1]))
 small.train()
-facts = {"small_steps": small.state.global_step}
+facts = {"small_steps": small.state.global_step, "rlimit_as": resource.getrlimit(resource.RLIMIT_AS)[0]}
 try:
     big.train()
     facts["big"] = "trained"
@@ -83,10 +84,15 @@ def test_real_cpu_oom_writes_the_post_mortem_and_the_error_reaches_the_user_unch
     assert "DefaultCPUAllocator: can't allocate memory" in facts["message"]
     assert facts["same_object"]  # the very exception the model raised
     assert "hf_memwatch" not in facts["innermost"] and "torch" in facts["innermost"]
+    # As the user's code raised it: no frame of hf_memwatch (the tracker's dispatch) inside the run.
+    inner = facts["frames"][next(i for i, f in enumerate(facts["frames"]) if "transformers" in f):]
+    assert not [f for f in inner if "/hf_memwatch/" in f], inner
 
     memwatch = tmp_path / "big" / "memwatch"
     assert not (tmp_path / "small" / "memwatch" / "oom_report.md").exists()
     report = (memwatch / "oom_report.md").read_text()
+    # The limit that bound the run, with its figure (the soft RLIMIT_AS the script set).
+    assert f"**Binding limit:** RLIMIT_AS = {format_bytes(facts['rlimit_as'])} (soft limit" in report, report[:1500]
     (oom,) = [json.loads(line) for line in (memwatch / "timeline.jsonl").read_text().splitlines()
               if json.loads(line)["event"] == "oom"]
     assert (oom["step"], oom["micro_step"], oom["last_phase"]) == (1, 0, "step_begin")

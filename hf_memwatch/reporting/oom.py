@@ -231,10 +231,12 @@ def write_oom_report(
         monitor.writer.flush()
     path = directory / REPORT_NAME
 
+    limit_line = binding_limit_line(monitor.backend, record["requested"])
+
     def render(baseline: int | None, remedies: list[tuple[str, int | None, str]], note: str) -> None:
         text = render_oom_report(
             exc, monitor, last, config, model, at_failure, baseline, remedies, note, plan, snapshot_path,
-            allocator_advice=advice,
+            allocator_advice=advice, limit_line=limit_line,
         )
         partial = path.with_suffix(".md.partial")
         partial.write_text(text, encoding="utf-8")
@@ -252,6 +254,32 @@ def write_oom_report(
         render(*estimate_remedies(model, config))
     logger.warning("hf-memwatch: out of memory at step %s; post-mortem in %s", monitor.step, path)
     return path
+
+
+def binding_limit_line(backend: Any, requested: int | None) -> str | None:
+    """The report's line naming the limit that bound the run, with its figure: among the limits
+    read now (``RLIMIT_AS``/``RLIMIT_DATA`` against the process size, the cgroup's ``memory.max``,
+    ``MemAvailable``; on CUDA the free memory and ``set_per_process_memory_fraction``'s cap), the
+    tightest of those the failed request exceeded (else the tightest); None when none is readable."""
+    from ..planning.budget import device_limits
+
+    try:
+        limits = device_limits(backend)
+    except Exception:  # noqa: BLE001 - an unreadable limit must not cost the report
+        return None
+    if not limits:
+        return None
+    exceeded = [limit for limit in limits if requested is not None and limit.available < requested]
+    binding = min(exceeded or limits, key=lambda limit: limit.available)
+    figure = ""
+    if binding.name.startswith("RLIMIT_"):
+        import resource
+
+        soft = resource.getrlimit(getattr(resource, binding.name))[0]
+        figure = f" = {format_bytes(soft)} (soft limit, `ulimit {'-v' if binding.name == 'RLIMIT_AS' else '-d'}`)"
+    others = "; ".join(limit.describe() for limit in limits if limit is not binding)
+    return (f"- **Binding limit:** {binding.name}{figure}: {format_bytes(binding.available)} left "
+            f"{binding.detail}" + (f" (also read: {others})" if others else ""))
 
 
 def split_at_failure(monitor: Any) -> dict[str, Any] | None:
@@ -295,6 +323,7 @@ def render_oom_report(
     plan: Any,
     snapshot_path: Path | None,
     allocator_advice: str | None = None,
+    limit_line: str | None = None,
 ) -> str:
     """The Markdown text of the post-mortem; ``allocator_advice``: the CUDA allocator's
     (:func:`~hf_memwatch.measure.footprint.expandable_segments_advice`), when the gap called for it."""
@@ -326,6 +355,8 @@ def render_oom_report(
             f"- **Device:** {format_bytes(last['device_total'])} in all, "
             f"{format_bytes(last.get('device_free'))} free at the last snapshot"
         )
+    if limit_line is not None:
+        lines.append(limit_line)
     if at_failure is not None:
         lines += ["", "## Live memory when the allocation failed", ""]
         lines += _class_table(at_failure, spike=False)
