@@ -153,6 +153,10 @@ class MemWatch(TrainerCallback, ExportableState):
         budget: bytes, a size such as ``"20GiB"``, or a fraction of device memory; default 90% of
             what this process may use.
 
+    On CUDA the allocator's peak counters (``torch.cuda.reset_peak_memory_stats``) are reset when a
+    run's first step begins and at every snapshot: read the run's peak from :attr:`max_allocated`,
+    not ``torch.cuda.max_memory_allocated()``.
+
     Usage:
         >>> trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[MemWatch()])  # doctest: +SKIP
     """
@@ -239,6 +243,14 @@ class MemWatch(TrainerCallback, ExportableState):
     @property
     def plan(self) -> dict[str, Any] | None:
         return self.auto_plan
+
+    @property
+    def max_allocated(self) -> int | None:
+        """The highest allocated bytes of the last run's snapshots (its peak), in place of
+        ``torch.cuda.max_memory_allocated()``: on CUDA MemWatch resets the allocator's peak counters
+        at the run's first step and at every snapshot (each phase's peak is measured that way), so
+        the counters read by ``max_memory_allocated()`` hold the last phase's peak, not the run's."""
+        return None if self.monitor is None else self.monitor.max_allocated
 
     @property
     def planning_seconds(self) -> float | None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import pickle
 import re
 import time
 from collections.abc import Mapping
@@ -64,7 +65,7 @@ def start_allocator_history(monitor: Any, max_entries: int = 100_000) -> bool:
     if getattr(monitor.backend, "kind", None) != "cuda":
         logger.warning("hf-memwatch: record_history applies to CUDA only; device is %s", monitor.device)
         return False
-    torch.cuda.memory._record_memory_history(max_entries=max_entries)
+    torch.cuda.memory._record_memory_history(max_entries=max_entries, **history_options())
     set_metadata = getattr(torch.cuda.memory, "_set_memory_metadata", None)
     snapshot = monitor.snapshot
 
@@ -80,6 +81,21 @@ def start_allocator_history(monitor: Any, max_entries: int = 100_000) -> bool:
 
     monitor.snapshot = snapshot_and_mark
     return True
+
+
+def history_options(recorder: Any = None) -> dict[str, Any]:
+    """Keywords for ``torch.cuda.memory._record_memory_history`` so that the phase annotations
+    (``record_function``) reach the history: ``global_record_annotations=True`` where the installed
+    torch's recorder takes it (torch 2.13: ``_record_memory_history_impl(..., global_record_annotations)``;
+    without it annotations are recorded only while the profiler runs). Empty where it does not."""
+    import inspect
+
+    recorder = recorder or getattr(torch.cuda.memory, "_record_memory_history_impl", None)
+    try:
+        parameters = inspect.signature(recorder).parameters if recorder is not None else {}
+    except (TypeError, ValueError):
+        parameters = {}
+    return {"global_record_annotations": True} if "global_record_annotations" in parameters else {}
 
 
 def stop_allocator_history() -> None:
@@ -300,10 +316,12 @@ def _dump_cuda_snapshot(directory: Path) -> Path | None:
     if not torch.cuda.is_available():
         return None
     try:
-        if not any(torch.cuda.memory._snapshot().get("device_traces") or []):
+        snapshot = torch.cuda.memory._snapshot()  # one snapshot at an OOM (``_dump_snapshot`` takes another)
+        if not any(snapshot.get("device_traces") or []):
             return None  # history is not being recorded
         path = directory / SNAPSHOT_NAME
-        torch.cuda.memory._dump_snapshot(str(path))
+        with open(path, "wb") as fh:
+            pickle.dump(snapshot, fh)  # what torch.cuda.memory._dump_snapshot writes
         return path
     except Exception as exc:  # noqa: BLE001 - the report matters more than the snapshot
         logger.warning("hf-memwatch: no allocator snapshot (%s: %s)", type(exc).__name__, exc)
