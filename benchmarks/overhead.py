@@ -1,7 +1,11 @@
-"""Wall time per optimizer step with MemWatch vs without, on a real Trainer run (CPU).
+"""CPU time per optimizer step with MemWatch vs without, on a real Trainer run (CPU).
 
-Runs are interleaved (none, default, full, none, default, full, ...) in one process so machine noise
-hits every variant alike; the figures are ratios of medians. Writes a Markdown table.
+The clock is this process's CPU time (``time.process_time``, all its threads, as
+``fixed_cost.py`` measures), not wall time: on a shared machine other processes' bursts stretch wall
+time (a no-MemWatch step read 2,091 ms in one burst, 160 ms quiet) but not this process's CPU
+time. Runs are interleaved (none, default, full, default, full, none, ...) after one warm-up round;
+each round gives a ratio per variant (its median step over the same round's no-MemWatch median), and
+the table reports the median ratio over rounds with its spread (lowest-highest round). Writes Markdown.
 
     python benchmarks/overhead.py --out benchmarks/results/overhead.md
 """
@@ -34,17 +38,17 @@ from hf_memwatch import MemWatch  # noqa: E402
 
 
 class StepClock(TrainerCallback):
-    """Time between consecutive step ends: everything a step costs, callbacks included."""
+    """Process CPU time between consecutive step ends: everything a step costs, callbacks included."""
 
     def __init__(self) -> None:
         self.marks: list[float] = []
 
     def on_step_begin(self, args, state, control, **kwargs):
         if not self.marks:
-            self.marks.append(time.perf_counter())
+            self.marks.append(time.process_time())
 
     def on_step_end(self, args, state, control, **kwargs):
-        self.marks.append(time.perf_counter())
+        self.marks.append(time.process_time())
 
     def step_times(self) -> list[float]:
         return [b - a for a, b in zip(self.marks, self.marks[1:])]
@@ -95,36 +99,47 @@ def main() -> int:
     variants = ("none", "default", "full")
     times: dict[str, list[list[float]]] = {v: [] for v in variants}
     with tempfile.TemporaryDirectory() as tmp:
-        for round_index in range(opts.rounds):
+        for round_index in range(opts.rounds + 1):  # round 0 warms up (imports, allocator, caches)
             order = variants[round_index % 3:] + variants[: round_index % 3]
             for variant in order:
-                times[variant].append(run(variant, opts.steps, opts.batch, opts.seq_len, f"{tmp}/{variant}"))
+                step_times = run(variant, opts.steps, opts.batch, opts.seq_len, f"{tmp}/{variant}")
+                if round_index:
+                    times[variant].append(step_times)
     full_steps = MemWatch().full_steps
 
-    def median_of(variant: str, steady: bool) -> float:
-        values = [t for run_times in times[variant] for t in (run_times[full_steps:] if steady else run_times)]
-        return statistics.median(values)
-
-    def mean_run(variant: str) -> float:
-        return statistics.median(sum(r) / len(r) for r in times[variant])
+    def per_round(variant: str, steady: bool) -> list[float]:
+        """The variant's ratio to the no-MemWatch run of the same round, one per round."""
+        ratios = []
+        for mine, base in zip(times[variant], times["none"], strict=True):
+            if steady:
+                ratios.append(statistics.median(mine[full_steps:]) / statistics.median(base[full_steps:]))
+            else:
+                ratios.append(sum(mine) / sum(base))
+        return ratios
 
     rows = [
-        ("default, steady state (steps after the first 3 fully tracked)",
-         median_of("default", True) / median_of("none", True)),
-        (f"default, whole {opts.steps}-step run (3 full steps included)", mean_run("default") / mean_run("none")),
-        ("full tracking every step", median_of("full", True) / median_of("none", True)),
+        (f"default, steady state (steps after the first {full_steps} fully tracked)", per_round("default", True)),
+        (f"default, whole {opts.steps}-step run ({full_steps} full steps included)", per_round("default", False)),
+        ("full tracking every step", per_round("full", True)),
     ]
+    base_ms = statistics.median(t for run_times in times["none"] for t in run_times[full_steps:]) * 1000
     lines = [
         "# MemWatch overhead (CPU)",
         "",
         f"BERT 4x256 sequence classification, batch {opts.batch} x {opts.seq_len} tokens, fp32 AdamW, "
-        f"{opts.rounds} interleaved rounds x {opts.steps} steps per variant; "
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.machine()}.",
-        f"Median step without MemWatch: {median_of('none', True) * 1000:.1f} ms.",
+        f"{opts.rounds} interleaved rounds x {opts.steps} steps per variant after one warm-up round; "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.machine()}, "
+        f"{os.cpu_count()} CPUs.",
+        "Clock: this process's CPU time per step (`time.process_time`, all its threads), robust to other "
+        "processes on a shared machine.",
+        f"Median step without MemWatch: {base_ms:.1f} ms of CPU time.",
         "",
-        "| variant | step time ratio vs no MemWatch |",
-        "|---|---|",
-        *[f"| {name} | {ratio:.3f} |" for name, ratio in rows],
+        "| variant | CPU time ratio vs no MemWatch (median over rounds) | spread (lowest - highest round) |",
+        "|---|---|---|",
+        *[f"| {name} | {statistics.median(r):.3f} | {min(r):.3f} - {max(r):.3f} |" for name, r in rows],
+        "",
+        f"Command: `python benchmarks/overhead.py --rounds {opts.rounds} --steps {opts.steps} "
+        f"--batch {opts.batch} --seq-len {opts.seq_len} --out benchmarks/results/overhead.md`",
         "",
     ]
     text = "\n".join(lines)

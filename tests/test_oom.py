@@ -7,15 +7,18 @@ import json
 import logging
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import gpt2_model
+from transformers import Trainer
 
 from hf_memwatch import is_oom_error
 from hf_memwatch.core.run_config import RunConfig
-from hf_memwatch.reporting.oom import estimate_remedies, install_oom_guard, requested_bytes
+from hf_memwatch.core.units import format_bytes
+from hf_memwatch.reporting.oom import estimate_remedies, requested_bytes
 
 TESTS = Path(__file__).resolve().parent
 
@@ -58,7 +61,7 @@ def forward_recording(*args, **kwargs):
 big.model.forward = forward_recording
 resource.setrlimit(resource.RLIMIT_AS, (vm_size() + margin, resource.getrlimit(resource.RLIMIT_AS)[1]))
 small.train()
-facts = {"small_steps": small.state.global_step}
+facts = {"small_steps": small.state.global_step, "rlimit_as": resource.getrlimit(resource.RLIMIT_AS)[0]}
 try:
     big.train()
     facts["big"] = "trained"
@@ -81,10 +84,15 @@ def test_real_cpu_oom_writes_the_post_mortem_and_the_error_reaches_the_user_unch
     assert "DefaultCPUAllocator: can't allocate memory" in facts["message"]
     assert facts["same_object"]  # the very exception the model raised
     assert "hf_memwatch" not in facts["innermost"] and "torch" in facts["innermost"]
+    # As the user's code raised it: no frame of hf_memwatch (the tracker's dispatch) inside the run.
+    inner = facts["frames"][next(i for i, f in enumerate(facts["frames"]) if "transformers" in f):]
+    assert not [f for f in inner if "/hf_memwatch/" in f], inner
 
     memwatch = tmp_path / "big" / "memwatch"
     assert not (tmp_path / "small" / "memwatch" / "oom_report.md").exists()
     report = (memwatch / "oom_report.md").read_text()
+    # The limit that bound the run, with its figure (the soft RLIMIT_AS the script set).
+    assert f"**Binding limit:** RLIMIT_AS = {format_bytes(facts['rlimit_as'])} (soft limit" in report, report[:1500]
     (oom,) = [json.loads(line) for line in (memwatch / "timeline.jsonl").read_text().splitlines()
               if json.loads(line)["event"] == "oom"]
     assert (oom["step"], oom["micro_step"], oom["last_phase"]) == (1, 0, "step_begin")
@@ -124,42 +132,64 @@ def test_remedy_estimates_for_the_failing_configuration():
     assert all(note.startswith("saves up to ") for _, note in advice)
 
 
-def test_guard_composes_reports_once_and_never_replaces_the_error(caplog):
-    class Job:
-        def train(self):
-            try:
-                torch.empty(1 << 60, dtype=torch.uint8)  # a real allocator failure, no limit needed
-            except BaseException as exc:
-                self.raised = exc
-                raise
+class FailingLoss(Trainer):
+    """``compute_loss`` fails after the forward: a real allocator failure, or ``error``."""
 
-    job, seen = Job(), []
-    install_oom_guard(job, seen.append)
-    inner = job.train
+    error: BaseException | None = None
+
+    def compute_loss(self, model, inputs, *args, **kwargs):
+        loss = super().compute_loss(model, inputs, *args, **kwargs)
+        try:
+            if self.error is not None:
+                raise self.error
+            torch.empty(1 << 60, dtype=torch.uint8)  # a real allocator failure, no limit needed
+        except BaseException as exc:
+            self.raised = exc
+            raise
+        return loss
+
+
+def _failing(tmp_path, error=None):
+    from conftest import token_dataset, training_args
+
+    from hf_memwatch import MemWatch
+
+    watch = MemWatch(detail="full", report=False, summary=False)
+    trainer = FailingLoss(model=gpt2_model(n_layer=1, n_embd=32, vocab=100), args=training_args(tmp_path, max_steps=1),
+                          train_dataset=token_dataset(4, 8, 100), callbacks=[watch])
+    trainer.error = error
+    return trainer, watch
+
+
+def test_guard_reports_once_and_never_replaces_the_error(tmp_path, caplog):
+    trainer, watch = _failing(tmp_path / "oom")
+    seen = []
+    watch.on_oom = seen.append
+    inner = trainer.train
 
     @functools.wraps(inner)
-    def outer(*args, **kwargs):  # another engineer's wrapper (the auto mode wraps train as well)
+    def outer(*args, **kwargs):  # another engineer's wrapper around ours
         return inner(*args, **kwargs)
 
-    job.train = outer
-    assert not install_oom_guard(job, seen.append)  # once per trainer, even through other wrappers
+    trainer.train = outer
     with pytest.raises(RuntimeError) as caught:
-        job.train()
-    assert caught.value is job.raised and is_oom_error(caught.value)
-    assert seen == [job.raised]
+        trainer.train()
+    assert caught.value is trainer.raised and is_oom_error(caught.value)
+    assert seen == [trainer.raised]
+    # The traceback is the user's: no frame of hf_memwatch between theirs and the failing operator.
+    frames = [frame.filename for frame in traceback.extract_tb(caught.value.__traceback__)]
+    inner_frames = frames[next(i for i, f in enumerate(frames) if "transformers" in f):]
+    assert not [f for f in inner_frames if "/hf_memwatch/" in f], inner_frames
 
-    broken = Job()
-    install_oom_guard(broken, lambda exc: 1 / 0)
+    broken, watch = _failing(tmp_path / "broken")
+    watch.on_oom = lambda exc: 1 / 0
     with caplog.at_level(logging.WARNING, logger="hf_memwatch"), pytest.raises(RuntimeError) as caught:
         broken.train()
     assert caught.value is broken.raised and "OOM report failed" in caplog.text
 
-    class NotOom:
-        def train(self):
-            raise ValueError("bad data")
-
-    job2, seen2 = NotOom(), []
-    install_oom_guard(job2, seen2.append)
+    other, watch = _failing(tmp_path / "other", ValueError("bad data"))
+    seen2 = []
+    watch.on_oom = seen2.append
     with pytest.raises(ValueError):
-        job2.train()
+        other.train()
     assert seen2 == []

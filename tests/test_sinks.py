@@ -15,7 +15,13 @@ from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState
 from transformers.integrations import TensorBoardCallback, WandbCallback
 
 from hf_memwatch import LIVE_CLASSES, MemWatch
-from hf_memwatch.reporting.sinks import install_scalar_logging, merge_ranks, route_exact_names, step_scalars
+from hf_memwatch.reporting.sinks import (
+    exact_name_routes,
+    merge_ranks,
+    routed_on_log,
+    scalar_logging,
+    step_scalars,
+)
 from hf_memwatch.testing.truth import StepMarker, cpu_memory_profile, step_peaks
 
 LEVELDB_BLOCK = 32 * 1024
@@ -275,18 +281,24 @@ class _Recorder:
         self.received.append(dict(logs))
 
 
-def test_log_wrapper_installs_once_composes_and_survives_its_own_faults(caplog):
+def route_exact_names(callbacks) -> int:
+    """Route the TensorBoard/W&B callbacks as a run's patches do; how many were routed now."""
+    routes = exact_name_routes(callbacks)
+    for callback, before, after in routes:
+        callback.on_log = routed_on_log(callback, callback.on_log, before, after)
+    return len(routes)
+
+
+def test_log_wrapper_composes_and_survives_its_own_faults(caplog):
     trainer = _Recorder()
-    assert install_scalar_logging(trainer, lambda step: {"memory/peak": -1})
-    # once per trainer: a later call (a callback rebuilt from checkpoint state) takes over the figures
-    assert not install_scalar_logging(trainer, lambda step: {"memory/peak": step})
+    trainer.log = scalar_logging(trainer, trainer.log, lambda step: {"memory/peak": step})
     trainer.log({"loss": 1.0})
     trainer.log({"eval_loss": 2.0})  # evaluation: untouched
     trainer.log({"train_runtime": 3.0})  # end-of-training metrics: untouched
     assert trainer.received == [{"loss": 1.0, "memory/peak": 7}, {"eval_loss": 2.0}, {"train_runtime": 3.0}]
 
     broken = _Recorder()
-    install_scalar_logging(broken, lambda step: 1 / 0)
+    broken.log = scalar_logging(broken, broken.log, lambda step: 1 / 0)
     broken.log({"loss": 1.0})
     assert broken.received == [{"loss": 1.0}]
     assert "memory scalars not logged" in caplog.text

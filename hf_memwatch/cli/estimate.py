@@ -19,6 +19,7 @@ import argparse
 import contextlib
 import io
 import json
+import sys
 from typing import Any
 
 from ..core.errors import MemWatchConfigError
@@ -273,8 +274,35 @@ def _plan(args: argparse.Namespace, budget: int, given: Any) -> dict[str, Any] |
     return dict(result.chosen.as_dict(), explain=result.chosen.reason)
 
 
+#: Exit status when a budget was given and neither the configuration nor any remedy fits it.
+NOTHING_FITS = 1
+
+
+def positions_warning(model: Any, lengths: dict[str, int | None]) -> str | None:
+    """A line when a requested length exceeds the model's positions (``max_position_embeddings``,
+    ``n_positions``): such a sequence cannot run, the figure would be for a step that cannot exist."""
+    if model is None:
+        return None
+    from ..estimation.estimate import load_config
+
+    try:
+        config = load_config(model)
+    except Exception:  # noqa: BLE001 - the estimate itself reports an unreadable model
+        return None
+    for name in ("max_position_embeddings", "n_positions", "max_target_positions"):
+        positions = getattr(config, name, None)
+        if isinstance(positions, int) and positions > 0:
+            over = [f"{flag} {value}" for flag, value in lengths.items() if value is not None and value > positions]
+            if over:
+                return (f"warning: {', '.join(over)} exceeds the model's {positions} positions ({name}); "
+                        "the model cannot run such a sequence, the estimate is for a step that cannot exist")
+            return None
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
-    """Estimate, print (table or JSON); 0 on success. Errors raise and the dispatcher exits 2."""
+    """Estimate, print (table or JSON); 0 on success, :data:`NOTHING_FITS` when nothing fits the
+    budget. Errors raise and the dispatcher exits 2."""
     budget = None if args.budget is None else parse_bytes(args.budget)
     # libraries print on import (transformers' W&B offline notice): stdout is for our output only,
     # stderr for one line on error
@@ -292,10 +320,19 @@ def run(args: argparse.Namespace) -> int:
             payload["remedies"] = remedies(args, budget, result)
             payload["largest_fitting_batch"] = payload["remedies"][0]["largest_fitting_batch"]
             payload["plan"] = _plan(args, budget, result)
+    warning = positions_warning(args.model, {"--seq-len": args.seq_len, "--eval-seq-len": args.eval_seq_len})
+    if warning:  # after the estimate: an error of the request itself stays the one line
+        print(warning, file=sys.stderr)
+        payload["warnings"] = [warning]
     if args.json:
         print(json.dumps(payload))
     else:
         _print_table(payload)
+    if budget is not None and not payload["fits"] and payload.get("plan") is None:
+        smallest = min((row["peak_bytes"] for row in payload["remedies"]), default=payload["peak_bytes"])
+        print(f"hf-memwatch estimate: nothing fits the budget {format_bytes(budget)}: the smallest remedy "
+              f"needs {format_bytes(smallest)} at micro-batch {args.batch_size}", file=sys.stderr)
+        return NOTHING_FITS
     return 0
 
 

@@ -44,7 +44,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args._module.run(args) or 0)
-    except (MemWatchError, FileNotFoundError, ValueError) as exc:
+    except (MemWatchError, OSError, ValueError, KeyError, TypeError) as exc:  # one line, never a traceback
         print(f"hf-memwatch {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

@@ -8,6 +8,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import sys
 
 from ..core.units import parse_bytes
 
@@ -26,6 +27,11 @@ def run(args: argparse.Namespace) -> int:
     budget = parse_bytes(args.budget, what="--budget") if args.budget is not None else None
     out = write_report(args.path, args.output, budget=budget)
     runs = load_run(args.path)
+    skipped = [line for run in runs for line in run.skipped]
+    if skipped:
+        more = f" (and {len(skipped) - 1} more)" if len(skipped) > 1 else ""
+        print(f"hf-memwatch report: skipped {len(skipped)} malformed record{'s' if len(skipped) > 1 else ''}: "
+              f"{skipped[0]}{more}", file=sys.stderr)
     steps = max((len(r.steps) for r in runs), default=0)
     ranks = f"{len(runs)} rank{'s' if len(runs) > 1 else ''}"
     print(f"wrote {out} ({ranks}, {steps} steps)")

@@ -34,7 +34,6 @@ now asks, and the log says so.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import gc
 import json
 import logging
@@ -156,34 +155,29 @@ class AutoMode:
         self._agreements = 0  # distributed: between-step agreements joined (the first MEASURED_STEPS steps)
 
     # -- wiring -------------------------------------------------------------------------------
-    def install(self, trainer: Any) -> None:
-        """Wrap ``trainer.train`` (instance attribute) so planning precedes the original train()."""
-        if getattr(trainer.train, "_memwatch_auto", False):
-            return
-        original = trainer.train
+    def train_call(self, trainer: Any, call: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
+        """``train(*args, **kwargs)`` through ``call`` (the Trainer's own ``train``, guarded), planned first.
 
-        @functools.wraps(original)
-        def train(*args: Any, **kwargs: Any) -> Any:
-            resume = kwargs.get("resume_from_checkpoint", args[0] if args else None)
-            rng = RngStates.capture()  # planning leaves no trace: the run draws what it would have drawn
+        Called by the ``train`` entry point of :mod:`hf_memwatch.integration.patches`, before a
+        dataloader, optimizer or scheduler exists. Planning leaves no trace: the RNG states are put
+        back, so the run draws what it would have drawn.
+        """
+        resume = kwargs.get("resume_from_checkpoint", args[0] if args else None)
+        rng = RngStates.capture()
+        try:
             try:
-                try:
-                    self.before_train(trainer, resume)
-                except (PlanError, MemWatchConfigError):
-                    raise  # the run cannot fit, or was misconfigured: stop before training
-                except Exception as exc:  # noqa: BLE001 - not predicted: measured (integration/measured.py)
-                    self._planning_failed(trainer, exc)
-            except PlanError as exc:
-                if not self.allow_over_budget:
-                    raise
-                self._train_over_budget(trainer, exc)
-            finally:
-                rng.restore()
-            return self._train_with_safety_net(trainer, original, resume, args, kwargs)
-
-        train._memwatch_auto = True  # type: ignore[attr-defined]
-        trainer.train = train
-        self.installed = True
+                self.before_train(trainer, resume)
+            except (PlanError, MemWatchConfigError):
+                raise  # the run cannot fit, or was misconfigured: stop before training
+            except Exception as exc:  # noqa: BLE001 - not predicted: measured (integration/measured.py)
+                self._planning_failed(trainer, exc)
+        except PlanError as exc:
+            if not self.allow_over_budget:
+                raise
+            self._train_over_budget(trainer, exc)
+        finally:
+            rng.restore()
+        return self._train_with_safety_net(trainer, call, resume, args, kwargs)
 
     def _train_with_safety_net(self, trainer: Any, original: Callable[..., Any], resume: Any,
                                args: tuple, kwargs: dict[str, Any]) -> Any:

@@ -43,7 +43,7 @@ from ..measure.peak_tensors import DEFAULT_TOP
 from ..planning.budget import remaining, validate_budget
 from ..reporting.background import wait_for_report
 from ..reporting.oom import (
-    install_oom_guard,
+    prepare_post_mortem,
     start_allocator_history,
     stop_allocator_history,
     write_oom_report,
@@ -51,7 +51,6 @@ from ..reporting.oom import (
 from ..reporting.report import run_meta
 from ..reporting.sinks import (
     eval_scalars,
-    install_scalar_logging,
     known_budget,
     known_prediction,
     plan_in_force,
@@ -61,12 +60,35 @@ from ..reporting.sinks import (
 from ..reporting.summary import PICTURE_NAME, finish_reports
 from .auto import AutoMode
 from .compiled import hook_target, hooks_for, runs_compiled, tracing
-from .eval_watch import container_tensors, decoding_step, held_tensors, install_eval_watch
+from .eval_watch import container_tensors, decoding_step, held_tensors
+from .patches import install_entry_points, patches_of, remove_patches
+from .trials import TrialPeaks, trial_name
 
 logger = logging.getLogger("hf_memwatch")
 
 Detail = Literal["auto", "full", "light"]
 _F = TypeVar("_F", bound=Callable[..., Any])
+
+
+_KEYWORDS = ("detail", "full_steps", "output_dir", "scalars", "report", "summary", "oom_report",
+             "record_history", "auto", "budget")
+
+
+def unknown_keywords(owner: str, unknown: dict[str, Any], known: tuple[str, ...]) -> str:
+    """One line naming the unknown keywords, the closest known name of each, and the known ones.
+
+    Example:
+        >>> unknown_keywords("MemWatch", {"budjet": 1}, ("auto", "budget"))
+        "MemWatch() got an unknown keyword 'budjet' (did you mean 'budget'?); it takes: auto, budget"
+    """
+    import difflib
+
+    names = []
+    for name in sorted(unknown):
+        close = difflib.get_close_matches(name, known, n=1)
+        names.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    plural = "s" if len(names) > 1 else ""
+    return f"{owner}() got an unknown keyword{plural} {', '.join(names)}; it takes: {', '.join(known)}"
 
 
 def _guarded(method: _F) -> _F:
@@ -140,6 +162,10 @@ class MemWatch(TrainerCallback, ExportableState):
             could be neither predicted nor measured) trains as configured with an ERROR line saying how
             far over it is, instead of stopping before training (:class:`PlanError`, the default).
 
+    On CUDA the allocator's peak counters (``torch.cuda.reset_peak_memory_stats``) are reset when a
+    run's first step begins and at every snapshot: read the run's peak from :attr:`max_allocated`,
+    not ``torch.cuda.max_memory_allocated()``.
+
     Usage:
         >>> trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[MemWatch()])  # doctest: +SKIP
     """
@@ -159,7 +185,10 @@ class MemWatch(TrainerCallback, ExportableState):
         budget: int | float | str | None = None,
         top_tensors: int = DEFAULT_TOP,
         allow_over_budget: bool = False,
+        **unknown: Any,
     ) -> None:
+        if unknown:
+            raise MemWatchConfigError(unknown_keywords("MemWatch", unknown, _KEYWORDS))
         if detail not in ("auto", "full", "light"):
             raise MemWatchConfigError(f"MemWatch(detail=...) must be 'auto', 'full' or 'light'; got {detail!r}")
         if isinstance(full_steps, bool) or not isinstance(full_steps, int) or full_steps < 1:
@@ -197,6 +226,11 @@ class MemWatch(TrainerCallback, ExportableState):
         self._eval_only_timeline = False  # an eval before train() opened the timeline: train appends
         self._eval_logged: dict[str, Any] | None = None  # the eval record whose scalars went out
         self._eval_oom_reported: BaseException | None = None  # an OOM an eval loop already reported
+        self._history_started = False  # we started CUDA allocator history (and stop only that)
+        self._late_run = False  # added by add_callback mid-construction: the run ends at train end
+        self._trial_name: str | None = None  # the hyperparameter_search trial of the run in progress
+        self._run_peak: int | None = None  # the highest step peak of the train() call in progress
+        self.trials = TrialPeaks()
         self.leaks = LeakWatch()
         if not isinstance(auto, bool):
             raise MemWatchConfigError(f"MemWatch(auto=...) must be True or False; got {auto!r}")
@@ -225,6 +259,14 @@ class MemWatch(TrainerCallback, ExportableState):
     @property
     def plan(self) -> dict[str, Any] | None:
         return self.auto_plan
+
+    @property
+    def max_allocated(self) -> int | None:
+        """The highest allocated bytes of the last run's snapshots (its peak), in place of
+        ``torch.cuda.max_memory_allocated()``: on CUDA MemWatch resets the allocator's peak counters
+        at the run's first step and at every snapshot (each phase's peak is measured that way), so
+        the counters read by ``max_memory_allocated()`` hold the last phase's peak, not the run's."""
+        return None if self.monitor is None else self.monitor.max_allocated
 
     @property
     def planning_seconds(self) -> float | None:
@@ -271,21 +313,73 @@ class MemWatch(TrainerCallback, ExportableState):
                 pass
 
     def memwatch_dir(self, args: Any) -> Path:
-        """Folder of this run's timeline and reports."""
+        """Folder of this run's timeline and reports (a folder per trial in a hyperparameter search)."""
+        base = self._base_dir(args)
+        return base / self._trial_name if self._trial_name else base
+
+    def _base_dir(self, args: Any) -> Path:
         return Path(self.output_dir) if self.output_dir else Path(args.output_dir) / TIMELINE_DIRNAME
 
-    def _remember_trainer(self) -> None:
-        if self.trainer is None:
-            trainer = find_trainer()
-            if trainer is not None:
-                self._trainer_ref = weakref.ref(trainer)
-        trainer = self.trainer
+    def _remember_trainer(self, in_train: bool = False) -> None:
+        """Bind to the Trainer calling us now and install its entry points (once per Trainer)."""
+        trainer = find_trainer()
+        if trainer is None:
+            trainer = self.trainer
+        if trainer is None:
+            return
+        self._bind(trainer)
+        if self.oom_report:
+            prepare_post_mortem()
+        patches = install_entry_points(trainer, self)
+        if self._auto is not None:
+            self._auto.installed = True
+        if in_train and patches.depth == 0:
+            patches.begin()  # added by add_callback after the Trainer was built: this run from here on
+            self._late_run = True
+
+    def _bind(self, trainer: Any) -> None:
+        """Serve ``trainer`` from now on; a Trainer other than the last one gets a run state of its own."""
+        if self.trainer is trainer:
+            return
+        served_before = self._trainer_ref is not None
+        self._trainer_ref = weakref.ref(trainer)
+        if not served_before:  # the first Trainer (or a callback rebuilt from checkpoint state)
+            return
+        self._teardown()
+        self.monitor, self._first_step, self._eval_only_timeline = None, None, False
+        self.leaks = LeakWatch()
+        if self.auto:
+            self._auto = AutoMode(self.budget, self._record_plan)
+
+    # -- the run (driven by hf_memwatch.integration.patches) ----------------------------------
+    def run_begins(self, trainer: Any) -> None:
+        """An entry call (``train``/``evaluate``/``predict``) of ``trainer`` starts."""
+        self._bind(trainer)
+
+    def train_call(self, trainer: Any, call: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
+        """The Trainer's ``train`` (``call``), planned first in the auto mode."""
+        self._trial_name = trial_name(trainer, kwargs.get("trial"))
+        if self._auto is not None:
+            return self._auto.train_call(trainer, call, args, kwargs)
+        return call(*args, **kwargs)
+
+    def run_ended(self, trainer: Any, error: BaseException | None) -> None:
+        """The outermost entry call returned or raised: close all the run opened (dispatch mode,
+        saved-tensor hooks, module hooks, the timeline file, the allocator history)."""
+        self._teardown()
+        for handle in self._eval_hooks:
+            handle.remove()
+        self._eval_hooks.clear()
+        self._eval_containers = []
+        if self._history_started:
+            stop_allocator_history()
+            self._history_started = False
+
+    def detach(self, trainer: Any = None) -> None:
+        """Stop watching ``trainer`` (default: the one served last): every patch of ours removed."""
+        trainer = trainer if trainer is not None else self.trainer
         if trainer is not None:
-            if self.scalars:
-                install_scalar_logging(trainer, self.memory_scalars, self.eval_scalars)
-            if self.oom_report:
-                install_oom_guard(trainer, self._on_oom)
-            install_eval_watch(trainer, self)
+            remove_patches(trainer)
 
     def memory_scalars(self, step: int) -> dict[str, int] | None:
         """``memory/*`` figures of optimizer step ``step`` when it was the last one measured."""
@@ -300,7 +394,8 @@ class MemWatch(TrainerCallback, ExportableState):
             leak_bytes_per_step=self.leaks.rate,
         )
 
-    def _on_oom(self, exc: BaseException) -> None:
+    def on_oom(self, exc: BaseException) -> None:
+        """An out-of-memory error leaves ``train()``: the post-mortem, then nothing of ours stays on."""
         trainer = self.trainer
         eval_reported = self._eval_oom_reported is exc  # an eval loop's report stands
         if trainer is not None and self.monitor is not None and not eval_reported:
@@ -309,8 +404,9 @@ class MemWatch(TrainerCallback, ExportableState):
                 seq_len=self.last_seq_len, plan=self.plan_in_force(),
             )
         self._teardown()
-        if self.record_history:
+        if self._history_started:
             stop_allocator_history()
+            self._history_started = False
 
     def plan_in_force(self) -> dict[str, Any] | None:
         """The auto mode's plan record when one is in force."""
@@ -344,18 +440,16 @@ class MemWatch(TrainerCallback, ExportableState):
     # -- Trainer events ---------------------------------------------------------------------
     @_guarded
     def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._remember_trainer()
-        if self._auto is not None and self.trainer is not None:
-            self._auto.install(self.trainer)  # plans inside train(), before the loop is built
+        self._remember_trainer()  # the train entry point plans inside train(), before the loop is built
 
     @_guarded
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
-        self._remember_trainer()
+        self._remember_trainer(in_train=True)
         if self._auto is not None:
             self._auto.check_installed()
         self._teardown()
         self._failed = False
-        self._first_step = None
+        self._first_step, self._run_peak = None, None
         self.leaks = LeakWatch()
         self._logging_steps = _logging_interval(args, state)
         rank = int(getattr(args, "process_index", 0))
@@ -377,7 +471,7 @@ class MemWatch(TrainerCallback, ExportableState):
             self.monitor.add_contributor(FormedBatches(kwargs["train_dataloader"]))  # the look-ahead batch
         writer.write(run_meta(model, RunConfig.from_args(args, model)))  # model and batch, for the picture's title and the summary
         if self.record_history:
-            start_allocator_history(self.monitor)
+            self._history_started = start_allocator_history(self.monitor)
         self.monitor.compiled = runs_compiled(self.trainer, model)
         if model is not None:
             # On the compiled wrapper when there is one: its hooks run outside the compiled code.
@@ -455,7 +549,9 @@ class MemWatch(TrainerCallback, ExportableState):
     @_guarded
     def _step_end(self) -> None:
         if self.monitor is not None and self.monitor.in_step:
-            self.monitor.end_step()
+            record = self.monitor.end_step()
+            if isinstance(record.get("peak"), int):
+                self._run_peak = max(self._run_peak or 0, record["peak"])
             self._watch_leaks()
             if self._auto is not None:
                 self._auto.after_step(self.trainer, self.monitor.last_step, self.monitor.step_snapshots)
@@ -591,10 +687,21 @@ class MemWatch(TrainerCallback, ExportableState):
     @_guarded
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._teardown()
-        if self.record_history:
+        if self._history_started:
             stop_allocator_history()
+            self._history_started = False
         if state.is_world_process_zero and self.monitor is not None:
             self._report_process = finish_reports(self, args, state)
+        if self._trial_name is not None and state.is_world_process_zero:
+            self.trials.record(self._trial_name, self._run_peak)
+            self.trials.write(self._base_dir(args))
+            logger.info(self.trials.summary_line())
+            if self.summary:
+                print(self.trials.summary_line())
+        patches = None if self.trainer is None else patches_of(self.trainer)
+        if self._late_run and patches is not None:
+            self._late_run = False
+            patches.end(None)
 
     def wait_for_reports(self, timeout: float | None = 120.0) -> Path | None:
         """Wait for the picture being drawn in the background; its path once written, else None.

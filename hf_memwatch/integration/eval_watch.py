@@ -3,7 +3,7 @@
 The Trainer has callback events around an eval loop's batches (``on_prediction_step``) but none at
 its start or end, and the outputs it accumulates (``EvalLoopContainer``s ``all_preds``,
 ``all_labels``, ``all_losses``, ``all_inputs``) are locals of ``Trainer.evaluation_loop``. So, per
-Trainer *instance* (the class is untouched):
+Trainer *instance* (the class is untouched; installed by :mod:`hf_memwatch.integration.patches`):
 
 * ``trainer.evaluation_loop`` is wrapped: the monitor opens a peak window of its own before the
   loop and closes it after, writing one ``eval`` record; a forward pre-hook on the model registers
@@ -31,7 +31,6 @@ from typing import Any
 import torch
 
 CONTAINER_NAMES = ("all_losses", "all_preds", "all_labels", "all_inputs")
-_WRAPPED_MARK = "_hf_memwatch_eval"
 
 
 def loop_stage(description: str) -> str:
@@ -124,29 +123,14 @@ def registering_containers(found: list[Any]) -> Iterator[None]:
         trainer_module.EvalLoopContainer = base
 
 
-def install_eval_watch(trainer: Any, watcher: Any) -> bool:
-    """Wrap ``trainer.evaluation_loop`` and ``trainer.prediction_step`` (this instance) for ``watcher``.
+def wrap_evaluation_loop(original: Callable[..., Any], watcher: Any) -> Callable[..., Any]:
+    """``trainer.evaluation_loop`` for ``watcher`` (the ``MemWatch`` callback), which provides
+    ``eval_loop_begin(stage, containers)`` (the list the loop's containers are registered in while it
+    runs), ``eval_loop_end(output, error)`` and ``eval_forward_done()``; its faults are its own to
+    contain. Installed by :mod:`hf_memwatch.integration.patches`."""
 
-    ``watcher`` (the ``MemWatch`` callback) provides ``eval_loop_begin(stage, containers)`` (the list
-    the loop's containers are registered in while it runs),
-    ``eval_loop_end(output, error)`` and ``eval_forward_done()``; its faults are its own to
-    contain (they must never stop the loop). Returns False when already installed (``watcher`` then
-    takes over: a callback rebuilt from checkpoint state).
-    """
-    installed = getattr(trainer.evaluation_loop, _WRAPPED_MARK, None)
-    if installed is not None:
-        installed[0] = watcher  # a callback rebuilt from checkpoint state takes over
-        return False
-    holder = [watcher]
-    trainer.evaluation_loop = _wrap_loop(trainer.evaluation_loop, holder)
-    trainer.prediction_step = _wrap_prediction_step(trainer.prediction_step, holder)
-    return True
-
-
-def _wrap_loop(original: Callable[..., Any], holder: list[Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def evaluation_loop(dataloader: Any, description: str, *args: Any, **kwargs: Any) -> Any:
-        watcher = holder[0]
         containers: list[Any] = []
         watcher.eval_loop_begin(loop_stage(description), containers)
         try:
@@ -160,16 +144,16 @@ def _wrap_loop(original: Callable[..., Any], holder: list[Any]) -> Callable[...,
         watcher.eval_loop_end(output, None)
         return output
 
-    setattr(evaluation_loop, _WRAPPED_MARK, holder)
     return evaluation_loop
 
 
-def _wrap_prediction_step(original: Callable[..., Any], holder: list[Any]) -> Callable[..., Any]:
+def wrap_prediction_step(original: Callable[..., Any], watcher: Any) -> Callable[..., Any]:
+    """``trainer.prediction_step`` for ``watcher``: ``eval_forward_done()`` after each batch's forward."""
+
     @functools.wraps(original)
     def prediction_step(*args: Any, **kwargs: Any) -> Any:
         result = original(*args, **kwargs)
-        holder[0].eval_forward_done()
+        watcher.eval_forward_done()
         return result
 
-    setattr(prediction_step, _WRAPPED_MARK, holder)
     return prediction_step

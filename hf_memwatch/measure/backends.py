@@ -90,18 +90,9 @@ class CudaBackend(AllocatorBackend):
     exact = True
 
     def read(self) -> AllocatorReading:
-        stats = torch.cuda.memory_stats(self.device)
+        """One read of the allocator (``memory_stats``, one call) and of the device (``mem_get_info``)."""
         free, total = torch.cuda.mem_get_info(self.device)
-        return AllocatorReading(
-            allocated=stats.get("allocated_bytes.all.current", 0),
-            reserved=stats.get("reserved_bytes.all.current", 0),
-            peak=stats.get("allocated_bytes.all.peak", 0),
-            inactive_split=stats.get("inactive_split_bytes.all.current", 0),
-            num_alloc_retries=stats.get("num_alloc_retries", 0),
-            num_ooms=stats.get("num_ooms", 0),
-            device_free=free,
-            device_total=total,
-        )
+        return reading_from_stats(torch.cuda.memory_stats(self.device), free, total)
 
     def reset_peak(self) -> None:
         torch.cuda.reset_peak_memory_stats(self.device)
@@ -116,6 +107,28 @@ class CudaBackend(AllocatorBackend):
         free, total = torch.cuda.mem_get_info(self.device)
         reserved = torch.cuda.memory_reserved(self.device)
         return min(free + reserved, int(total * per_process_fraction(self.device)))
+
+
+def reading_from_stats(stats: Mapping[str, int], free: int | None = None, total: int | None = None) -> AllocatorReading:
+    """An :class:`AllocatorReading` from a ``memory_stats()`` dict: a figure the dict lacks is unknown
+    (None), never 0 — before CUDA is initialised in this process ``memory_stats()`` is ``{}``.
+
+    Example:
+        >>> reading_from_stats({}).allocated is None
+        True
+        >>> reading_from_stats({"allocated_bytes.all.current": 5, "allocated_bytes.all.peak": 9}).peak
+        9
+    """
+    return AllocatorReading(
+        allocated=stats.get("allocated_bytes.all.current"),
+        reserved=stats.get("reserved_bytes.all.current"),
+        peak=stats.get("allocated_bytes.all.peak"),
+        inactive_split=stats.get("inactive_split_bytes.all.current"),
+        num_alloc_retries=stats.get("num_alloc_retries"),
+        num_ooms=stats.get("num_ooms"),
+        device_free=free,
+        device_total=total,
+    )
 
 
 def per_process_fraction(device: torch.device) -> float:

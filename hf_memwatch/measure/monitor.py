@@ -93,6 +93,8 @@ class StepMonitor:
         self._after_eval = False
         self.peaks = PeakWatch(backend, self.saved)  # the tensors at each full step's peak (peak_tensors)
         self._last_classes: tuple[dict[int, int], ...] | None = None
+        self._window_open = False  # the peak counter was reset for this run (at its first step)
+        self.max_allocated: int | None = None  # the highest peak of the run's snapshots
 
     # -- lifecycle --------------------------------------------------------------------------
     def attach(self, model: torch.nn.Module | None, optimizer: Any) -> None:
@@ -104,6 +106,9 @@ class StepMonitor:
     def begin_step(self, step: int, full: bool) -> dict[str, Any]:
         self.step, self.micro_step, self.full, self.in_step = step, 0, full, True
         self.step_snapshots = []
+        if not self._window_open:  # the run's first step: not the peak of model loading or an earlier run
+            self.backend.reset_peak()
+            self._window_open = True
         if self._after_eval:  # what an eval loop left until evaluate() returned is not this step's
             self.backend.reset_peak()
             self._after_eval = False
@@ -190,6 +195,8 @@ class StepMonitor:
         else:
             record = self._light_snapshot(phase, micro_step)
         self.backend.reset_peak()
+        if isinstance(record.get("peak"), int):
+            self.max_allocated = max(self.max_allocated or 0, record["peak"])
         self._previous_allocated = record["allocated"]
         self.step_snapshots.append(record)
         self._write(record)
@@ -223,16 +230,15 @@ class StepMonitor:
 
     def measure(self, phase: str, micro_step: int) -> dict[str, Any]:
         """A full snapshot record now (classes from every known storage), without writing it."""
-        window_peak = self.backend.read().peak
-        record = self._measure(phase, micro_step)
+        reading = self.backend.read()  # one allocator read per snapshot
+        record = self._measure(phase, micro_step, reading)
         for contributor in self.contributors:
-            contributor.adjust(record, self, phase, window_peak)
+            contributor.adjust(record, self, phase, reading.peak)
         return record
 
-    def _measure(self, phase: str, micro_step: int) -> dict[str, Any]:
+    def _measure(self, phase: str, micro_step: int, reading: Any) -> dict[str, Any]:
         weights, grads, states, saved = self._class_storages()
         self._last_classes = (weights, grads, states, saved)
-        reading = self.backend.read()
         allocated, peak = reading.allocated, reading.peak
         live_storages = self.backend.live_storages()
         if live_storages is not None:

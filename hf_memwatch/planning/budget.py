@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..core.errors import MemWatchConfigError
-from ..core.units import format_bytes, parse_bytes
+from ..core.units import format_bytes, fraction_of, parse_bytes
 from ..measure.backends import AllocatorBackend, per_process_fraction
 from ..measure.footprint import (
     PROBE_BYTES,
@@ -235,7 +235,7 @@ def validate_budget(budget: BudgetSpec) -> None:
         >>> validate_budget("twenty")
         Traceback (most recent call last):
         ...
-        hf_memwatch.core.errors.MemWatchConfigError: cannot parse budget 'twenty': expected a number with an optional unit (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. '20GiB'
+        hf_memwatch.core.errors.MemWatchConfigError: cannot parse budget 'twenty': expected a number with an optional unit (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. '20GiB', or a fraction such as '0.8'
     """
     if budget is None:
         return
@@ -307,6 +307,27 @@ def tightest(limits: list[Limit]) -> Limit | None:
     return min(limits, key=lambda limit: limit.available, default=None)
 
 
+def machine_capacity(backend: AllocatorBackend) -> int | None:
+    """All the memory the device behind ``backend`` has: the device's total, on the CPU the host's
+    physical memory (``sysconf``); None when unreadable."""
+    if backend.kind != "cpu":
+        return backend.capacity()
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _within_machine(total: int, given: BudgetSpec, backend: AllocatorBackend) -> None:
+    """A byte budget above all the memory the device has cannot be what the user meant."""
+    capacity = machine_capacity(backend)
+    if capacity is not None and total > capacity:
+        raise MemWatchConfigError(
+            f"MemWatch(budget={given!r}) is {format_bytes(total)}, more than {backend.device} has in all "
+            f"({format_bytes(capacity)}); give a size below it or a fraction such as 0.8"
+        )
+
+
 def resolve_budget(budget: BudgetSpec, backend: AllocatorBackend) -> Budget:
     """Turn ``MemWatch(budget=...)`` into bytes for the device behind ``backend``.
 
@@ -321,6 +342,7 @@ def resolve_budget(budget: BudgetSpec, backend: AllocatorBackend) -> Budget:
     """
     bound_by: str | None = None
     limits: tuple[Limit, ...] = ()
+    fraction = fraction_of(budget)
     if budget is None:
         limits = tuple(device_limits(backend))
         binding = tightest(list(limits))
@@ -332,7 +354,7 @@ def resolve_budget(budget: BudgetSpec, backend: AllocatorBackend) -> Budget:
         total = int(DEFAULT_FRACTION * binding.available)
         bound_by = binding.name
         source = f"{DEFAULT_FRACTION:.0%} of {binding.describe()}"
-    elif isinstance(budget, float) and not isinstance(budget, bool):
+    elif fraction is not None:
         if backend.kind == "cpu":
             limits = tuple(host_limits())
             binding = tightest(list(limits))
@@ -345,11 +367,12 @@ def resolve_budget(budget: BudgetSpec, backend: AllocatorBackend) -> Budget:
                 f"MemWatch(budget={budget}) is a fraction, but the capacity of {backend.device} is unknown; "
                 "pass bytes or a size such as '20GiB'"
             )
-        total = parse_bytes(budget, capacity=capacity)
-        source = f"{budget:g} of {format_bytes(capacity)}" + (f" ({bound_by})" if bound_by else "")
+        total = parse_bytes(fraction, capacity=capacity)
+        source = f"{fraction:g} of {format_bytes(capacity)}" + (f" ({bound_by})" if bound_by else "")
     else:
         total = parse_bytes(budget)
         source = "user budget"
+        _within_machine(total, budget, backend)
     margin = int(CUDA_FRAGMENTATION_MARGIN * total) if backend.exact else 0
     return Budget(total=total, margin=margin, source=source, bound_by=bound_by, limits=limits,
                   margin_source="prior for allocator fragmentation, not measured yet" if margin else "")

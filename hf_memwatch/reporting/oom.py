@@ -1,8 +1,8 @@
 """OOM post-mortem: ``memwatch/oom_report.md`` written before an out-of-memory error leaves ``train()``.
 
-:func:`install_oom_guard` wraps the Trainer instance's ``train`` (whatever it is at the time, so it
-composes with other wrappers). On an OOM the report is written and the *same* exception object is
-re-raised with a bare ``raise``: the user's traceback is the original one. The report says at which
+:mod:`hf_memwatch.integration.patches` guards the Trainer instance's ``train``. On an OOM the report
+is written and the *same* exception object is re-raised with a bare ``raise``: the user's traceback
+is the original one (the tracker's frames around the failing operator spliced out). The report says at which
 step and phase the run died, what was live at the last snapshot, and which remedy would have saved
 how much, from :func:`hf_memwatch.estimation.estimate.estimate` when that module is importable.
 
@@ -16,16 +16,16 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import pickle
 import re
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..core.categories import LIVE_CLASSES
-from ..core.errors import is_oom_error
 from ..core.run_config import RunConfig, is_peft_model
 from ..core.units import format_bytes
 from ..measure.footprint import advice_from_stats, allocator_settings
@@ -48,36 +48,14 @@ PHASE_IN_PROGRESS = {
 }
 
 
-# -- installing --------------------------------------------------------------------------------
-def install_oom_guard(trainer: Any, on_oom: Callable[[BaseException], None]) -> bool:
-    """Wrap ``trainer.train`` so that ``on_oom(exc)`` runs before an OOM propagates, unchanged.
+# -- installing ---------------------------------------------------------------------------------
+def prepare_post_mortem() -> None:
+    """Import the estimator now: at the OOM there may be no memory left to import with.
 
-    ``on_oom`` faults are logged, never raised: the user sees their own exception. Installs once
-    per trainer; returns False when it already was installed.
+    The guard that calls :func:`write_oom_report` wraps ``train`` in
+    :mod:`hf_memwatch.integration.patches` and re-raises the same exception object.
     """
-    current = trainer.train
-    if getattr(current, _WRAPPED_MARK, False):
-        current._memwatch_source[0] = on_oom  # a callback rebuilt from checkpoint state takes over
-        return False
-    source = [on_oom]
-    _load_estimator()  # import now: at the OOM there may be no memory left to import with
-
-    @functools.wraps(current)
-    def train(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return current(*args, **kwargs)
-        except BaseException as exc:
-            if is_oom_error(exc):
-                try:
-                    source[0](exc)
-                except Exception as inner:  # noqa: BLE001 - the user's OOM matters, not ours
-                    logger.warning("hf-memwatch: OOM report failed (%s: %s)", type(inner).__name__, inner)
-            raise
-
-    setattr(train, _WRAPPED_MARK, True)
-    train._memwatch_source = source  # type: ignore[attr-defined]
-    trainer.train = train
-    return True
+    _load_estimator()
 
 
 def start_allocator_history(monitor: Any, max_entries: int = 100_000) -> bool:
@@ -88,7 +66,7 @@ def start_allocator_history(monitor: Any, max_entries: int = 100_000) -> bool:
     if getattr(monitor.backend, "kind", None) != "cuda":
         logger.warning("hf-memwatch: record_history applies to CUDA only; device is %s", monitor.device)
         return False
-    torch.cuda.memory._record_memory_history(max_entries=max_entries)
+    torch.cuda.memory._record_memory_history(max_entries=max_entries, **history_options())
     set_metadata = getattr(torch.cuda.memory, "_set_memory_metadata", None)
     snapshot = monitor.snapshot
 
@@ -104,6 +82,21 @@ def start_allocator_history(monitor: Any, max_entries: int = 100_000) -> bool:
 
     monitor.snapshot = snapshot_and_mark
     return True
+
+
+def history_options(recorder: Any = None) -> dict[str, Any]:
+    """Keywords for ``torch.cuda.memory._record_memory_history`` so that the phase annotations
+    (``record_function``) reach the history: ``global_record_annotations=True`` where the installed
+    torch's recorder takes it (torch 2.13: ``_record_memory_history_impl(..., global_record_annotations)``;
+    without it annotations are recorded only while the profiler runs). Empty where it does not."""
+    import inspect
+
+    recorder = recorder or getattr(torch.cuda.memory, "_record_memory_history_impl", None)
+    try:
+        parameters = inspect.signature(recorder).parameters if recorder is not None else {}
+    except (TypeError, ValueError):
+        parameters = {}
+    return {"global_record_annotations": True} if "global_record_annotations" in parameters else {}
 
 
 def stop_allocator_history() -> None:
@@ -259,10 +252,12 @@ def write_oom_report(
         monitor.writer.flush()
     path = directory / REPORT_NAME
 
+    limit_line = binding_limit_line(monitor.backend, record["requested"])
+
     def render(baseline: int | None, remedies: list[tuple[str, int | None, str]], note: str) -> None:
         text = render_oom_report(
             exc, monitor, last, config, model, at_failure, baseline, remedies, note, plan, snapshot_path,
-            allocator_advice=advice, failure_tensors=failure_tensors,
+            allocator_advice=advice, failure_tensors=failure_tensors, limit_line=limit_line,
         )
         partial = path.with_suffix(".md.partial")
         partial.write_text(text, encoding="utf-8")
@@ -280,6 +275,32 @@ def write_oom_report(
         render(*estimate_remedies(model, config))
     logger.warning("hf-memwatch: out of memory at step %s; post-mortem in %s", monitor.step, path)
     return path
+
+
+def binding_limit_line(backend: Any, requested: int | None) -> str | None:
+    """The report's line naming the limit that bound the run, with its figure: among the limits
+    read now (``RLIMIT_AS``/``RLIMIT_DATA`` against the process size, the cgroup's ``memory.max``,
+    ``MemAvailable``; on CUDA the free memory and ``set_per_process_memory_fraction``'s cap), the
+    tightest of those the failed request exceeded (else the tightest); None when none is readable."""
+    from ..planning.budget import device_limits
+
+    try:
+        limits = device_limits(backend)
+    except Exception:  # noqa: BLE001 - an unreadable limit must not cost the report
+        return None
+    if not limits:
+        return None
+    exceeded = [limit for limit in limits if requested is not None and limit.available < requested]
+    binding = min(exceeded or limits, key=lambda limit: limit.available)
+    figure = ""
+    if binding.name.startswith("RLIMIT_"):
+        import resource
+
+        soft = resource.getrlimit(getattr(resource, binding.name))[0]
+        figure = f" = {format_bytes(soft)} (soft limit, `ulimit {'-v' if binding.name == 'RLIMIT_AS' else '-d'}`)"
+    others = "; ".join(limit.describe() for limit in limits if limit is not binding)
+    return (f"- **Binding limit:** {binding.name}{figure}: {format_bytes(binding.available)} left "
+            f"{binding.detail}" + (f" (also read: {others})" if others else ""))
 
 
 def split_at_failure(monitor: Any) -> dict[str, Any] | None:
@@ -300,10 +321,12 @@ def _dump_cuda_snapshot(directory: Path) -> Path | None:
     if not torch.cuda.is_available():
         return None
     try:
-        if not any(torch.cuda.memory._snapshot().get("device_traces") or []):
+        snapshot = torch.cuda.memory._snapshot()  # one snapshot at an OOM (``_dump_snapshot`` takes another)
+        if not any(snapshot.get("device_traces") or []):
             return None  # history is not being recorded
         path = directory / SNAPSHOT_NAME
-        torch.cuda.memory._dump_snapshot(str(path))
+        with open(path, "wb") as fh:
+            pickle.dump(snapshot, fh)  # what torch.cuda.memory._dump_snapshot writes
         return path
     except Exception as exc:  # noqa: BLE001 - the report matters more than the snapshot
         logger.warning("hf-memwatch: no allocator snapshot (%s: %s)", type(exc).__name__, exc)
@@ -324,6 +347,7 @@ def render_oom_report(
     snapshot_path: Path | None,
     allocator_advice: str | None = None,
     failure_tensors: Any = None,
+    limit_line: str | None = None,
 ) -> str:
     """The Markdown text of the post-mortem; ``allocator_advice``: the CUDA allocator's
     (:func:`~hf_memwatch.measure.footprint.expandable_segments_advice`), when the gap called for it."""
@@ -355,6 +379,8 @@ def render_oom_report(
             f"- **Device:** {format_bytes(last['device_total'])} in all, "
             f"{format_bytes(last.get('device_free'))} free at the last snapshot"
         )
+    if limit_line is not None:
+        lines.append(limit_line)
     if at_failure is not None:
         lines += ["", "## Live memory when the allocation failed", ""]
         lines += _class_table(at_failure, spike=False)

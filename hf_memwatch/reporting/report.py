@@ -22,6 +22,7 @@ from typing import Any
 
 from ..core.categories import LIVE_CLASSES
 from ..core.errors import MemWatchConfigError
+from ..core.records import RECORDS, validate_record
 from ..core.run_config import RunConfig
 from ..core.timeline import _rank_of, find_timelines, read_timeline
 from ..core.units import format_bytes
@@ -57,6 +58,24 @@ class RankTimeline:
     evals: list[dict[str, Any]] = field(default_factory=list)  # one ``eval`` record per eval/predict loop
     meta: dict[str, Any] = field(default_factory=dict)
     peak_tensors: dict[int, dict[str, Any]] = field(default_factory=dict)  # step -> its ``peak_tensors`` record
+    skipped: list[str] = field(default_factory=list)  # "line N: why" of each malformed record left out
+
+
+def record_problem(record: Any) -> str | None:
+    """Why ``record`` (a parsed timeline line) cannot be drawn, or None: not an object, or a field
+    whose value has the wrong type for its event (``core/records.py``). Fields an older version did
+    not write and events this version does not know are no problem (they are read as absent/ignored).
+
+    Example:
+        >>> record_problem([1, 2]), record_problem({"event": "step", "peak": "big"})[:30]
+        ('not a JSON object', "step record: peak='big' is not")
+    """
+    if not isinstance(record, dict):
+        return "not a JSON object"
+    if record.get("event") not in RECORDS:
+        return None
+    wrong = [problem for problem in validate_record(record) if ": missing " not in problem]
+    return wrong[0] if wrong else None
 
 
 def load_run(path: str | os.PathLike[str]) -> list[RankTimeline]:
@@ -67,7 +86,11 @@ def load_run(path: str | os.PathLike[str]) -> list[RankTimeline]:
     runs = []
     for file in files:
         run = RankTimeline(rank=_rank_of(file))
-        for record in read_timeline(file):
+        for number, record in enumerate(read_timeline(file), start=1):
+            problem = record_problem(record)
+            if problem is not None:
+                run.skipped.append(f"{file.name} record {number}: {problem}")
+                continue
             kind = record.get("event")
             if kind == "snapshot" and record.get("allocated") is not None and "stage" not in record:
                 run.snapshots.append(record)  # eval loops are drawn from their ``eval`` records

@@ -1,6 +1,6 @@
 """Memory scalars (``memory/*``) in the integrations of ``args.report_to``, at the loss's global step.
 
-Two pieces, both installed by :func:`install_scalar_logging`:
+Two pieces, both installed by :mod:`hf_memwatch.integration.patches` for the duration of a run:
 
 1. The Trainer instance's ``log`` method is wrapped so that, on a training logging step, the
    ``memory/*`` figures join the very ``logs`` dict that the Trainer hands to its callbacks. The
@@ -10,7 +10,7 @@ Two pieces, both installed by :func:`install_scalar_logging`:
    ``memory/peak``, ... with no code of ours, and the keys stay in ``trainer.state.log_history``.
 2. TensorBoard's and W&B's callbacks pass training logs through ``rewrite_logs``, which prefixes
    every training key with ``train/``. Their ``on_log`` (per instance) is wrapped by
-   :func:`route_exact_names`: it hands them the logs *without* the ``memory/*`` keys and writes
+   :func:`routed_on_log`: it hands them the logs *without* the ``memory/*`` keys and writes
    those keys itself, under their exact names, through the callback's own live object:
    ``tb_writer.add_scalar(tag, value, state.global_step)`` then ``flush()``; for W&B
    ``run.log(memory, commit=False)`` just before the callback's own ``wandb.log({..., "train/global_step":
@@ -261,30 +261,20 @@ def _exact_name_routes() -> list[tuple[type, Writer | None, Writer]]:
     return [(TensorBoardCallback, None, _tensorboard_write), (WandbCallback, _wandb_stage, _wandb_own_row)]
 
 
-def route_exact_names(callbacks: list[Any] | None) -> int:
-    """Wrap ``on_log`` of the TensorBoard and W&B callbacks so ``memory/*`` keep their exact names.
-
-    The wrapped ``on_log`` passes the logs without the ``memory/*`` keys to the callback (so
-    ``rewrite_logs`` makes no ``train/memory/...``) and writes those keys through the callback's
-    own writer or run at ``state.global_step``, on the main process only (where the callback
-    writes). Installs once per callback instance; returns how many were wrapped now.
-
-    Example:
-        >>> route_exact_names(trainer.callback_handler.callbacks)  # doctest: +SKIP
-        1
-    """
-    wrapped = 0
+def exact_name_routes(callbacks: list[Any] | None) -> list[tuple[Any, Writer | None, Writer]]:
+    """(callback, write before its ``on_log`` or None, write after it) for each TensorBoard and W&B
+    callback in ``callbacks`` whose ``on_log`` is not routed yet; :func:`routed_on_log` builds the
+    wrapper (installed by :mod:`hf_memwatch.integration.patches`)."""
     routes = _exact_name_routes()
+    found = []
     for callback in callbacks or []:
         route = next(((before, after) for cls, before, after in routes if isinstance(callback, cls)), None)
-        if route is None or getattr(callback.on_log, _WRAPPED_MARK, False):
-            continue
-        callback.on_log = _routed_on_log(callback, callback.on_log, *route)
-        wrapped += 1
-    return wrapped
+        if route is not None and not getattr(callback.on_log, _WRAPPED_MARK, False):
+            found.append((callback, *route))
+    return found
 
 
-def _routed_on_log(
+def routed_on_log(
     callback: Any, original: Callable[..., Any], before: Writer | None, after: Writer
 ) -> Callable[..., Any]:
     """``original`` fed the logs without ``memory/*``; those written by ``before`` or else ``after``."""
@@ -315,31 +305,20 @@ def _safely(writer: Writer, callback: Any, memory: Mapping[str, Any], step: int)
         return False
 
 
-def install_scalar_logging(
+def scalar_logging(
     trainer: Any,
+    current: Callable[..., Any],
     scalars_for_step: Callable[[int], dict[str, int] | None],
     scalars_for_eval: Callable[[], dict[str, int] | None] | None = None,
-) -> bool:
-    """Wrap ``trainer.log`` so ``memory/*`` scalars join training logs before the integrations see them.
+) -> Callable[..., Any]:
+    """A ``log`` for ``trainer`` (wrapping ``current``) where ``memory/*`` scalars join training logs
+    before the integrations see them; installed by :mod:`hf_memwatch.integration.patches`.
 
     ``scalars_for_step(global_step)`` returns this rank's figures for that step, or None when the
-    step was not measured. Composes with other wrappers (wraps whatever ``trainer.log`` is now);
-    installs once per trainer (a later call — a callback rebuilt from checkpoint state — takes over the
-    figures). A fault in ours is logged and the log goes on without memory keys.
-    Each call also routes the TensorBoard and W&B callbacks present now (:func:`route_exact_names`),
-    so that integrations added between two calls are covered too.
-
+    step was not measured. A fault in ours is logged and the log goes on without memory keys.
     ``scalars_for_eval()``, when given, returns the ``memory/eval_*`` figures of the eval loop whose
     metrics are being logged (``evaluate()`` logs them right after its loop), joined to those logs.
-
-    Returns True when ``log`` was wrapped now, False when it already was.
     """
-    route_exact_names(getattr(getattr(trainer, "callback_handler", None), "callbacks", None))
-    current = trainer.log
-    if getattr(current, _WRAPPED_MARK, False):
-        # A callback rebuilt from checkpoint state (restore_callback_states_from_checkpoint) takes over.
-        current._memwatch_source[:] = [scalars_for_step, scalars_for_eval]
-        return False
     source = [scalars_for_step, scalars_for_eval]
 
     @functools.wraps(current)
@@ -366,9 +345,7 @@ def install_scalar_logging(
         return current(logs, *args, **kwargs)
 
     setattr(log, _WRAPPED_MARK, True)
-    log._memwatch_source = source  # type: ignore[attr-defined]
-    trainer.log = log
-    return True
+    return log
 
 
 def plan_in_force(owner: Any) -> dict[str, Any] | None:
