@@ -32,6 +32,15 @@ def model_dir(tmp_path_factory):
 def test_unknown_keyword_is_a_config_error_naming_the_closest():
     with pytest.raises(MemWatchConfigError, match=r"unknown keyword 'budjet' \(did you mean 'budget'\?\)"):
         MemWatch(budjet="1GiB")
+    with pytest.raises(MemWatchConfigError, match=r"top_tensors"):  # every keyword it takes is named
+        MemWatch(top_tensor=3)
+
+
+def test_unknown_estimate_keyword_is_a_config_error(model_dir):
+    from hf_memwatch import estimate
+
+    with pytest.raises(MemWatchConfigError, match=r"estimate\(\) got an unknown keyword 'seqlen' \(did you mean 'seq_len'\?\)"):
+        estimate(str(model_dir), batch_size=1, seqlen=8)
 
 
 def test_budgets_are_parsed_strictly():

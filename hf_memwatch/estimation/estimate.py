@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ..core.errors import MemWatchConfigError
+from ..core.errors import MemWatchConfigError, unknown_keywords
 from ..core.run_config import RunConfig
 from ..core.units import format_bytes, parse_bytes
 from ..measure.attribution import is_quantized_param, weight_storages
@@ -356,6 +356,7 @@ def estimate(
     optimizer_step: bool = True,
     engine: Any = None,
     top_tensors: int = 0,
+    **unknown: Any,
 ) -> MemoryEstimate:
     """Predict the peak memory of one Trainer optimizer step (per device), split by class.
 
@@ -409,6 +410,8 @@ def estimate(
         >>> estimate(cfg, batch_size=8, seq_len=256, budget="1GiB").fits         # doctest: +SKIP
         True
     """
+    if unknown:
+        raise MemWatchConfigError(unknown_keywords("estimate", unknown, estimate))
     trainer = model_or_config if is_trainer(model_or_config) else None
     generation = _generation_of(trainer, predict_with_generate, generation_max_length, generation_num_beams)
     run = _settings(trainer, dict(

@@ -30,7 +30,7 @@ import torch
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
-from ..core.errors import MemWatchConfigError, is_oom_error
+from ..core.errors import MemWatchConfigError, is_oom_error, unknown_keywords
 from ..core.run_config import RunConfig
 from ..core.timeline import TIMELINE_DIRNAME, TimelineWriter
 from ..core.units import format_bytes
@@ -68,27 +68,6 @@ logger = logging.getLogger("hf_memwatch")
 
 Detail = Literal["auto", "full", "light"]
 _F = TypeVar("_F", bound=Callable[..., Any])
-
-
-_KEYWORDS = ("detail", "full_steps", "output_dir", "scalars", "report", "summary", "oom_report",
-             "record_history", "auto", "budget")
-
-
-def unknown_keywords(owner: str, unknown: dict[str, Any], known: tuple[str, ...]) -> str:
-    """One line naming the unknown keywords, the closest known name of each, and the known ones.
-
-    Example:
-        >>> unknown_keywords("MemWatch", {"budjet": 1}, ("auto", "budget"))
-        "MemWatch() got an unknown keyword 'budjet' (did you mean 'budget'?); it takes: auto, budget"
-    """
-    import difflib
-
-    names = []
-    for name in sorted(unknown):
-        close = difflib.get_close_matches(name, known, n=1)
-        names.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-    plural = "s" if len(names) > 1 else ""
-    return f"{owner}() got an unknown keyword{plural} {', '.join(names)}; it takes: {', '.join(known)}"
 
 
 def _guarded(method: _F) -> _F:
@@ -188,7 +167,7 @@ class MemWatch(TrainerCallback, ExportableState):
         **unknown: Any,
     ) -> None:
         if unknown:
-            raise MemWatchConfigError(unknown_keywords("MemWatch", unknown, _KEYWORDS))
+            raise MemWatchConfigError(unknown_keywords("MemWatch", unknown, MemWatch.__init__))
         if detail not in ("auto", "full", "light"):
             raise MemWatchConfigError(f"MemWatch(detail=...) must be 'auto', 'full' or 'light'; got {detail!r}")
         if isinstance(full_steps, bool) or not isinstance(full_steps, int) or full_steps < 1:
