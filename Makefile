@@ -24,9 +24,10 @@ venv: $(STAMP)
 lint: venv
 	$(VENV)/bin/ruff check hf_memwatch tests examples benchmarks
 
+# Two pytest workers, one per core; a test file stays on one worker (its module fixtures run once).
 test: lint
 	command -v chromium >/dev/null || (apt-get update && apt-get install -y chromium)
-	$(VENV)/bin/pytest -q -p no:cacheprovider --doctest-modules hf_memwatch tests
+	$(VENV)/bin/pytest -q -p no:cacheprovider -n 2 --dist loadfile --durations=15 --doctest-modules hf_memwatch tests
 
 demo: venv
 	rm -rf demo-output

@@ -14,7 +14,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# Two cores: one thread per pytest-xdist worker (two workers), else two.
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, torch.get_num_threads()))
 
 # After the environment: importing it imports transformers and huggingface_hub, which read it.
 from hf_memwatch.testing.estimate_truth import ListDataset  # noqa: E402
@@ -76,26 +77,16 @@ def loss_history(trainer) -> list[float]:
 
 # Every timeline record the suite writes is checked against its typed definition (the README's
 # contract, hf_memwatch.core.records); tests/test_zz_timeline_contract.py reads the verdict.
-WRITTEN_RECORDS: dict[str, int] = {}
-RECORD_PROBLEMS: list[str] = []
-
-
-@pytest.fixture(autouse=True)
-def fresh_fake_tensor_cache():
-    """Each test starts with PyTorch's fake-tensor dispatch cache empty, as a process does.
-
-    The cache is global and only grows: after the suite's hundreds of estimates, later tests ran
-    3-5x slower (test_auto after test_estimate: 108 s, 52 s with this), which is the suite's
-    artefact, not a user's (one planning leaves ~1,100 entries).
-    """
-    yield
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    FakeTensorMode.cache.clear()
+WRITTEN_RECORDS: dict[str, int] = {}  # event -> records written by this process's tests
+RECORD_PROBLEMS: list[str] = []  # what the current test wrote that does not match core/records.py
+# Where each pytest process leaves the kinds it wrote (pytest-xdist workers inherit it from the
+# controller), so the check that the suite wrote every kind sees the whole suite, in any order.
+RECORDS_DIR_ENV = "HF_MEMWATCH_TEST_RECORDS_DIR"
 
 
 @pytest.fixture(autouse=True, scope="session")
 def check_every_timeline_record():
+    """Every record any test writes is validated against its typed definition (see the per-test check)."""
     from hf_memwatch.core.records import validate_record
     from hf_memwatch.core.timeline import TimelineWriter
 
@@ -109,6 +100,49 @@ def check_every_timeline_record():
     TimelineWriter.write = write
     yield
     TimelineWriter.write = original
+
+
+@pytest.fixture(autouse=True)
+def records_match_their_definitions(check_every_timeline_record):
+    """The test that wrote a record unlike its definition fails (MemWatch's guard would swallow a raise)."""
+    RECORD_PROBLEMS.clear()
+    yield
+    problems, RECORD_PROBLEMS[:] = sorted(set(RECORD_PROBLEMS)), []
+    if problems:
+        pytest.fail(f"timeline records unlike core/records.py: {problems[:20]}", pytrace=False)
+
+
+def pytest_configure(config):
+    if not hasattr(config, "workerinput") and RECORDS_DIR_ENV not in os.environ:  # the controller
+        import tempfile
+
+        os.environ[RECORDS_DIR_ENV] = tempfile.mkdtemp(prefix="hf-memwatch-records-")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Each process leaves the kinds it wrote; the controller checks, on a whole-suite run, that the
+    suite wrote every kind of record it can (oom and oom_recovered are written in subprocesses)."""
+    folder = Path(os.environ.get(RECORDS_DIR_ENV, ""))
+    if not folder.is_dir():
+        return
+    worker = getattr(session.config, "workerinput", {}).get("workerid", "main")
+    (folder / f"{worker}.json").write_text(json.dumps(WRITTEN_RECORDS))
+    if hasattr(session.config, "workerinput") or not _whole_suite(session):
+        return
+    from hf_memwatch.core.records import RECORDS
+
+    written = set()
+    for path in folder.glob("*.json"):
+        written |= set(json.loads(path.read_text()))
+    missing = set(RECORDS) - {"oom", "oom_recovered"} - written
+    if missing and session.exitstatus == 0:
+        session.config.get_terminal_writer().line(f"the suite wrote no {sorted(missing)} record", red=True)
+        session.exitstatus = 1
+
+
+def _whole_suite(session) -> bool:
+    options = session.config.option
+    return session.testscollected > 300 and not options.keyword and not options.markexpr and not getattr(options, "lf", False)
 
 
 @pytest.fixture
