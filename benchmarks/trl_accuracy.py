@@ -254,8 +254,8 @@ def main() -> int:
               "1-layer sequence-classification reward model in `reward_funcs`, `-ref` a reference model (`beta` > 0; "
               "RLOO's default beta has one). onlinedpo: TRL's experimental OnlineDPOTrainer, 2 completions of 8 tokens per "
               "prompt scored by a reward model in `reward_funcs`, with a reference model. gkd: TRL's experimental GKDTrainer, a "
-              "teacher of the same architecture, `lmbda=0.5` (the replay generates on-policy, `max_new_tokens`=8: the worst "
-              "case, and the branch the real steps drew).", "", "sft-qlora: a 4-bit nf4 base (loaded through `BitsAndBytesConfig`) + LoRA on all linears. QLoRA "
+              "teacher of the same architecture, `lmbda=0.5` (the replay generates on-policy every step, "
+              "`max_new_tokens`=8: the worst case).", "", "sft-qlora: a 4-bit nf4 base (loaded through `BitsAndBytesConfig`) + LoRA on all linears. QLoRA "
               "from a config (`--load-in-4bit`, 8-bit, double quantization, fp4): `peft_accuracy.md`."]
     text = "\n".join(lines) + "\n"
     print(text)
