@@ -111,7 +111,30 @@ def build_online(kind: str, family: str, out: str, common: dict[str, Any], gener
         return OnlineDPOTrainer(model=model(family), ref_model=model(family, seed=1), reward_funcs=[reward_model(family)],
                                 args=config, train_dataset=prompts, processing_class=tokenizer,
                                 reward_processing_classes=[tokenizer])
+    if kind == "gkd":
+        return gkd(family, online, generator)
     raise ValueError(kind)
+
+
+CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }} {% endfor %}"
+
+
+def gkd(family: str, online: dict[str, Any], generator: torch.Generator, **overrides: Any) -> Any:
+    """TRL's experimental GKDTrainer: a student, a teacher (another seed of ``family``), conversations of a
+    12-word prompt and a 4-word answer; ``lmbda=0.5`` (on-policy generation of ``max_new_tokens=8`` drawn
+    per step, the replay's worst case: prompt + 8 is longer than prompt + answer)."""
+    from datasets import Dataset
+    from trl.experimental.gkd import GKDConfig, GKDTrainer
+
+    tokenizer = word_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    data = Dataset.from_list([{"messages": [{"role": "user", "content": words(generator, 12)},
+                                            {"role": "assistant", "content": words(generator, 4)}]}
+                              for _ in range(16)])
+    values = {k: v for k, v in online.items() if k != "max_completion_length"}
+    values.update(dict(max_new_tokens=8, lmbda=0.5, max_length=64), **overrides)
+    return GKDTrainer(model=model(family), teacher_model=model(family, seed=1), args=GKDConfig(**values),
+                      train_dataset=data, processing_class=tokenizer)
 
 
 def build(kind: str, family: str, out: str, precision: str, checkpointing: bool) -> Any:
@@ -177,7 +200,8 @@ CASES = [(kind, family, precision, ckpt)
                                        ("dpo", "fp32", False), ("dpo-precomputed", "bf16", False),
                                        ("grpo", "fp32", False), ("grpo-rm-ref", "fp32", False),
                                        ("rloo", "fp32", False), ("rloo-rm", "fp32", False),
-                                       ("onlinedpo", "fp32", False))]
+                                       ("onlinedpo", "fp32", False), ("gkd", "fp32", False),
+                                       ("gkd", "fp32", True))]
 
 
 def kept_rows(kinds: set[str]) -> list[dict[str, Any]]:
@@ -229,7 +253,9 @@ def main() -> int:
               "inside the step (the replay generates each to its longest); reward: a Python callable, `-rm` adds a "
               "1-layer sequence-classification reward model in `reward_funcs`, `-ref` a reference model (`beta` > 0; "
               "RLOO's default beta has one). onlinedpo: TRL's experimental OnlineDPOTrainer, 2 completions of 8 tokens per "
-              "prompt scored by a reward model in `reward_funcs`, with a reference model.", "", "sft-qlora: a 4-bit nf4 base (loaded through `BitsAndBytesConfig`) + LoRA on all linears. QLoRA "
+              "prompt scored by a reward model in `reward_funcs`, with a reference model. gkd: TRL's experimental GKDTrainer, a "
+              "teacher of the same architecture, `lmbda=0.5` (the replay generates on-policy every step, "
+              "`max_new_tokens`=8: the worst case).", "", "sft-qlora: a 4-bit nf4 base (loaded through `BitsAndBytesConfig`) + LoRA on all linears. QLoRA "
               "from a config (`--load-in-4bit`, 8-bit, double quantization, fp4): `peft_accuracy.md`."]
     text = "\n".join(lines) + "\n"
     print(text)

@@ -39,6 +39,7 @@ from .generation import GenerationSettings
 from .layers import AUTO_MIN_LAYERS, SHORT_DEPTHS, extrapolate, homogeneous_layers, truncated
 from .peft import LoraSpec, apply_peft, is_adapter_dir, load_adapter, meta_copy
 from .quantized import QuantSpec, fake_quantized_param, quantize_meta
+from .rebind import rebind_patched_forwards
 from .shard import engine_classes, shard_classes
 from .step import CUDA_BLOCK, LOGITS, LOGITS_FP32, simulate_step
 from .trainer_replay import (
@@ -247,7 +248,9 @@ def fake_copy(model: torch.nn.Module, fake_mode: Any, device: str) -> torch.nn.M
             fake = torch.nn.Parameter(fake, requires_grad=tensor.requires_grad)
         memo[id(tensor)] = fake
     _drop_foreign_hooks(model, memo)
-    return copy.deepcopy(model, memo)
+    copied = copy.deepcopy(model, memo)
+    rebind_patched_forwards(copied, memo)  # TRL's fused-LM-head forward: the copy's modules, not the live ones
+    return copied
 
 
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
