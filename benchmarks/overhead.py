@@ -1,6 +1,6 @@
 """CPU time per optimizer step with MemWatch vs without, on a real Trainer run (CPU).
 
-The clock is this process's CPU time (``time.process_time``, all its threads, as
+The clock is this process's CPU time (``time.process_time``, one thread, as
 ``fixed_cost.py`` measures), not wall time: on a shared machine other processes' bursts stretch wall
 time (a no-MemWatch step read 2,091 ms in one burst, 160 ms quiet) but not this process's CPU
 time. Runs are interleaved (none, default, full, default, full, none, ...) after one warm-up round;
@@ -95,6 +95,9 @@ def main() -> int:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--out", type=Path)
     opts = parser.parse_args()
+    # One thread: a second one spin-waits for work under contention, and its spinning is CPU time of
+    # this process that no variant did (a no-MemWatch step read 1,200 ms at load 17, spread 0.3-1.1).
+    torch.set_num_threads(1)
     hf_logging.set_verbosity_error()
     variants = ("none", "default", "full")
     times: dict[str, list[list[float]]] = {v: [] for v in variants}
