@@ -61,3 +61,19 @@ def test_the_replay_checkpoints_what_the_run_checkpoints(tmp_path: Path, case: s
     if CASES[case].get("subset") or "every_n_layers" in str(CASES[case]):
         full = estimate(trainer(tmp_path / "full", activation_checkpointing=True)).peak_bytes
         assert full < predicted  # a partial layout keeps more activations than full checkpointing
+
+
+def test_the_depth_extrapolation_checkpoints_every_simulated_depth():
+    """The short depths are replayed on one fake model: the second (3 layers) must checkpoint its third
+    layer too, not find the first replay's flags and leave the new layer unchecked (BERT demo: +12.6%)."""
+    from transformers import BertConfig
+
+    from hf_memwatch import estimate
+
+    config = BertConfig(num_hidden_layers=8, hidden_size=64, num_attention_heads=4, intermediate_size=128,
+                        vocab_size=500, architectures=["BertForSequenceClassification"])
+    kwargs = dict(task="seq-cls", batch_size=4, seq_len=64, checkpointing=True)
+    extrapolated = estimate(config, **kwargs)
+    assert any("extrapolated" in note for note in extrapolated.notes)
+    full = estimate(config, extrapolate_layers=False, **kwargs)
+    assert abs(extrapolated.peak_bytes - full.peak_bytes) <= 0.001 * full.peak_bytes
