@@ -133,7 +133,7 @@ def main() -> int:
         f"{opts.rounds} interleaved rounds x {opts.steps} steps per variant after one warm-up round; "
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.machine()}, "
         f"{os.cpu_count()} CPUs.",
-        "Clock: this process's CPU time per step (`time.process_time`, all its threads), robust to other "
+        "Clock: this process's CPU time per step (`time.process_time`, one torch thread), robust to other "
         "processes on a shared machine.",
         f"Median step without MemWatch: {base_ms:.1f} ms of CPU time.",
         "",
