@@ -17,37 +17,18 @@ import platform
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
 
 import torch  # noqa: E402
-from transformers import TrainerCallback  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from overhead import Tokens  # noqa: E402
+from overhead import StepClock, Tokens  # noqa: E402
 
 from hf_memwatch import MemWatch  # noqa: E402
-
-
-class CpuClock(TrainerCallback):
-    """Process CPU time between consecutive step ends."""
-
-    def __init__(self) -> None:
-        self.marks: list[float] = []
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        if not self.marks:
-            self.marks.append(time.process_time())
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self.marks.append(time.process_time())
-
-    def step_times(self) -> list[float]:
-        return [b - a for a, b in zip(self.marks, self.marks[1:])]
 
 
 def run(top: int, steps: int, batch: int, seq_len: int, workdir: str) -> list[float]:
@@ -60,7 +41,7 @@ def run(top: int, steps: int, batch: int, seq_len: int, workdir: str) -> list[fl
     args = TrainingArguments(output_dir=workdir, per_device_train_batch_size=batch, max_steps=steps,
                              logging_steps=50, report_to=[], save_strategy="no", use_cpu=True,
                              disable_tqdm=True, seed=0)
-    clock = CpuClock()
+    clock = StepClock()
     watch = MemWatch(detail="full", report=False, summary=False, top_tensors=top)
     Trainer(model=model, args=args, train_dataset=Tokens(steps * batch, seq_len, 8000),
             callbacks=[clock, watch]).train()
