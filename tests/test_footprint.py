@@ -173,11 +173,12 @@ def test_a_step_whose_measured_footprint_would_not_fit_turns_checkpointing_on(tm
     assert footprint["fits"] is False and footprint["footprint_gap"] == reserved - peak
     assert footprint["next_step_need"] == reserved and footprint["budget"] == budget.total
     assert "expandable_segments:True" in (footprint["advice"] or "")
-    assert replanned is not None and replanned["activation_checkpointing"] is True
+    assert replanned is not None and replanned.activation_checkpointing is True
     assert trainer.model.is_activation_checkpointing
-    assert "would not fit" in replanned["reason"] and "between steps" in replanned["reason"]
-    assert replanned["predicted_peak"] < peak  # the checkpointed step, predicted by the plan's predictor
-    assert replanned["margin"] > 0 and "measured in step(s) 1" in replanned["margin_source"]
+    assert "would not fit" in replanned.reason and "between steps" in replanned.reason
+    assert replanned.predicted_peak < peak  # the checkpointed step, predicted by the plan's predictor
+    assert replanned.margin > 0 and "measured in step(s) 1" in replanned.margin_source
+    assert records[-1] == replanned.to_dict()  # what was written is the plan in force
     # The measured gap is the margin of any later plan (the safety net's).
     assert auto.budget is not None and auto.budget.margin == reserved - peak
     assert "would not fit the budget" in caplog.text and "expandable_segments" in caplog.text

@@ -1,9 +1,13 @@
-"""The timeline's records, typed: one definition of each event (README "Timeline" is their contract).
+"""The timeline's records, typed: one dataclass per event (README "Timeline" is their contract).
 
-Writers build plain dicts of these shapes (:class:`~hf_memwatch.core.timeline.TimelineWriter`
-writes them, :func:`~hf_memwatch.core.timeline.read_timeline` reads them back);
-:func:`validate_record` checks one against its definition — the test suite checks every record it
-writes. Fields are never removed; more may be added.
+Each record is built as its dataclass and serialises itself: :meth:`Record.to_dict` is the one
+place a record becomes the JSON object of a timeline line, :func:`parse_record` (and each class's
+:meth:`Record.from_dict`) the one reader back. :func:`validate_record` checks a plain dict against
+its event's definition — the test suite checks every record it writes. Fields are never removed;
+more may be added: keys a definition does not know are kept in ``extra`` and written back.
+
+A field with no default is required (always written); an *optional* field (declared with
+:func:`optional`) is written only when it is known (not None).
 
 Example:
     >>> validate_record({"event": "meta", "model": "GPT2LMHeadModel", "params": 10, "trainable_params": 10,
@@ -12,13 +16,25 @@ Example:
     []
     >>> validate_record({"event": "step", "step": 1})[0]
     "step record: missing 'detail'"
+    >>> leak = LeakRecord(klass="other", bytes_per_step=2097152, since_step=2, step=6, predicted_oom_step=None, rank=0)
+    >>> leak.to_dict()["class"], parse_record(leak.to_dict()) == leak
+    ('other', True)
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal, TypedDict, get_type_hints
+import dataclasses
+import functools
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal, TypedDict, TypeVar, get_type_hints
 
 Bytes = int  # every figure is in bytes; None where a device cannot tell
+_R = TypeVar("_R", bound="Serial")
+
+
+def optional(default: Any = None) -> Any:
+    """A field written only when known (not None): absent from the JSON object otherwise."""
+    return field(default=default, metadata={"optional": True})
 
 
 class LiveClasses(TypedDict):
@@ -31,10 +47,78 @@ class LiveClasses(TypedDict):
     other: Bytes | None
 
 
-class SnapshotRecord(TypedDict):
-    """The allocator at one phase of an optimizer step."""
+@dataclass(kw_only=True)
+class Serial:
+    """A dataclass that turns itself into plain JSON-able data and back.
 
-    event: Literal["snapshot"]
+    ``KEYS`` maps a field to its key on disk where they differ (``klass`` -> ``class``); ``NESTED``
+    names the fields holding another :class:`Serial`.
+    """
+
+    KEYS: ClassVar[dict[str, str]] = {}
+    NESTED: ClassVar[dict[str, type[Serial]]] = {}
+    extra: dict[str, Any] = field(default_factory=dict, repr=False)  # keys this definition does not know
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for item in dataclasses.fields(self):
+            if item.name == "extra":
+                continue
+            value = getattr(self, item.name)
+            if value is None and item.metadata.get("optional"):
+                continue
+            out[self.KEYS.get(item.name, item.name)] = value.to_dict() if isinstance(value, Serial) else value
+        out.update({k: v for k, v in self.extra.items() if k not in out})
+        return out
+
+    @classmethod
+    def from_dict(cls: type[_R], data: dict[str, Any]) -> _R:
+        """The inverse of :meth:`to_dict`; unknown keys go to ``extra``; a missing required key is a ValueError."""
+        keys = _disk_keys(cls)
+        values: dict[str, Any] = {}
+        for name, key in keys.items():
+            if key in data:
+                value = data[key]
+                nested = cls.NESTED.get(name)
+                values[name] = nested.from_dict(value) if nested is not None and isinstance(value, dict) else value
+        missing = [keys[name] for name in _required(cls) if name not in values]
+        if missing:
+            raise ValueError(f"{getattr(cls, 'EVENT', cls.__name__)} record: missing {', '.join(map(repr, missing))}")
+        known = set(keys.values()) | {"event"}
+        return cls(**values, extra={k: v for k, v in data.items() if k not in known})
+
+    def replace(self: _R, **changes: Any) -> _R:
+        """A copy with ``changes`` (field names)."""
+        return dataclasses.replace(self, **changes)
+
+
+@functools.cache
+def _disk_keys(cls: type[Serial]) -> dict[str, str]:
+    """Field name -> key on disk, ``extra`` left out."""
+    return {f.name: cls.KEYS.get(f.name, f.name) for f in dataclasses.fields(cls) if f.name != "extra"}
+
+
+@functools.cache
+def _required(cls: type[Serial]) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls)
+                 if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+
+
+@dataclass(kw_only=True)
+class Record(Serial):
+    """A timeline record: ``EVENT`` is its ``event`` key."""
+
+    EVENT: ClassVar[str] = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"event": self.EVENT, **super().to_dict()}
+
+
+@dataclass(kw_only=True)
+class Snapshot(Record):
+    """The allocator at one phase of an optimizer step (or of an eval loop: ``stage``, ``batch``)."""
+
+    EVENT: ClassVar[str] = "snapshot"
     step: int
     micro_step: int
     phase: str
@@ -52,15 +136,23 @@ class SnapshotRecord(TypedDict):
     num_ooms: int | None
     device_free: Bytes | None
     device_total: Bytes | None
-    detail: str
     host_rss: Bytes | None
     host_vms: Bytes | None
+    detail: str
+    stage: str | None = optional()  # eval loops only: "eval" | "predict"
+    batch: int | None = optional()  # eval loops only: the batch
+    outputs: Bytes | None = optional()  # eval loops only: the outputs the loop holds
+    frozen_models: dict[str, int] | None = optional()  # models the Trainer holds: name -> bytes
 
 
-class StepRecord(TypedDict):
+SnapshotRecord = Snapshot  # the name before the records were dataclasses
+
+
+@dataclass(kw_only=True)
+class StepRecord(Record):
     """One optimizer step: its peak, where, and what dominated."""
 
-    event: Literal["step"]
+    EVENT: ClassVar[str] = "step"
     step: int
     rank: int
     peak: Bytes | None
@@ -73,8 +165,34 @@ class StepRecord(TypedDict):
     reserved: Bytes | None
 
 
-class _PlanRequired(TypedDict):
-    event: Literal["plan"]
+@dataclass(kw_only=True)
+class PlannedBatch(Serial):
+    """The batch a plan was computed for (the plan record's ``sample``): the longest sample of the
+    whole dataset (``index``, ``seq_len`` tokens, ``source``: how it was found), and the samples of
+    the planned micro-batch — ``indices`` (the ``k`` longest distinct samples where the sampler or
+    collator forms such batches, else the longest repeated) with their ``tokens`` before padding."""
+
+    index: int | None
+    seq_len: int | None
+    source: str | None
+    notes: list[str] = field(default_factory=list)
+    indices: list[int] | None = optional()
+    tokens: int | None = optional()
+
+
+@dataclass(kw_only=True)
+class PlanRecord(Record):
+    """The auto mode's plan (also the callback's saved state): the plan, its budget and provenance.
+
+    ``status`` is ``"failed"`` when planning failed and the run goes on as configured (only with
+    ``allow_over_budget``; ``"over_budget"`` when it is predicted or measured over the budget);
+    ``configured`` is the configuration it was made for; ``sample`` the batch it planned for
+    (:class:`PlannedBatch`); ``budget_bound_by`` the real limit the default budget was taken from;
+    ``margin`` the planning margin in force (``budget / (1 + margin)`` is planned against) and
+    ``margin_source`` what it was measured from; ``resumed`` marks a plan kept from a checkpoint."""
+
+    EVENT: ClassVar[str] = "plan"
+    NESTED: ClassVar[dict[str, type[Serial]]] = {"sample": PlannedBatch}
     micro_batch_size: int
     gradient_accumulation_steps: int
     activation_checkpointing: bool | None
@@ -82,37 +200,35 @@ class _PlanRequired(TypedDict):
     predicted_peak: Bytes | None
     budget: Bytes | None
     reason: str
+    budget_source: str | None = optional()
+    budget_bound_by: str | None = optional()
+    margin: float | None = optional()  # footprint beyond the allocated bytes planned for, as a share of them
+    margin_source: str | None = optional()  # what it was measured from (or the prior it still is)
+    configured: dict[str, int] | None = optional()
+    sample: PlannedBatch | None = optional()
+    resumed: bool | None = optional()
+    status: str | None = optional()
+    recovered_from_oom: int | None = optional()
+    eval_batch_size: int | None = optional()
+    eval_accumulation_steps: int | None = optional()
+    eval_predicted_peak: Bytes | None = optional()
+    eval_reason: str | None = optional()
+    advice: list[dict[str, Any]] | None = optional()  # catalogue.Advice.as_dict(): name, saving, how; never applied
+    source: str | None = optional()  # "predicted" (replayed), "measured" (micro-steps measured live), "none"
+    measurements: list[dict[str, Any]] | None = optional()  # measured: micro_batch_size, checkpointing, peak, before
+
+    @property
+    def in_force(self) -> bool:
+        """A plan the run follows (not a run let go on as configured, over budget or unplanned)."""
+        return self.status not in ("failed", "over_budget")
 
 
-class PlanRecord(_PlanRequired, total=False):
-    """The auto mode's plan (also the callback's saved state). ``status`` is ``"failed"`` when planning
-    failed and the run goes on as configured (only with ``allow_over_budget``; ``"over_budget"`` when it
-    is predicted or measured over the budget); ``configured`` is the configuration it was made for;
-    ``sample`` the sample it planned for (the longest batch of the whole dataset: its index, length,
-    how it was found); ``budget_bound_by`` the real limit the default budget was taken from; ``margin``
-    the planning margin in force (``budget / (1 + margin)`` is planned against) and ``margin_source``
-    what it was measured from; ``resumed`` marks a plan kept from a checkpoint."""
+@dataclass(kw_only=True)
+class EvalRecord(Record):
+    """One evaluation/prediction loop (:mod:`hf_memwatch.integration.eval_watch`); its snapshots carry
+    ``stage`` and ``batch`` (training snapshots have no ``stage``)."""
 
-    budget_source: str
-    budget_bound_by: str | None
-    margin: float  # footprint beyond the allocated bytes planned for, as a share of them
-    margin_source: str  # what it was measured from (or the prior it still is)
-    configured: dict[str, int]
-    sample: dict[str, Any] | None
-    resumed: bool
-    status: str
-    recovered_from_oom: int
-    eval_batch_size: int
-    eval_accumulation_steps: int | None
-    advice: list[dict[str, Any]]  # catalogue.Advice.as_dict(): name, saving (bytes), how; never applied
-    eval_predicted_peak: Bytes
-    eval_reason: str
-    source: str  # "predicted" (the estimator replayed the step), "measured" (micro-steps measured live), "none"
-    measurements: list[dict[str, Any]]  # measured: micro_batch_size, activation_checkpointing, peak, before
-
-
-class _EvalRequired(TypedDict):
-    event: Literal["eval"]
+    EVENT: ClassVar[str] = "eval"
     stage: str  # "eval" (evaluate, the eval inside train) or "predict"
     step: int  # the global step the loop ran at (0 before training)
     rank: int
@@ -121,22 +237,17 @@ class _EvalRequired(TypedDict):
     live: dict[str, Any] | None  # the live classes at the peak, ``outputs`` included; + spike = peak
     outputs: Bytes | None  # what the loop held at its end
     batches: int
+    peak_phase: str | None = None
+    spike: Bytes | None = None
+    outputs_at_peak: Bytes | None = None
+    time: float | None = None
 
 
-class EvalRecord(_EvalRequired, total=False):
-    """One evaluation/prediction loop (:mod:`hf_memwatch.integration.eval_watch`); its snapshots carry
-    ``stage`` and ``batch`` (training snapshots have no ``stage``)."""
-
-    peak_phase: str | None
-    spike: Bytes | None
-    outputs_at_peak: Bytes | None
-    time: float
-
-
-class MetaRecord(TypedDict):
+@dataclass(kw_only=True)
+class MetaRecord(Record):
     """The run: model and batch, for the picture's title and the summary."""
 
-    event: Literal["meta"]
+    EVENT: ClassVar[str] = "meta"
     model: str | None
     params: int | None
     trainable_params: int | None
@@ -147,10 +258,12 @@ class MetaRecord(TypedDict):
     world_size: int
 
 
-class OomRecord(TypedDict):
-    """An out-of-memory error that ended the run (the post-mortem has the details)."""
+@dataclass(kw_only=True)
+class OomRecord(Record):
+    """An out-of-memory error that ended the run (the post-mortem has the details); one inside an
+    eval loop also has ``stage``, ``batch`` and ``outputs_at_failure`` (``live_at_failure`` has outputs)."""
 
-    event: Literal["oom"]
+    EVENT: ClassVar[str] = "oom"
     step: int
     micro_step: int
     rank: int
@@ -160,32 +273,38 @@ class OomRecord(TypedDict):
     allocated_at_failure: Bytes | None
     live_at_failure: LiveClasses | None
     error: str
-    # an OOM inside an eval loop also has: stage, batch, outputs_at_failure (live_at_failure has outputs)
+    stage: str | None = optional()
+    batch: int | None = optional()
+    outputs_at_failure: Bytes | None = optional()
 
 
-LeakRecord = TypedDict("LeakRecord", {
-    "event": Literal["leak"],
-    "class": str,  # a live class or "host_rss"
-    "bytes_per_step": float,
-    "since_step": int,
-    "step": int,
-    "predicted_oom_step": "int | None",
-    "rank": int,
-})
-LeakRecord.__doc__ = "A class that grows step after step (:mod:`hf_memwatch.measure.leaks`)."
+@dataclass(kw_only=True)
+class LeakRecord(Record):
+    """A class that grows step after step (:mod:`hf_memwatch.measure.leaks`)."""
+
+    EVENT: ClassVar[str] = "leak"
+    KEYS: ClassVar[dict[str, str]] = {"klass": "class"}
+    klass: str  # a live class or "host_rss"; written as "class"
+    bytes_per_step: float
+    since_step: int
+    step: int
+    predicted_oom_step: int | None
+    rank: int
 
 
-class OomRecoveredRecord(TypedDict):
+@dataclass(kw_only=True)
+class OomRecoveredRecord(Record):
     """An out-of-memory error in the first step that the auto mode recovered from (planned again)."""
 
-    event: Literal["oom_recovered"]
+    EVENT: ClassVar[str] = "oom_recovered"
     attempt: int
     error: str
     failed_plan: dict[str, Any]
     budget: Bytes
 
 
-class FootprintRecord(TypedDict):
+@dataclass(kw_only=True)
+class FootprintRecord(Record):
     """One of the first steps measured as the limit counts it (:func:`hf_memwatch.measure.footprint.step_footprint`).
 
     ``kind``: what the limit counts (``reserved``, ``vms``, ``rss``, ``allocated``);
@@ -196,7 +315,7 @@ class FootprintRecord(TypedDict):
     ``advice``: on CUDA, the expandable-segments recommendation when the gap calls for it.
     """
 
-    event: Literal["footprint"]
+    EVENT: ClassVar[str] = "footprint"
     step: int
     kind: str
     allocated_peak: Bytes
@@ -210,12 +329,13 @@ class FootprintRecord(TypedDict):
     advice: str | None
 
 
-class PeakTensorsRecord(TypedDict):
+@dataclass(kw_only=True)
+class PeakTensorsRecord(Record):
     """The tensors alive at a fully tracked step's peak (:mod:`hf_memwatch.measure.peak_watch`): the
     ``top`` largest storages (``bytes``, ``shape``, ``dtype``, ``class``, ``operator``, ``module``,
     ``stage``) and every storage then grouped ``by_module``, ``by_operator`` and ``by_class``."""
 
-    event: Literal["peak_tensors"]
+    EVENT: ClassVar[str] = "peak_tensors"
     step: int
     rank: int
     phase: str
@@ -229,18 +349,20 @@ class PeakTensorsRecord(TypedDict):
     by_class: dict[str, int]
 
 
-RECORDS: dict[str, type] = {
-    "snapshot": SnapshotRecord,
-    "step": StepRecord,
-    "plan": PlanRecord,
-    "meta": MetaRecord,
-    "oom": OomRecord,
-    "eval": EvalRecord,
-    "leak": LeakRecord,
-    "oom_recovered": OomRecoveredRecord,
-    "footprint": FootprintRecord,
-    "peak_tensors": PeakTensorsRecord,
+RECORDS: dict[str, type[Record]] = {
+    kind.EVENT: kind
+    for kind in (Snapshot, StepRecord, PlanRecord, MetaRecord, OomRecord, EvalRecord, LeakRecord,
+                 OomRecoveredRecord, FootprintRecord, PeakTensorsRecord)
 }
+
+
+def parse_record(data: dict[str, Any]) -> Record:
+    """The typed record of a timeline line (the one reader); ValueError for an unknown event or a
+    missing required field."""
+    kind = RECORDS.get(data.get("event")) if isinstance(data.get("event"), str) else None
+    if kind is None:
+        raise ValueError(f"unknown event {data.get('event')!r}")
+    return kind.from_dict(data)
 
 
 def _matches(value: Any, hint: Any) -> bool:
@@ -259,13 +381,28 @@ def _matches(value: Any, hint: Any) -> bool:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     if hint is int:
         return isinstance(value, int) and not isinstance(value, bool)
-    if isinstance(hint, type) and issubclass(hint, dict):  # TypedDicts and dict
+    if isinstance(hint, type) and (issubclass(hint, dict) or issubclass(hint, Serial)):  # TypedDicts, nested
         return isinstance(value, dict)
     if origin is dict:
         return isinstance(value, dict)
+    if origin is list:
+        return isinstance(value, list)
     if isinstance(hint, type):
         return isinstance(value, hint)
     return True
+
+
+@functools.cache
+def _disk_hints(kind: type[Record]) -> dict[str, Any]:
+    """Key on disk -> type hint of the field behind it."""
+    hints = get_type_hints(kind)
+    return {key: hints[name] for name, key in _disk_keys(kind).items()}
+
+
+def required_keys(kind: type[Record]) -> frozenset[str]:
+    """The keys every record of ``kind`` has (``event`` included)."""
+    keys = _disk_keys(kind)
+    return frozenset({"event", *(keys[name] for name in _required(kind))})
 
 
 def validate_record(record: dict[str, Any]) -> list[str]:
@@ -274,8 +411,8 @@ def validate_record(record: dict[str, Any]) -> list[str]:
     kind = RECORDS.get(event) if isinstance(event, str) else None
     if kind is None:
         return [f"unknown event {event!r}"]
-    hints = get_type_hints(kind)
-    problems = [f"{event} record: missing {name!r}" for name in sorted(kind.__required_keys__) if name not in record]
+    hints = _disk_hints(kind)
+    problems = [f"{event} record: missing {name!r}" for name in sorted(required_keys(kind)) if name not in record]
     for name, value in record.items():
         if name in hints and not _matches(value, hints[name]):
             problems.append(f"{event} record: {name}={value!r} is not {hints[name]}")

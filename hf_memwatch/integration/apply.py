@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..core.records import PlanRecord
 from ..core.run_config import RunConfig, checkpointing_requested, model_is_checkpointing, optim_name
 from ..estimation.trl_replay import batches_generation, steps_per_generation
 from ..planning.plan import Plan
@@ -60,11 +61,11 @@ def enable_checkpointing_now(trainer: Any) -> None:
         target.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs, **layout)
 
 
-def apply_eval_plan(trainer: Any, record: dict[str, Any]) -> None:
+def apply_eval_plan(trainer: Any, record: PlanRecord) -> None:
     """Write a plan record's evaluation fields (when it has them) into the arguments, as a user would."""
-    if record.get("eval_batch_size") is None:
+    if record.eval_batch_size is None:
         return
     args = trainer.args
-    args.per_device_eval_batch_size = int(record["eval_batch_size"])
-    if record.get("eval_accumulation_steps") is not None:
-        args.eval_accumulation_steps = int(record["eval_accumulation_steps"])
+    args.per_device_eval_batch_size = int(record.eval_batch_size)
+    if record.eval_accumulation_steps is not None:
+        args.eval_accumulation_steps = int(record.eval_accumulation_steps)

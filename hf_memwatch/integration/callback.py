@@ -31,6 +31,7 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
 from ..core.errors import MemWatchConfigError, is_oom_error, unknown_keywords
+from ..core.records import PlanRecord
 from ..core.run_config import RunConfig
 from ..core.timeline import TIMELINE_DIRNAME, TimelineWriter
 from ..core.units import format_bytes
@@ -228,12 +229,13 @@ class MemWatch(TrainerCallback, ExportableState):
     @property
     def auto_plan(self) -> dict[str, Any] | None:
         """The auto mode's ``plan`` record in force (saved with the callback state, kept on resume)."""
-        return None if self._auto is None else self._auto.plan
+        plan = None if self._auto is None else self._auto.plan
+        return None if plan is None else plan.to_dict()
 
     @auto_plan.setter
     def auto_plan(self, value: dict[str, Any] | None) -> None:  # the Trainer restoring callback state
         if self._auto is not None:
-            self._auto.plan = value
+            self._auto.plan = None if value is None else PlanRecord.from_dict(value)
 
     @property
     def plan(self) -> dict[str, Any] | None:

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from ..core.errors import PlanError, is_oom_error
+from ..core.records import PlannedBatch
 from ..core.run_config import RunConfig, model_is_checkpointing
 from ..core.units import format_bytes
 from ..estimation.trainer_replay import (
@@ -293,7 +294,7 @@ def conservative_plan(run: RunConfig) -> Plan:
 
 
 def plan_by_measuring(trainer: Any, run: RunConfig, budget: int, why: BaseException) -> tuple[PlanResult, Any, dict]:
-    """(the chosen plan, its predictor, the record fields) for ``run`` against ``budget`` (usable bytes)
+    """(the chosen plan, its predictor, the :class:`~hf_memwatch.core.records.PlanRecord` fields) for ``run`` against ``budget`` (usable bytes)
     from micro-steps measured live; raises :class:`PlanError` (with the figures) when nothing fits."""
     index, length, items = sample_items(trainer)
     predictor = MeasuredPredictor(trainer, run, items)
@@ -314,6 +315,8 @@ def plan_by_measuring(trainer: Any, run: RunConfig, budget: int, why: BaseExcept
     result.chosen.reason = (f"measured (the estimator cannot replay this run: {cause}): "
                             + result.chosen.reason.replace("predicted", "measured"))
     fields = {"source": "measured", "measurements": [m.as_dict() for m in predictor.measurements],
-              "sample": {"index": index, "seq_len": length, "source": "measured",
-                         "notes": [f"{m} x sample {index} per micro-batch measured live" for m in LINE_POINTS]}}
+              "sample": PlannedBatch(index=index, seq_len=length, source="measured",
+                                     notes=[f"{m} x sample {index} per micro-batch measured live" for m in LINE_POINTS],
+                                     indices=[int(index)] * result.chosen.micro_batch_size,
+                                     tokens=None if length is None else int(length) * result.chosen.micro_batch_size)}
     return result, predictor, fields

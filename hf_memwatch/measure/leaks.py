@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..core.categories import LIVE_CLASSES
+from ..core.records import LeakRecord
 
 MiB = 1 << 20
 LEAK_THRESHOLD = 1 * MiB  # bytes per step
@@ -109,11 +110,12 @@ def find_leaks(
     share: float = LEAK_POSITIVE_SHARE,
     skip_steps: int = LEAK_SKIP_STEPS,
     headroom: Callable[[str], int | None] | None = None,
+    rank: int = 0,
 ) -> list[dict[str, Any]]:
     """Classes growing step after step in ``history`` (``[{"step": n, "figures": {class: bytes}}, ...]``).
 
     Returns one ``leak`` record per growing class: ``{"event": "leak", "class", "bytes_per_step",
-    "since_step", "step", "predicted_oom_step"}``; ``headroom(class)`` gives the bytes left before
+    "since_step", "step", "predicted_oom_step", "rank"}`` (:class:`~hf_memwatch.core.records.LeakRecord`); ``headroom(class)`` gives the bytes left before
     the limit for the prediction (``None``: not predicted).
 
     Example:
@@ -137,14 +139,14 @@ def find_leaks(
             continue
         if name == HOST_RSS and (len(values) < HOST_RSS_MIN_STEPS or fit(values) < HOST_RSS_MIN_FIT):
             continue
-        findings.append({
-            "event": "leak",
-            "class": name,
-            "bytes_per_step": int(round(rate)),
-            "since_step": growth_start(usable, name, len(recent)),
-            "step": last_step,
-            "predicted_oom_step": predicted_oom_step(last_step, rate, headroom(name) if headroom else None),
-        })
+        findings.append(LeakRecord(
+            klass=name,
+            bytes_per_step=int(round(rate)),
+            since_step=growth_start(usable, name, len(recent)),
+            step=last_step,
+            predicted_oom_step=predicted_oom_step(last_step, rate, headroom(name) if headroom else None),
+            rank=rank,
+        ).to_dict())
     return findings
 
 
@@ -171,6 +173,7 @@ class LeakWatch:
     history: list[dict[str, Any]] = field(default_factory=list)
     reported: dict[str, dict[str, Any]] = field(default_factory=dict)
     rate: int | None = None
+    rank: int = 0  # written in the leak records
 
     def observe(
         self, step: int, snapshot: Mapping[str, Any], headroom: Callable[[str], int | None] | None = None
@@ -180,14 +183,14 @@ class LeakWatch:
             self.history.clear()
         self.history.append({"step": step, "figures": step_end_figures(snapshot)})
         del self.history[: -(LEAK_WINDOW + LEAK_SKIP_STEPS + 64)]  # growth_start looks back; keep it bounded
-        growing = find_leaks(self.history, threshold=self.threshold)
+        growing = find_leaks(self.history, threshold=self.threshold, rank=self.rank)
         if growing:
             self.rate = max(f["bytes_per_step"] for f in growing)
         elif self.reported:
             self.rate = 0
         new = [f for f in growing if f["class"] not in self.reported]
         if new and headroom is not None:  # predictions only for what is reported (reads the limits)
-            new = find_leaks(self.history, threshold=self.threshold, headroom=headroom)
+            new = find_leaks(self.history, threshold=self.threshold, headroom=headroom, rank=self.rank)
             new = [f for f in new if f["class"] not in self.reported]
         for finding in new:
             self.reported[finding["class"]] = finding

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 import torch
 
 from ..core.categories import LIVE_CLASSES
+from ..core.records import EvalRecord, Snapshot, StepRecord
 from ..core.timeline import TimelineWriter
 from .attribution import (
     dominant_class,
@@ -125,19 +126,18 @@ class StepMonitor:
         self.stop_tracking()
         self.in_step = False
         peak_snapshot = max(self.step_snapshots, key=lambda s: s["peak"] if s["peak"] is not None else -1)
-        record = {
-            "event": "step",
-            "step": self.step,
-            "rank": self.rank,
-            "peak": peak_snapshot["peak"],
-            "peak_phase": peak_snapshot["phase"],
-            "peak_micro_step": peak_snapshot["micro_step"],
-            "dominant": dominant_class(peak_snapshot["live"], peak_snapshot["spike"]),
-            "detail": self._detail(),
-            "live_at_peak": peak_snapshot["live"],
-            "spike_at_peak": peak_snapshot["spike"],
-            "reserved": last["reserved"],
-        }
+        record = StepRecord(
+            step=self.step,
+            rank=self.rank,
+            peak=peak_snapshot["peak"],
+            peak_phase=peak_snapshot["phase"],
+            peak_micro_step=peak_snapshot["micro_step"],
+            dominant=dominant_class(peak_snapshot["live"], peak_snapshot["spike"]),
+            detail=self._detail(),
+            live_at_peak=peak_snapshot["live"],
+            spike_at_peak=peak_snapshot["spike"],
+            reserved=last["reserved"],
+        ).to_dict()
         self.last_step = record
         self._write(record)
         peak_tensors = self.peaks.end_step(self.step, self.rank)
@@ -289,29 +289,28 @@ class StepMonitor:
         if reading.reserved is not None and allocated is not None:
             overhead = reading.reserved - allocated
         vms, rss = host_sizes()  # what host limits count: the auto mode measures its margin from them
-        return {
-            "event": "snapshot",
-            "step": self.step,
-            "micro_step": micro_step,
-            "phase": phase,
-            "rank": self.rank,
-            "device": str(self.device),
-            "time": time.time(),
-            "allocated": allocated,
-            "reserved": reading.reserved,
-            "peak": peak,
-            "live": live,
-            "spike": spike,
-            "allocator_overhead": overhead,
-            "fragmentation": reading.inactive_split,
-            "num_alloc_retries": reading.num_alloc_retries,
-            "num_ooms": reading.num_ooms,
-            "device_free": reading.device_free,
-            "device_total": reading.device_total,
-            "host_rss": rss,  # the process's resident bytes: host-side growth shows too
-            "host_vms": vms,  # its virtual size (RLIMIT_AS counts it)
-            "detail": detail,
-        }
+        return Snapshot(
+            step=self.step,
+            micro_step=micro_step,
+            phase=phase,
+            rank=self.rank,
+            device=str(self.device),
+            time=time.time(),
+            allocated=allocated,
+            reserved=reading.reserved,
+            peak=peak,
+            live=live,  # type: ignore[arg-type]
+            spike=spike,
+            allocator_overhead=overhead,
+            fragmentation=reading.inactive_split,
+            num_alloc_retries=reading.num_alloc_retries,
+            num_ooms=reading.num_ooms,
+            device_free=reading.device_free,
+            device_total=reading.device_total,
+            host_rss=rss,  # the process's resident bytes: host-side growth shows too
+            host_vms=vms,  # its virtual size (RLIMIT_AS counts it)
+            detail=detail,
+        ).to_dict()
 
     def _write(self, record: dict[str, Any]) -> None:
         if self.writer is not None:
@@ -403,10 +402,10 @@ class EvalLoopState:
     def record(self, rank: int, batches: int) -> dict[str, Any]:
         """The ``eval`` timeline record of the loop."""
         peak, live = self.peak or {}, self.peak_live or {}
-        return {
-            "event": "eval", "stage": self.stage, "step": self.step, "rank": rank,
-            "peak": peak.get("peak"), "peak_batch": peak.get("batch"), "peak_phase": peak.get("phase"),
-            "live": live.get("live"), "spike": None if not peak else peak.get("spike"),
-            "outputs": (self.last or {}).get("outputs"), "outputs_at_peak": (live.get("live") or {}).get("outputs"),
-            "batches": batches, "time": time.time(),
-        }
+        return EvalRecord(
+            stage=self.stage, step=self.step, rank=rank,
+            peak=peak.get("peak"), peak_batch=peak.get("batch"), peak_phase=peak.get("phase"),
+            live=live.get("live"), spike=None if not peak else peak.get("spike"),
+            outputs=(self.last or {}).get("outputs"), outputs_at_peak=(live.get("live") or {}).get("outputs"),
+            batches=batches, time=time.time(),
+        ).to_dict()

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from ..core.records import PeakTensorsRecord
 from .module_scope import ModuleScope
 from .peak_tensors import DEFAULT_TOP, PeakCensus, PeakTensors, TensorInfo, resident_namer, summarize
 
@@ -127,8 +128,8 @@ class PeakWatch:
             return None
         peak, phase, micro_step, summary = best
         source = ("cuda_history" if self.history else "cuda_saved") if self.cuda else "tracker"
-        self.last = {"event": "peak_tensors", "step": step, "rank": rank, "phase": phase, "micro_step": micro_step,
-                     "source": source, **summary.as_record()}
+        self.last = PeakTensorsRecord(step=step, rank=rank, phase=phase, micro_step=micro_step, source=source,
+                                      **summary.as_record()).to_dict()
         return self.last
 
     def _cuda_summary(self, classes: tuple[Mapping[int, int], ...]) -> PeakTensors:

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from ..core.categories import EVAL_LIVE_CLASSES
+from ..core.records import OomRecord
 from ..core.run_config import RunConfig, generation_kwargs
 from ..core.units import format_bytes
 from .oom import REPORT_NAME, cpu_memory_exhausted, requested_bytes
@@ -144,13 +145,13 @@ def write_eval_oom_report(
     live = dict((failure or {}).get("live") or {})
     config = EvalRunConfig.from_trainer(trainer, seq_len, int(live.get("optimizer_states") or 0))
     model = getattr(trainer, "model", None)
-    record = {
-        "event": "oom", "stage": loop.get("stage"), "step": loop.get("step"), "batch": loop.get("batches"),
-        "micro_step": loop.get("batches"), "rank": loop.get("rank", 0),
-        "last_phase": (failure or {}).get("phase"), "time": time.time(), "requested": requested_bytes(exc),
-        "allocated_at_failure": (failure or {}).get("allocated"), "live_at_failure": live or None,
-        "outputs_at_failure": live.get("outputs"), "error": f"{type(exc).__name__}: {str(exc)[:300]}",
-    }
+    record = OomRecord(
+        stage=loop.get("stage"), step=loop.get("step"), batch=loop.get("batches"),
+        micro_step=loop.get("batches"), rank=loop.get("rank", 0),
+        last_phase=(failure or {}).get("phase"), time=time.time(), requested=requested_bytes(exc),
+        allocated_at_failure=(failure or {}).get("allocated"), live_at_failure=live or None,  # type: ignore[arg-type]
+        outputs_at_failure=live.get("outputs"), error=f"{type(exc).__name__}: {str(exc)[:300]}",
+    ).to_dict()
     if writer is not None:
         writer.write(record)
         writer.flush()

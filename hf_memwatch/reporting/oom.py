@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from ..core.categories import LIVE_CLASSES
+from ..core.records import OomRecord
 from ..core.run_config import RunConfig, is_peft_model
 from ..core.units import format_bytes
 from ..measure.footprint import advice_from_stats, allocator_settings
@@ -240,13 +241,13 @@ def write_oom_report(
     if getattr(monitor.backend, "kind", None) == "cuda":
         # The peak figures since the last snapshot: the failed step's, up to the failure.
         advice = advice_from_stats(torch.cuda.memory_stats(monitor.device), allocator_settings())
-    record = {
-        "event": "oom", "step": monitor.step, "micro_step": monitor.micro_step, "rank": monitor.rank,
-        "time": time.time(), "last_phase": last["phase"] if last else None,
-        "requested": requested_bytes(exc), "allocated_at_failure": live_now,
-        "live_at_failure": at_failure["live"] if at_failure else None,
-        "error": f"{type(exc).__name__}: {str(exc)[:300]}",
-    }
+    record = OomRecord(
+        step=monitor.step, micro_step=monitor.micro_step, rank=monitor.rank,
+        time=time.time(), last_phase=last["phase"] if last else None,
+        requested=requested_bytes(exc), allocated_at_failure=live_now,
+        live_at_failure=at_failure["live"] if at_failure else None,
+        error=f"{type(exc).__name__}: {str(exc)[:300]}",
+    ).to_dict()
     if monitor.writer is not None:
         monitor.writer.write(record)
         monitor.writer.flush()

@@ -22,7 +22,7 @@ from typing import Any
 
 from ..core.categories import LIVE_CLASSES
 from ..core.errors import MemWatchConfigError
-from ..core.records import RECORDS, validate_record
+from ..core.records import RECORDS, MetaRecord, validate_record
 from ..core.run_config import RunConfig
 from ..core.timeline import _rank_of, find_timelines, read_timeline
 from ..core.units import format_bytes
@@ -114,17 +114,16 @@ def run_meta(model: Any, run: RunConfig) -> dict[str, Any]:
     """The ``meta`` timeline record: what the picture's title and the summary say about the run."""
     params = sum(p.numel() for p in model.parameters()) if model is not None else None
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad) if model is not None else None
-    return {
-        "event": "meta",
-        "model": type(model).__name__ if model is not None else None,
-        "params": params,
-        "trainable_params": trainable,
-        "batch_size": run.micro_batch_size,
-        "gradient_accumulation_steps": run.gradient_accumulation_steps,
-        "precision": run.precision,
-        "optim": run.optim,
-        "world_size": run.world_size,
-    }
+    return MetaRecord(
+        model=type(model).__name__ if model is not None else None,
+        params=params,
+        trainable_params=trainable,
+        batch_size=run.micro_batch_size,
+        gradient_accumulation_steps=run.gradient_accumulation_steps,
+        precision=run.precision,
+        optim=run.optim,
+        world_size=run.world_size,
+    ).to_dict()
 
 
 def budget_of(runs: list[RankTimeline]) -> int | None:

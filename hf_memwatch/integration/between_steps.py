@@ -1,0 +1,214 @@
+"""The auto mode between steps: the first steps' footprint measured against the limit, and
+activation checkpointing turned on when the next step would not fit it (or a measured peak nears
+the budget). Part of :class:`~hf_memwatch.integration.auto.AutoMode` (its base class); the state it
+reads and writes — ``plan`` (a :class:`~hf_memwatch.core.records.PlanRecord`), ``budget``,
+``kind``, ``baseline``, ``measured``, ``predictor`` — is the auto mode's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..core.records import FootprintRecord, PlanRecord
+from ..core.run_config import RunConfig
+from ..core.units import format_bytes
+from ..measure.backends import backend_for
+from ..measure.footprint import (
+    FootprintKind,
+    FootprintReading,
+    StepFootprint,
+    allocator_settings,
+    expandable_segments_advice,
+    step_footprint,
+)
+from ..planning.budget import Budget, BudgetSpec, resolve_budget
+from ..planning.predict import EstimatorPredictor
+from .apply import enable_checkpointing_now
+from .plan_records import log_advice, plan_of
+
+logger = logging.getLogger("hf_memwatch")
+
+# Checkpointing is switched on between steps once a measured peak reaches this share of the budget.
+CHECKPOINT_TRIGGER = 0.95
+# The first steps whose footprint is measured against the limit: the first allocates the optimizer
+# states, the second is the first to hold them through a whole step, the third confirms the gap.
+MEASURED_STEPS = 3
+
+
+def distributed() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+class BetweenSteps:
+    """After each optimizer step: :meth:`after_step` (every rank), :meth:`agree_between_steps`
+    (distributed runs, the first :data:`MEASURED_STEPS` steps)."""
+
+    plan: PlanRecord | None
+    budget: Budget | None
+    budget_spec: BudgetSpec
+    predictor: EstimatorPredictor | Any | None
+    kind: FootprintKind | None
+    baseline: FootprintReading | None
+    measured: list[StepFootprint]
+    advised: bool
+    record: Callable[[dict[str, Any]], None]
+    _checkpointing_refused: bool
+    _pending_why: str | None
+    _agreements: int
+
+    def after_step(self, trainer: Any, step_record: dict[str, Any] | None,
+                   snapshots: list[dict[str, Any]] | None = None) -> PlanRecord | None:
+        """Between two steps: measure the first steps' footprint against the limit, and turn on
+        activation checkpointing when the next step would not fit it, or a measured peak approaches
+        the budget. ``snapshots``: the step's ``snapshot`` records. Returns the new plan, if any."""
+        if self.plan is None or not step_record or trainer is None or self.plan.status == "failed":
+            return None
+        if self.budget is None:  # a callback the Trainer rebuilt from checkpoint state
+            self.budget = resolve_budget(self.budget_spec, backend_for(torch.device(trainer.args.device)))
+        try:
+            measured = self._measure_footprint(step_record, snapshots or [])
+        except Exception as exc:  # noqa: BLE001 - the plan stands without a measured margin
+            logger.warning("hf-memwatch: the footprint of step %s was not measured (%s: %s)",
+                           step_record.get("step"), type(exc).__name__, exc)
+            measured = None
+        why = self._pressure(step_record, measured)
+        if why is None:
+            return None
+        refused = RunConfig.from_trainer(trainer).checkpointing_unavailable
+        if refused:
+            logger.warning("hf-memwatch: %s, but %s", why, refused)
+            self._checkpointing_refused = True  # warn once
+            return None
+        if distributed():
+            # Every rank must run the same plan: the switch waits for the agreement of the first
+            # steps (agree_between_steps), which every rank joins, its own check failed or not.
+            self._pending_why = why
+            return None
+        return self._switch_checkpointing(trainer, why)
+
+    def _pressure(self, step_record: dict[str, Any], measured: FootprintRecord | None) -> str | None:
+        """Why checkpointing should be turned on now (None: no reason, or nothing left to turn on)."""
+        assert self.plan is not None and self.budget is not None
+        peak = step_record.get("peak")
+        if peak is None or self.plan.activation_checkpointing or self._checkpointing_refused:
+            if measured is not None and not measured.fits:
+                logger.warning("hf-memwatch: %s; activation checkpointing is %s, nothing else can change between "
+                               "steps: lower the micro-batch or raise the limit", footprint_text(measured),
+                               "on already" if self.plan.activation_checkpointing else "unavailable")
+            return None
+        if measured is not None and not measured.fits:
+            return footprint_text(measured)
+        if peak >= CHECKPOINT_TRIGGER * self.budget.usable:
+            return (f"step {step_record.get('step')} peaked at {format_bytes(peak)}, "
+                    f"{peak / self.budget.usable:.0%} of the budget {format_bytes(self.budget.usable)}")
+        return None
+
+    def agree_between_steps(self, trainer: Any) -> PlanRecord | None:
+        """Distributed runs, after each of the first :data:`MEASURED_STEPS` steps: every rank says whether
+        its next step would not fit (:meth:`after_step`'s verdict), in one ``all_gather_object``; when
+        any rank's would not, every rank turns activation checkpointing on before the next step.
+
+        Called on every rank at every step end, whether this rank's monitoring worked or not (its
+        verdict is then None), so no rank waits in the collective alone."""
+        if not distributed() or self.plan is None or self.plan.status == "failed" or trainer is None:
+            return None
+        if self._agreements >= MEASURED_STEPS:
+            return None
+        self._agreements += 1
+        from ..measure.distributed import gather_objects
+
+        why, self._pending_why = self._pending_why, None
+        verdicts = gather_objects(why)
+        pressed = [(rank, text) for rank, text in enumerate(verdicts) if text]
+        if not pressed or self.plan.activation_checkpointing:
+            return None
+        rank, text = pressed[0]
+        return self._switch_checkpointing(trainer, f"rank {rank}: {text}" + (
+            f" (and {len(pressed) - 1} more rank(s))" if len(pressed) > 1 else "") + "; agreed by all ranks")
+
+    def _switch_checkpointing(self, trainer: Any, why: str) -> PlanRecord:
+        """Activation checkpointing on now, recorded as the plan in force."""
+        assert self.plan is not None and self.budget is not None
+        enable_checkpointing_now(trainer)
+        record = self.plan.replace(activation_checkpointing=True,
+                                   reason=f"{why}: activation checkpointing turned on between steps",
+                                   margin=round(self.budget.margin_ratio, 4), margin_source=self.budget.margin_source)
+        checkpointed = self._checkpointed_peak()
+        if checkpointed is not None:
+            fits = checkpointed <= self.budget.usable
+            tokens = None if self.plan.sample is None else self.plan.sample.seq_len
+            record = record.replace(predicted_peak=checkpointed, reason=record.reason + (
+                f" (predicted peak {format_bytes(checkpointed)} with it on the planned batch of "
+                f"{tokens or '?'} tokens per sample"
+                + ("" if fits else ", still above the budget with the measured margin: lower the "
+                   "micro-batch in a new run") + ")"))
+        self.plan = record
+        logger.warning("hf-memwatch plan: %s", record.reason)
+        log_advice(record, pressed=True)
+        self.record(record.to_dict())
+        return record
+
+    def _measure_footprint(self, step_record: dict[str, Any], snapshots: list[dict[str, Any]]) -> FootprintRecord | None:
+        """The ``footprint`` record of one of the first steps (written), its gap made the budget's margin."""
+        assert self.budget is not None and self.plan is not None
+        if self.kind is None or len(self.measured) >= MEASURED_STEPS:
+            return None
+        measured = step_footprint(step_record, snapshots, self.kind, self.baseline)
+        if measured is None:
+            return None
+        self.measured.append(measured)
+        worst = max(self.measured, key=lambda m: m.gap)
+        steps = ", ".join(str(m.step) for m in self.measured)
+        if self.kind != "allocated":  # a byte budget on the CPU keeps its zero margin and why
+            self.budget = self.budget.with_margin(
+                worst.gap, f"measured in step(s) {steps}: {self.kind} {format_bytes(worst.gap)} beyond "
+                           f"{format_bytes(worst.allocated_peak)} allocated at the peak (step {worst.step})")
+        # The next step needs what this one took plus the states it left, or the planned worst batch
+        # (predicted in allocated bytes) with the measured gap, whichever is more.
+        planned = int(self.plan.predicted_peak or 0) + worst.gap
+        need = max(measured.need, planned)
+        advice = None
+        if self.kind == "reserved":
+            reserved = max((int(s["reserved"]) for s in snapshots if s.get("reserved") is not None), default=None)
+            advice = expandable_segments_advice(reserved, measured.allocated_peak,
+                                                snapshots[-1].get("num_alloc_retries"), allocator_settings())
+        record = FootprintRecord(
+            step=measured.step, kind=self.kind, allocated_peak=measured.allocated_peak,
+            states_growth=measured.states_growth, footprint_gap=measured.gap,
+            margin=round(self.budget.margin_ratio, 4), planned_need=planned, next_step_need=need,
+            budget=int(self.budget.total), fits=need <= self.budget.total, advice=advice,
+        )
+        if advice is not None and not self.advised:
+            self.advised = True  # said once; the records of later steps repeat it for the summary
+            logger.warning("hf-memwatch: %s", advice)
+        logger.info("hf-memwatch: %s", footprint_text(record))
+        self.record(record.to_dict())
+        return record
+
+    def _checkpointed_peak(self) -> int | None:
+        """The plan in force with checkpointing, predicted by the plan's own predictor (None: unknown)."""
+        if self.predictor is None or self.plan is None:
+            return None
+        try:
+            return self.predictor.peak(dataclasses.replace(plan_of(self.plan), activation_checkpointing=True))
+        except Exception as exc:  # noqa: BLE001 - checkpointing is on either way; only the figure is missing
+            logger.warning("hf-memwatch: the checkpointed step was not predicted (%s: %s)", type(exc).__name__, exc)
+            return None
+
+
+def footprint_text(record: FootprintRecord) -> str:
+    """One log line for a ``footprint`` record."""
+    fits = "fits" if record.fits else "would not fit"
+    return (f"step {record.step} measured {format_bytes(record.allocated_peak)} allocated at its peak "
+            f"+ {format_bytes(record.states_growth)} optimizer states allocated after it + "
+            f"{format_bytes(record.footprint_gap)} {record.kind} beyond the allocated bytes (margin "
+            f"{record.margin:.1%}); the next step needs {format_bytes(record.next_step_need)} as the limit "
+            f"counts it (planned worst batch: {format_bytes(record.planned_need)}), which {fits} the budget "
+            f"{format_bytes(record.budget)}")
