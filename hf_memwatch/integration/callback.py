@@ -1,4 +1,5 @@
-"""``MemWatch``: the Trainer callback. Thin: Trainer events → :class:`~hf_memwatch.measure.monitor.StepMonitor`.
+"""``MemWatch``: the Trainer callback. Thin: Trainer events → the run's
+:class:`~hf_memwatch.integration.session.RunSession` (writer, monitor, leak watch, eval state).
 
 Timeline records (``<output_dir>/memwatch/timeline.jsonl``) — see README "Timeline":
 
@@ -17,100 +18,40 @@ Timeline records (``<output_dir>/memwatch/timeline.jsonl``) — see README "Time
 
 from __future__ import annotations
 
-import functools
 import logging
 import subprocess
-import sys
 import weakref
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
-import torch
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
 from ..core.errors import MemWatchConfigError, is_oom_error, unknown_keywords
 from ..core.records import PlanRecord
-from ..core.run_config import RunConfig
-from ..core.timeline import TIMELINE_DIRNAME, TimelineWriter
-from ..core.units import format_bytes
-from ..measure.backends import backend_for
-from ..measure.batches import FormedBatches
-from ..measure.distributed import make_monitor
-from ..measure.leaks import HOST_RSS, LeakWatch
-from ..measure.monitor import StepMonitor
+from ..core.timeline import TIMELINE_DIRNAME
 from ..measure.peak_tensors import DEFAULT_TOP
-from ..planning.budget import remaining, validate_budget
+from ..planning.budget import validate_budget
 from ..reporting.background import wait_for_report
-from ..reporting.oom import (
-    prepare_post_mortem,
-    start_allocator_history,
-    stop_allocator_history,
-    write_oom_report,
-)
-from ..reporting.report import run_meta
-from ..reporting.sinks import (
-    eval_scalars,
-    known_budget,
-    known_prediction,
-    plan_in_force,
-    step_scalars,
-    strip_memory_keys,
-)
+from ..reporting.context import KnownPlan
+from ..reporting.oom import prepare_post_mortem, write_oom_report
+from ..reporting.sinks import eval_scalars, strip_memory_keys
 from ..reporting.summary import PICTURE_NAME, finish_reports
 from .auto import AutoMode
-from .compiled import hook_target, hooks_for, runs_compiled, tracing
-from .eval_watch import container_tensors, decoding_step, held_tensors
+from .compiled import tracing
+from .options import check_options, find_trainer, guarded
 from .patches import install_entry_points, patches_of, remove_patches
+from .session import RunSession, open_timeline, rank_of
 from .trials import TrialPeaks, trial_name
 
 logger = logging.getLogger("hf_memwatch")
 
 Detail = Literal["auto", "full", "light"]
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
-def _guarded(method: _F) -> _F:
-    """Run a monitoring handler so that no fault of ours can kill the training run."""
-
-    @functools.wraps(method)
-    def wrapper(self: MemWatch, *args: Any, **kwargs: Any) -> Any:
-        if self._failed:
-            return None
-        try:
-            return method(self, *args, **kwargs)
-        except MemWatchConfigError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - monitoring must degrade, never kill training
-            self._fail(exc, method.__name__)
-            return None
-
-    return wrapper  # type: ignore[return-value]
-
-
-def find_trainer() -> Any:
-    """The ``transformers.Trainer`` whose code is calling us, found on the call stack (or None)."""
-    from transformers import Trainer
-
-    frame = sys._getframe(1)
-    while frame is not None:
-        candidate = frame.f_locals.get("self")
-        if isinstance(candidate, Trainer):
-            return candidate
-        frame = frame.f_back
-    return None
-
-
-def _logging_interval(args: Any, state: Any) -> int:
-    """The Trainer's logging interval in optimizer steps (0 when it does not log by steps)."""
-    strategy = getattr(args, "logging_strategy", "steps")
-    if getattr(strategy, "value", strategy) != "steps":
-        return 0
-    steps = float(args.logging_steps)
-    if 0 < steps < 1:  # a fraction of max_steps
-        return max(1, int(steps * max(int(state.max_steps or 0), 1)))
-    return int(steps)
+__all__ = ["Detail", "MemWatch", "find_trainer"]
+# The constructor arguments saved with the callback state (a resumed run rebuilds MemWatch from them).
+_STATE_ARGS = ("detail", "full_steps", "output_dir", "auto", "budget", "scalars", "report", "summary", "oom_report",
+               "record_history", "top_tensors")
 
 
 class MemWatch(TrainerCallback, ExportableState):
@@ -150,6 +91,7 @@ class MemWatch(TrainerCallback, ExportableState):
         >>> trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[MemWatch()])  # doctest: +SKIP
     """
 
+
     def __init__(
         self,
         *,
@@ -169,66 +111,52 @@ class MemWatch(TrainerCallback, ExportableState):
     ) -> None:
         if unknown:
             raise MemWatchConfigError(unknown_keywords("MemWatch", unknown, MemWatch.__init__))
-        if detail not in ("auto", "full", "light"):
-            raise MemWatchConfigError(f"MemWatch(detail=...) must be 'auto', 'full' or 'light'; got {detail!r}")
-        if isinstance(full_steps, bool) or not isinstance(full_steps, int) or full_steps < 1:
-            raise MemWatchConfigError(
-                f"MemWatch(full_steps=...) must be an int >= 1 (the auto mode plans from the first "
-                f"tracked steps); got {full_steps!r}"
-            )
-        if output_dir is not None and not isinstance(output_dir, (str, Path)):
-            raise MemWatchConfigError(f"MemWatch(output_dir=...) must be a path; got {output_dir!r}")
-        if report not in (True, False, "sync"):
-            raise MemWatchConfigError(f"MemWatch(report=...) must be True or False (or 'sync'); got {report!r}")
-        flags = {"scalars": scalars, "summary": summary, "oom_report": oom_report,
-                 "record_history": record_history}
-        for name, value in flags.items():
-            if not isinstance(value, bool):
-                raise MemWatchConfigError(f"MemWatch({name}=...) must be True or False; got {value!r}")
-        if isinstance(top_tensors, bool) or not isinstance(top_tensors, int) or top_tensors < 0:
-            raise MemWatchConfigError(f"MemWatch(top_tensors=...) must be an int >= 0; got {top_tensors!r}")
+        check_options(detail, full_steps, output_dir, report, top_tensors,
+                       {"scalars": scalars, "summary": summary, "oom_report": oom_report,
+                        "record_history": record_history, "auto": auto, "allow_over_budget": allow_over_budget})
+        validate_budget(budget)
         self.top_tensors = top_tensors
         self.scalars, self.report, self.summary = scalars, report, summary
         self.oom_report, self.record_history = oom_report, record_history
         self.detail = detail
         self.full_steps = full_steps
         self.output_dir = None if output_dir is None else str(output_dir)
-        self.monitor: StepMonitor | None = None
+        self.session: RunSession | None = None  # the run being watched (kept, closed, after it ends)
         self._trainer_ref: weakref.ReferenceType[Any] | None = None
-        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._report_process: subprocess.Popen | None = None
         self._failed = False
-        self._first_step: int | None = None
-        self._logging_steps = 0
-        self.last_seq_len: int | None = None
-        self._eval_hooks: list[torch.utils.hooks.RemovableHandle] = []
-        self._eval_containers: list[Any] = []  # the running eval loop's EvalLoopContainers
         self._eval_only_timeline = False  # an eval before train() opened the timeline: train appends
-        self._eval_logged: dict[str, Any] | None = None  # the eval record whose scalars went out
-        self._eval_oom_reported: BaseException | None = None  # an OOM an eval loop already reported
-        self._history_started = False  # we started CUDA allocator history (and stop only that)
         self._late_run = False  # added by add_callback mid-construction: the run ends at train end
         self._trial_name: str | None = None  # the hyperparameter_search trial of the run in progress
-        self._run_peak: int | None = None  # the highest step peak of the train() call in progress
         self.trials = TrialPeaks()
-        self.leaks = LeakWatch()
-        if not isinstance(auto, bool):
-            raise MemWatchConfigError(f"MemWatch(auto=...) must be True or False; got {auto!r}")
-        validate_budget(budget)
-        if not isinstance(allow_over_budget, bool):
-            raise MemWatchConfigError(f"MemWatch(allow_over_budget=...) must be True or False; got {allow_over_budget!r}")
-        self.auto, self.budget = auto, budget
-        self._auto = AutoMode(budget, self._record_plan, allow_over_budget=allow_over_budget) if auto else None
+        self.auto, self.budget, self.allow_over_budget = auto, budget, allow_over_budget
+        self._auto = self._new_auto_mode()
+
+    def _new_auto_mode(self) -> AutoMode | None:
+        if not self.auto:
+            return None
+        return AutoMode(self.budget, self._record_plan, allow_over_budget=self.allow_over_budget)
 
     # -- plumbing ---------------------------------------------------------------------------
     @property
     def trainer(self) -> Any:
         return None if self._trainer_ref is None else self._trainer_ref()
 
+    @property
+    def monitor(self) -> Any:
+        """The step monitor of the run watched last (None before any)."""
+        return None if self.session is None else self.session.monitor
+
+    @property
+    def last_seq_len(self) -> int | None:
+        """The sequence length of the last forward watched (for the OOM post-mortem's estimates)."""
+        return None if self.session is None else self.session.last_seq_len
+
     # -- auto mode (logic in hf_memwatch.integration.auto) ----------------------------------------------------
     @property
     def auto_plan(self) -> dict[str, Any] | None:
-        """The auto mode's ``plan`` record in force (saved with the callback state, kept on resume)."""
+        """The auto mode's ``plan`` record in force, as the timeline writes it (saved with the callback
+        state, kept on resume)."""
         plan = None if self._auto is None else self._auto.plan
         return None if plan is None else plan.to_dict()
 
@@ -247,7 +175,7 @@ class MemWatch(TrainerCallback, ExportableState):
         ``torch.cuda.max_memory_allocated()``: on CUDA MemWatch resets the allocator's peak counters
         at the run's first step and at every snapshot (each phase's peak is measured that way), so
         the counters read by ``max_memory_allocated()`` hold the last phase's peak, not the run's."""
-        return None if self.monitor is None else self.monitor.max_allocated
+        return None if self.session is None else self.session.monitor.max_allocated
 
     @property
     def planning_seconds(self) -> float | None:
@@ -259,39 +187,35 @@ class MemWatch(TrainerCallback, ExportableState):
         budget = None if self._auto is None else self._auto.budget
         return None if budget is None else budget.total
 
+    def known_plan(self) -> KnownPlan:
+        """What reporting reads of the plan: the auto mode's budget and plan record."""
+        return KnownPlan(budget=self.budget_bytes, plan=None if self._auto is None else self._auto.plan)
+
+    def plan_in_force(self) -> dict[str, Any] | None:
+        """The auto mode's plan record when one is in force."""
+        return self.known_plan().plan_dict()
+
     def _record_plan(self, record: dict[str, Any]) -> None:
-        """Write a ``plan`` record to this rank's timeline (the monitor's writer once training runs)."""
-        if self.monitor is not None and self.monitor.writer is not None and self.monitor.writer.is_open:
-            self.monitor.writer.write(record)
-            self.monitor.writer.flush()
+        """Write a record of the auto mode to this rank's timeline (the session's writer once training runs)."""
+        session = self.session
+        if session is not None and session.is_open:
+            session.monitor.writer.write(record)
+            session.monitor.writer.flush()
             return
         trainer = self.trainer
-        if trainer is None:
-            return
-        writer = TimelineWriter(self.memwatch_dir(trainer.args), rank=int(getattr(trainer.args, "process_index", 0)))
-        writer.write(record)
-        writer.close()
+        if trainer is not None:
+            open_timeline(self.memwatch_dir(trainer.args), rank_of(trainer.args), fresh=False,
+                          records=[record]).close()
 
     def _fail(self, exc: BaseException, where: str) -> None:
         self._failed = True
-        logger.warning(
-            "hf-memwatch: internal error in %s (%s: %s); memory monitoring is off for the rest of this run, "
-            "training continues.",
-            where,
-            type(exc).__name__,
-            exc,
-        )
-        self._teardown()
+        logger.warning("hf-memwatch: internal error in %s (%s: %s); memory monitoring is off for the rest of this "
+                       "run, training continues.", where, type(exc).__name__, exc)
+        self._close_session()
 
-    def _teardown(self) -> None:
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks.clear()
-        if self.monitor is not None:
-            try:
-                self.monitor.close()
-            except Exception:  # noqa: BLE001 - already failing; closing must not raise
-                pass
+    def _close_session(self) -> None:
+        if self.session is not None:
+            self.session.close()
 
     def memwatch_dir(self, args: Any) -> Path:
         """Folder of this run's timeline and reports (a folder per trial in a hyperparameter search)."""
@@ -326,11 +250,9 @@ class MemWatch(TrainerCallback, ExportableState):
         self._trainer_ref = weakref.ref(trainer)
         if not served_before:  # the first Trainer (or a callback rebuilt from checkpoint state)
             return
-        self._teardown()
-        self.monitor, self._first_step, self._eval_only_timeline = None, None, False
-        self.leaks = LeakWatch()
-        if self.auto:
-            self._auto = AutoMode(self.budget, self._record_plan)
+        self._close_session()
+        self.session, self._eval_only_timeline = None, False
+        self._auto = self._new_auto_mode()
 
     # -- the run (driven by hf_memwatch.integration.patches) ----------------------------------
     def run_begins(self, trainer: Any) -> None:
@@ -347,14 +269,7 @@ class MemWatch(TrainerCallback, ExportableState):
     def run_ended(self, trainer: Any, error: BaseException | None) -> None:
         """The outermost entry call returned or raised: close all the run opened (dispatch mode,
         saved-tensor hooks, module hooks, the timeline file, the allocator history)."""
-        self._teardown()
-        for handle in self._eval_hooks:
-            handle.remove()
-        self._eval_hooks.clear()
-        self._eval_containers = []
-        if self._history_started:
-            stop_allocator_history()
-            self._history_started = False
+        self._close_session()
 
     def detach(self, trainer: Any = None) -> None:
         """Stop watching ``trainer`` (default: the one served last): every patch of ours removed."""
@@ -364,102 +279,58 @@ class MemWatch(TrainerCallback, ExportableState):
 
     def memory_scalars(self, step: int) -> dict[str, int] | None:
         """``memory/*`` figures of optimizer step ``step`` when it was the last one measured."""
-        monitor = self.monitor
-        if self._failed or monitor is None or not monitor.last_step or monitor.last_step["step"] != step:
+        if self._failed or self.session is None:
             return None
-        return step_scalars(
-            monitor.last_step,
-            monitor.step_snapshots,
-            budget=known_budget(self),
-            predicted_peak=known_prediction(self),
-            leak_bytes_per_step=self.leaks.rate,
-        )
+        return self.session.memory_scalars(step, self.known_plan())
 
     def on_oom(self, exc: BaseException) -> None:
         """An out-of-memory error leaves ``train()``: the post-mortem, then nothing of ours stays on."""
-        trainer = self.trainer
-        eval_reported = self._eval_oom_reported is exc  # an eval loop's report stands
-        if trainer is not None and self.monitor is not None and not eval_reported:
-            write_oom_report(
-                self.memwatch_dir(trainer.args), exc, self.monitor, trainer,
-                seq_len=self.last_seq_len, plan=self.plan_in_force(),
-            )
-        self._teardown()
-        if self._history_started:
-            stop_allocator_history()
-            self._history_started = False
-
-    def plan_in_force(self) -> dict[str, Any] | None:
-        """The auto mode's plan record when one is in force."""
-        return plan_in_force(self)
+        trainer, session = self.trainer, self.session
+        if trainer is not None and session is not None and session.eval.oom_reported is not exc:  # an eval loop's report stands
+            write_oom_report(self.memwatch_dir(trainer.args), exc, session.monitor, trainer,
+                             seq_len=session.last_seq_len, plan=self.plan_in_force())
+        self._close_session()
 
     def is_full_step(self, step: int) -> bool:
         """Whether optimizer step ``step`` (1-based, global) is tracked in full."""
-        if self.detail == "full":
-            return True
-        if self.detail == "light":
-            return False
-        first = self._first_step if self._first_step is not None else step
-        if step - first < self.full_steps:
-            return True
-        return bool(self._logging_steps) and step % self._logging_steps == 0
+        session = self.session
+        if session is None:
+            return self.detail != "light"
+        return session.is_full_step(step, self.detail, self.full_steps)
 
     # -- ExportableState --------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
         return {
             "args": {
-                "detail": self.detail, "full_steps": self.full_steps, "output_dir": self.output_dir,
-                "auto": self.auto, "budget": self.budget,
+                **{name: getattr(self, name) for name in _STATE_ARGS},
                 **({"allow_over_budget": True} if self._auto is not None and self._auto.allow_over_budget else {}),
-                "scalars": self.scalars, "report": self.report, "summary": self.summary,
-                "oom_report": self.oom_report, "record_history": self.record_history,
-                "top_tensors": self.top_tensors,
             },
             "attributes": {"auto_plan": self.auto_plan} if self.auto_plan else {},
         }
 
     # -- Trainer events ---------------------------------------------------------------------
-    @_guarded
+    @guarded
     def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._remember_trainer()  # the train entry point plans inside train(), before the loop is built
 
-    @_guarded
+    @guarded
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         self._remember_trainer(in_train=True)
         if self._auto is not None:
             self._auto.check_installed()
-        self._teardown()
+        self._close_session()
         self._failed = False
-        self._first_step, self._run_peak = None, None
-        self.leaks = LeakWatch()
-        self._logging_steps = _logging_interval(args, state)
-        rank = int(getattr(args, "process_index", 0))
-        backend = backend_for(torch.device(args.device))
         # A run from step 0 starts its timeline anew (the auto mode's plan, decided inside train()
         # before this event, is written again); a resumed run appends to the one it continues.
         fresh = state.global_step == 0 and not self._eval_only_timeline
         self._eval_only_timeline = False
-        writer = TimelineWriter(self.memwatch_dir(args), rank=rank, fresh=fresh)
-        if fresh and self._auto is not None:
-            for record in self._auto.timeline_records():
-                writer.write(record)
-        # Under DDP/DeepSpeed the monitor also counts the engine's buckets and partitions.
-        self.monitor = make_monitor(backend, writer, rank, self.trainer)
-        self.monitor.peaks.set_top(self.top_tensors)
-        self.monitor.peaks.history = self.record_history
-        self.monitor.attach(model, kwargs.get("optimizer"))
-        if backend.observes_operators and kwargs.get("train_dataloader") is not None:
-            self.monitor.add_contributor(FormedBatches(kwargs["train_dataloader"]))  # the look-ahead batch
-        writer.write(run_meta(model, RunConfig.from_args(args, model)))  # model and batch, for the picture's title and the summary
-        if self.record_history:
-            self._history_started = start_allocator_history(self.monitor)
-        self.monitor.compiled = runs_compiled(self.trainer, model)
+        self.session = RunSession.for_training(
+            self.trainer, self.memwatch_dir(args), args, state, fresh=fresh,
+            records=self._auto.timeline_records() if self._auto is not None else (), model=model,
+            optimizer=kwargs.get("optimizer"), dataloader=kwargs.get("train_dataloader"),
+            top_tensors=self.top_tensors, record_history=self.record_history)
         if model is not None:
-            # On the compiled wrapper when there is one: its hooks run outside the compiled code.
-            target = hook_target(model, getattr(self.trainer, "model_wrapped", None))
-            before, after = hooks_for(target, self._before_forward_hook, self._after_forward_hook)
-            self._hooks.append(target.register_forward_pre_hook(before, with_kwargs=True))
-            self._hooks.append(target.register_forward_hook(after))
+            self.session.hook_forward(self.trainer, model, self._before_forward_hook, self._after_forward_hook)
 
     def _before_forward_hook(self, module: Any, args: Any, kwargs: Any) -> None:
         if not tracing():  # traced by Dynamo (a module compiled in place): add nothing to its graph
@@ -469,52 +340,39 @@ class MemWatch(TrainerCallback, ExportableState):
         if not tracing():
             self._after_forward(module, args, output)
 
-    @_guarded
+    @guarded
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        monitor = self.monitor
-        if monitor is None:
-            return
-        step = state.global_step + 1
-        if self._first_step is None:
-            self._first_step = step
-        if kwargs.get("optimizer") is not None and monitor.optimizer is None:
-            monitor.attach(monitor.model, kwargs["optimizer"])
-        monitor.begin_step(step, full=self.is_full_step(step))
+        if self.session is not None:
+            self.session.begin_step(state.global_step + 1, kwargs.get("optimizer"), self.detail, self.full_steps)
 
-    @_guarded
+    @guarded
     def _before_forward(self, module: Any, args: Any, kwargs: Any) -> None:
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        if isinstance(ids, torch.Tensor) and ids.dim() >= 2 and not decoding_step(kwargs):
-            self.last_seq_len = int(ids.shape[-1])  # for the OOM post-mortem's estimates
-        monitor = self.monitor
-        if monitor is not None and monitor.in_step and monitor.backend.tracking:
-            tensors = [a for a in args if isinstance(a, torch.Tensor)]
-            tensors.extend(v for v in kwargs.values() if isinstance(v, torch.Tensor))
-            monitor.register_inputs(tensors)
+        session = self.session
+        if session is not None:
+            monitor = session.monitor
+            session.register_inputs(args, kwargs, active=monitor.in_step and monitor.backend.tracking)
 
-    @_guarded
+    @guarded
     def _after_forward(self, module: Any, args: Any, output: Any) -> None:
-        if self.monitor is not None and self.monitor.in_step and torch.is_grad_enabled():
-            self.monitor.snapshot("after_forward")
+        if self.session is not None:
+            self.session.snapshot("after_forward", grad_only=True)
 
-    @_guarded
+    @guarded
     def on_substep_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.monitor is not None and self.monitor.in_step:
-            self.monitor.snapshot("after_backward")
-            self.monitor.micro_step += 1
+        if self.session is not None:
+            self.session.snapshot("after_backward", next_micro_step=True)
 
-    @_guarded
+    @guarded
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.monitor is not None and self.monitor.in_step:
-            self.monitor.snapshot("after_backward")
+        if self.session is not None:
+            self.session.snapshot("after_backward")
 
-    @_guarded
+    @guarded
     def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        monitor = self.monitor
-        if monitor is not None and monitor.in_step:
-            if kwargs.get("optimizer") is not None and monitor.optimizer is None:
-                monitor.attach(monitor.model, kwargs["optimizer"])
-            monitor.snapshot("after_optimizer")
+        session = self.session
+        if session is not None and session.monitor.in_step:
+            session.attach_optimizer(kwargs.get("optimizer"))
+            session.monitor.snapshot("after_optimizer")
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._step_end()
@@ -527,154 +385,91 @@ class MemWatch(TrainerCallback, ExportableState):
                 logger.warning("hf-memwatch: the ranks did not agree between steps (%s: %s); the plan stays",
                                type(exc).__name__, exc)
 
-    @_guarded
+    @guarded
     def _step_end(self) -> None:
-        if self.monitor is not None and self.monitor.in_step:
-            record = self.monitor.end_step()
-            if isinstance(record.get("peak"), int):
-                self._run_peak = max(self._run_peak or 0, record["peak"])
-            self._watch_leaks()
-            if self._auto is not None:
-                self._auto.after_step(self.trainer, self.monitor.last_step, self.monitor.step_snapshots)
-
-    def _watch_leaks(self) -> None:
-        """After each step end: a class growing step after step is written once and warned about once."""
-        monitor = self.monitor
-        if monitor is None or not monitor.step_snapshots:
+        session = self.session
+        if session is None:
             return
-        for finding in self.leaks.observe(monitor.step, monitor.step_snapshots[-1], self._leak_headroom):
-            if monitor.writer is not None:
-                monitor.writer.write({**finding, "rank": monitor.rank})
-                monitor.writer.flush()
-            when = (f"; at this rate out of memory near step {finding['predicted_oom_step']}"
-                    if finding["predicted_oom_step"] is not None else "")
-            logger.warning(
-                "hf-memwatch: %s grows %s per step at step end since step %d (a leak: tensors or objects kept "
-                "across steps?)%s",
-                finding["class"], format_bytes(finding["bytes_per_step"]), finding["since_step"], when,
-            )
+        record = session.end_step(self.known_plan().budget_bytes)
+        if record is not None and self._auto is not None:
+            self._auto.after_step(self.trainer, session.monitor.last_step, session.monitor.step_snapshots)
 
-    def _leak_headroom(self, name: str) -> int | None:
-        """Bytes left before the limit for ``name``: the budget above the last peak, else the real limit."""
-        monitor = self.monitor
-        if monitor is None:
-            return None
-        budget, peak = known_budget(self), (monitor.last_step or {}).get("peak")
-        if name != HOST_RSS and budget is not None and peak is not None:
-            return int(budget) - int(peak)
-        try:  # a prediction only: an unreadable limit must not stop the monitoring
-            return remaining(backend_for(torch.device("cpu")) if name == HOST_RSS else monitor.backend)
-        except (OSError, RuntimeError, ValueError):
-            return None
-
-    @_guarded
+    @guarded
     def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
         # The integrations have the memory keys by now; the progress printer (added last) runs next.
         strip_memory_keys(logs)
 
     # -- evaluation loops (driven by hf_memwatch.integration.eval_watch) -----------------------
-    @_guarded
+    @guarded
     def eval_loop_begin(self, stage: str, containers: list[Any]) -> None:
-        """An ``evaluate()``/``predict()`` loop starts: open its peak window (and a monitor if none).
+        """An ``evaluate()``/``predict()`` loop starts: open its peak window (and a session if none is open).
 
         ``containers`` fills with the loop's ``EvalLoopContainer``s as the Trainer creates them.
         """
-        self._eval_containers = containers
         trainer = self.trainer
         if trainer is None:
             return
-        monitor = self._monitor_for_eval(trainer)
-        monitor.begin_eval(stage, int(trainer.state.global_step), written_batches=self.full_steps)
-        model = trainer.model
-        if isinstance(model, torch.nn.Module) and monitor.backend.tracking:
-            self._eval_hooks.append(model.register_forward_pre_hook(self._eval_inputs, with_kwargs=True))
+        self._session_for_eval(trainer).begin_eval(trainer, stage, containers, self.full_steps, self._eval_inputs)
 
-    def _monitor_for_eval(self, trainer: Any) -> StepMonitor:
-        """The training monitor while it is open; else one for this loop, appending to the timeline."""
-        monitor = self.monitor
-        if monitor is not None and monitor.writer is not None and monitor.writer.is_open:
-            return monitor
-        args = trainer.args
-        rank = int(getattr(args, "process_index", 0))
-        fresh = monitor is None  # the first thing this callback writes: a new timeline
-        writer = TimelineWriter(self.memwatch_dir(args), rank=rank, fresh=fresh)
+    def _session_for_eval(self, trainer: Any) -> RunSession:
+        """The training session while it is open; else one for this loop, appending to the timeline."""
+        if self.session is not None and self.session.is_open:
+            return self.session
+        fresh = self.session is None  # the first thing this callback writes: a new timeline
         self._eval_only_timeline = self._eval_only_timeline or fresh
-        self.monitor = make_monitor(backend_for(torch.device(args.device)), writer, rank, trainer)
-        self.monitor.attach(trainer.model, trainer.optimizer)
-        return self.monitor
+        self.session = RunSession.for_eval(trainer, self.memwatch_dir(trainer.args), fresh=fresh)
+        return self.session
 
-    @_guarded
+    @guarded
     def _eval_inputs(self, module: Any, args: Any, kwargs: Any) -> None:
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        if isinstance(ids, torch.Tensor) and ids.dim() >= 2 and not decoding_step(kwargs):
-            self.last_seq_len = int(ids.shape[-1])  # for the OOM post-mortem's estimates
-        monitor = self.monitor
-        if monitor is not None and monitor.eval is not None:
-            tensors = [a for a in args if isinstance(a, torch.Tensor)]
-            tensors.extend(v for v in kwargs.values() if isinstance(v, torch.Tensor))
-            monitor.register_inputs(tensors)
+        session = self.session
+        if session is not None:
+            session.register_inputs(args, kwargs, active=session.monitor.eval is not None)
 
-    @_guarded
+    @guarded
     def eval_forward_done(self) -> None:
         """After each batch's no-grad forward (``prediction_step`` returned)."""
-        monitor = self.monitor
-        if monitor is not None and monitor.eval is not None:
-            monitor.eval_snapshot("eval_forward", container_tensors(self._eval_containers))
+        if self.session is not None:
+            self.session.eval_snapshot("eval_forward")
 
-    @_guarded
+    @guarded
     def on_prediction_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        monitor = self.monitor
-        if monitor is not None and monitor.eval is not None:  # the containers hold the batch now
-            monitor.eval_snapshot("eval_accumulated", container_tensors(self._eval_containers))
-            monitor.eval.batch += 1
+        if self.session is not None:  # the containers hold the batch now
+            self.session.eval_snapshot("eval_accumulated", batch_done=True)
 
-    @_guarded
+    @guarded
     def eval_loop_end(self, output: Any, error: BaseException | None) -> None:
         """The loop returned ``output`` (an ``EvalLoopOutput``) or raised ``error``."""
-        for handle in self._eval_hooks:
-            handle.remove()
-        self._eval_hooks.clear()
-        monitor = self.monitor
-        if monitor is None or monitor.eval is None:
+        session = self.session
+        if session is None:
             return
-        loop = monitor.eval
-        if output is not None:
-            held = list(held_tensors((getattr(output, "predictions", None), getattr(output, "label_ids", None))))
-        elif error is not None:
-            held = container_tensors(self._eval_containers)
-        else:
-            held = []
-        del self._eval_containers[:]  # the loop's own list: nothing of ours keeps its outputs
-        record = monitor.end_eval(held, batches=loop.batch)
-        del held  # the post-mortem's estimator may need the memory
+        record, last = session.end_eval(output, error)
         trainer = self.trainer
         if error is None or record is None or not self.oom_report or trainer is None or not is_oom_error(error):
             return
         from ..reporting.eval_oom import write_eval_oom_report
 
-        self._eval_oom_reported = error
-        write_eval_oom_report(self.memwatch_dir(trainer.args), error, record, loop.last, trainer,
-                              seq_len=self.last_seq_len, writer=monitor.writer)
+        session.eval.oom_reported = error
+        write_eval_oom_report(self.memwatch_dir(trainer.args), error, record, last, trainer,
+                              seq_len=session.last_seq_len, writer=session.monitor.writer)
 
     def eval_scalars(self) -> dict[str, int] | None:
         """``memory/eval_*`` figures of the eval loop that just ended (once per loop)."""
-        monitor = self.monitor
-        record = None if self._failed or monitor is None else monitor.last_eval
-        if record is None or record is self._eval_logged or record.get("stage") != "eval":
+        session = self.session
+        record = None if self._failed or session is None else session.monitor.last_eval
+        if record is None or record is session.eval.logged or record.get("stage") != "eval":
             return None
-        self._eval_logged = record
+        session.eval.logged = record
         return eval_scalars(record)
 
-    @_guarded
+    @guarded
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._teardown()
-        if self._history_started:
-            stop_allocator_history()
-            self._history_started = False
-        if state.is_world_process_zero and self.monitor is not None:
-            self._report_process = finish_reports(self, args, state)
+        self._close_session()
+        if state.is_world_process_zero and self.session is not None:
+            self._report_process = finish_reports(self.memwatch_dir(args), self.report, self.summary,
+                                                  self.plan_in_force())
         if self._trial_name is not None and state.is_world_process_zero:
-            self.trials.record(self._trial_name, self._run_peak)
+            self.trials.record(self._trial_name, None if self.session is None else self.session.run_peak)
             self.trials.write(self._base_dir(args))
             logger.info(self.trials.summary_line())
             if self.summary:

@@ -20,6 +20,7 @@ import pickle
 import re
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -255,11 +256,12 @@ def write_oom_report(
 
     limit_line = binding_limit_line(monitor.backend, record["requested"])
 
+    failure = PostMortem(exc=exc, monitor=monitor, last=last, config=config, model=model, at_failure=at_failure,
+                         plan=plan, snapshot_path=snapshot_path, allocator_advice=advice,
+                         failure_tensors=failure_tensors, limit_line=limit_line)
+
     def render(baseline: int | None, remedies: list[tuple[str, int | None, str]], note: str) -> None:
-        text = render_oom_report(
-            exc, monitor, last, config, model, at_failure, baseline, remedies, note, plan, snapshot_path,
-            allocator_advice=advice, failure_tensors=failure_tensors, limit_line=limit_line,
-        )
+        text = render_oom_report(failure, baseline, remedies, note)
         partial = path.with_suffix(".md.partial")
         partial.write_text(text, encoding="utf-8")
         os.replace(partial, path)  # atomic: a write that fails for want of memory leaves the last report
@@ -334,24 +336,35 @@ def _dump_cuda_snapshot(directory: Path) -> Path | None:
         return None
 
 
-def render_oom_report(
-    exc: BaseException,
-    monitor: Any,
-    last: Mapping[str, Any] | None,
-    config: RunConfig,
-    model: Any,
-    at_failure: Mapping[str, Any] | None,
-    baseline: int | None,
-    remedies: list[tuple[str, int | None, str]],
-    note: str,
-    plan: Any,
-    snapshot_path: Path | None,
-    allocator_advice: str | None = None,
-    failure_tensors: Any = None,
-    limit_line: str | None = None,
-) -> str:
-    """The Markdown text of the post-mortem; ``allocator_advice``: the CUDA allocator's
-    (:func:`~hf_memwatch.measure.footprint.expandable_segments_advice`), when the gap called for it."""
+@dataclass(frozen=True)
+class PostMortem:
+    """What was measured when the allocation failed — everything the report says but the remedies.
+
+    ``last``: the step's last snapshot; ``at_failure``: the classes live at the failure (a snapshot
+    record not written); ``plan``: the ``plan`` record in force; ``allocator_advice``: the CUDA
+    allocator's (:func:`~hf_memwatch.measure.footprint.expandable_segments_advice`), when the gap
+    called for it; ``limit_line``: :func:`binding_limit_line`'s."""
+
+    exc: BaseException
+    monitor: Any
+    last: Mapping[str, Any] | None
+    config: RunConfig
+    model: Any
+    at_failure: Mapping[str, Any] | None = None
+    plan: Mapping[str, Any] | None = None
+    snapshot_path: Path | None = None
+    allocator_advice: str | None = None
+    failure_tensors: Any = None
+    limit_line: str | None = None
+
+
+def render_oom_report(failure: PostMortem, baseline: int | None, remedies: list[tuple[str, int | None, str]],
+                      note: str) -> str:
+    """The Markdown text of the post-mortem: ``failure``'s figures, then what each remedy would have
+    saved (``remedies``: description, predicted peak, problem; against ``baseline``, or ``note`` why none)."""
+    exc, monitor, last, config, model = failure.exc, failure.monitor, failure.last, failure.config, failure.model
+    at_failure, plan, snapshot_path = failure.at_failure, failure.plan, failure.snapshot_path
+    allocator_advice, failure_tensors, limit_line = failure.allocator_advice, failure.failure_tensors, failure.limit_line
     lines = ["# hf-memwatch: out-of-memory post-mortem", ""]
     name = type(model).__name__ if model is not None else "?"
     params = sum(p.numel() for p in model.parameters()) if model is not None else None

@@ -346,36 +346,3 @@ def scalar_logging(
 
     setattr(log, _WRAPPED_MARK, True)
     return log
-
-
-def plan_in_force(owner: Any) -> dict[str, Any] | None:
-    """The auto mode's ``plan`` record on ``owner`` (the callback) or its ``auto`` attribute, if any.
-
-    Read defensively: the auto mode owns these attributes and may not be active.
-    """
-    for holder in (owner, getattr(owner, "auto", None)):
-        plan = getattr(holder, "plan", None) if holder is not None else None
-        if isinstance(plan, Mapping):
-            return dict(plan)
-        if plan is not None and hasattr(plan, "record") and hasattr(plan, "predicted_peak"):
-            return {"predicted_peak": plan.predicted_peak, "reason": getattr(plan, "reason", "")}
-    return None
-
-
-def known_budget(owner: Any) -> int | None:
-    """The memory budget in bytes when one is known (``budget_bytes``, the auto mode's, or the plan's)."""
-    value = getattr(owner, "budget_bytes", None)
-    if value is None:
-        budget = getattr(getattr(owner, "auto", None), "budget", None)
-        value = getattr(budget, "total", None)
-    if value is None:
-        value = (plan_in_force(owner) or {}).get("budget")
-    return int(value) if isinstance(value, (int, float)) and value > 0 else None
-
-
-def known_prediction(owner: Any) -> int | None:
-    """The predicted peak in bytes when one exists (``predicted_peak`` or the plan's)."""
-    value = getattr(owner, "predicted_peak", None)
-    if value is None:
-        value = (plan_in_force(owner) or {}).get("predicted_peak")
-    return int(value) if isinstance(value, (int, float)) and value > 0 else None

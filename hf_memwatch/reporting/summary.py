@@ -279,17 +279,19 @@ def print_summary(path: str | os.PathLike[str], plan: Mapping[str, Any] | None =
     return table
 
 
-def finish_reports(callback: Any, args: Any, state: Any) -> Any:
-    """Train-end reporting of ``MemWatch``: the picture and the summary, each failing alone, quietly.
+def finish_reports(directory: str | os.PathLike[str], report: bool | str, summary: bool,
+                   plan: Mapping[str, Any] | None) -> Any:
+    """Train-end reporting of ``MemWatch`` in ``directory``: the picture and the summary (with the
+    ``plan`` record in force), each failing alone, quietly.
 
-    ``callback.report`` is ``True`` (the picture is drawn by a detached background process, returned
-    so the caller can wait for it), ``"sync"`` (drawn here, before returning) or ``False``.
+    ``report`` is ``True`` (the picture is drawn by a detached background process, returned so the
+    caller can wait for it), ``"sync"`` (drawn here, before returning) or ``False``.
     """
-    directory = Path(callback.memwatch_dir(args))
+    directory = Path(directory)
     process = None
-    if callback.report == "sync":
+    if report == "sync":
         _draw_now(directory)
-    elif callback.report:
+    elif report:
         try:
             from .background import start_report_process
 
@@ -299,9 +301,9 @@ def finish_reports(callback: Any, args: Any, state: Any) -> Any:
         except Exception as exc:  # noqa: BLE001 - no process (fork refused, ...): no picture, say so
             logger.warning("hf-memwatch: no memory picture (%s: %s); `hf-memwatch report %s` draws it",
                            type(exc).__name__, exc, directory)
-    if callback.summary:
+    if summary:
         try:
-            print_summary(directory, plan=callback.plan_in_force(), settings=allocator_settings())
+            print_summary(directory, plan=plan, settings=allocator_settings())
         except Exception as exc:  # noqa: BLE001
             logger.warning("hf-memwatch: no summary table (%s: %s)", type(exc).__name__, exc)
     return process
