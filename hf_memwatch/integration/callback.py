@@ -325,9 +325,8 @@ class MemWatch(TrainerCallback, ExportableState):
         fresh = state.global_step == 0 and not self._eval_only_timeline
         self._eval_only_timeline = False
         self.session = RunSession.for_training(
-            self.trainer, self.memwatch_dir(args), args, state, fresh=fresh,
-            records=self._auto.timeline_records() if self._auto is not None else (), model=model,
-            optimizer=kwargs.get("optimizer"), dataloader=kwargs.get("train_dataloader"),
+            self.trainer, self.memwatch_dir(args), args, state, {**kwargs, "model": model}, fresh=fresh,
+            records=self._auto.timeline_records() if self._auto is not None else (),
             top_tensors=self.top_tensors, record_history=self.record_history)
         if model is not None:
             self.session.hook_forward(self.trainer, model, self._before_forward_hook, self._after_forward_hook)

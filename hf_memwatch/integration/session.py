@@ -96,11 +96,13 @@ class RunSession:
 
     # -- opening --------------------------------------------------------------------------------
     @classmethod
-    def for_training(cls, trainer: Any, directory: Path, args: Any, state: Any, *, fresh: bool,
-                     records: Iterable[dict[str, Any]], model: Any, optimizer: Any, dataloader: Any,
-                     top_tensors: int, record_history: bool) -> RunSession:
-        """The session of a ``train()`` call, opened at ``on_train_begin``: ``records`` (the auto
-        mode's plan) start a fresh timeline; a resumed run appends to the one it continues."""
+    def for_training(cls, trainer: Any, directory: Path, args: Any, state: Any, event: dict[str, Any], *,
+                     fresh: bool, records: Iterable[dict[str, Any]], top_tensors: int,
+                     record_history: bool) -> RunSession:
+        """The session of a ``train()`` call, opened at ``on_train_begin`` (``event``: its keywords, the
+        model, optimizer and train dataloader): ``records`` (the auto mode's plan) start a fresh
+        timeline; a resumed run appends to the one it continues."""
+        model, optimizer, dataloader = event.get("model"), event.get("optimizer"), event.get("train_dataloader")
         backend = backend_for(torch.device(args.device))
         writer = open_timeline(directory, rank_of(args), fresh=fresh, records=records if fresh else ())
         # Under DDP/DeepSpeed the monitor also counts the engine's buckets and partitions.
