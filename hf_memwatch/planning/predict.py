@@ -52,6 +52,11 @@ class EstimatorPredictor:
             self.estimates[plan.key()] = self._estimate(plan)
         return self.estimates[plan.key()]
 
+    def remember(self, plan: Plan, estimate: Any) -> None:
+        """Take ``estimate`` (a :class:`~hf_memwatch.estimation.estimate.MemoryEstimate` of ``plan`` made
+        by the caller with the same keywords) as this predictor's: it is not predicted again."""
+        self.estimates.setdefault(plan.key(), estimate)
+
     def _estimate(self, plan: Plan, **options: Any) -> Any:
         estimate = self.estimator
         if estimate is None:
