@@ -23,11 +23,12 @@ import json
 import sys
 from typing import Any
 
+from ..core.categories import ESTIMATE_CLASSES
 from ..core.errors import MemWatchConfigError
+from ..core.optimizers import SUPPORTED_OPTIMS
 from ..core.run_config import RunConfig
 from ..core.units import format_bytes, parse_bytes
 from ..estimation.estimate import (
-    CLASS_NAMES,
     DEVICES,
     PRECISIONS,
     SHARDS,
@@ -35,7 +36,6 @@ from ..estimation.estimate import (
     estimate,
     logits_bytes,
 )
-from ..estimation.optim import SUPPORTED_OPTIMS
 from ..estimation.quantized import COMPUTE_DTYPES, QUANT_TYPES
 from ..measure.peak_tensors import PeakTensors, headline, removed_by
 from ..planning.catalogue import advice, with_state_share
@@ -354,7 +354,7 @@ def _print_table(payload: dict[str, Any]) -> None:
     table.add_column("bytes", justify="right")
     table.add_column("", justify="right")
     table.add_column("share", justify="right")
-    for name in CLASS_NAMES:
+    for name in ESTIMATE_CLASSES:
         value = payload["classes"][name]
         table.add_row(name, f"{value:,}", format_bytes(value), f"{100 * value / peak:.1f}%" if peak else "-")
         for detail, part in payload.get("details", {}).get(name, {}).items():  # e.g. the logits, inside

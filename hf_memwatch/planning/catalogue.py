@@ -28,14 +28,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ..core.optimizers import ADAMW_NAMES, EIGHT_BIT_NAMES
 from ..core.run_config import RunConfig
 
 # 8-bit AdamW is not proposed where the optimizer states are less than this share of the predicted
 # peak (a LoRA run's adapters): it would save at most ~3/4 of a rounding error.
 MIN_STATE_SHARE = 0.05
-# Optimizers that 8-bit AdamW replaces without changing the algorithm.
-ADAMW_NAMES = frozenset({"adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw_apex_fused", "adamw_torch_xla"})
-EIGHT_BIT_NAMES = frozenset({"adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit"})
 
 
 def divisors(n: int) -> list[int]:

@@ -16,8 +16,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from ..core.categories import FORWARD_BACKWARD_PHASES
 from ..core.run_config import RunConfig
-from ..estimation.step import FORWARD_BACKWARD_PHASES
 from .chooser import PeakParts
 from .plan import Plan
 

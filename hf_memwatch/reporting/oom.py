@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ..core.categories import LIVE_CLASSES
+from ..core.categories import LIVE_CLASSES, PHASES
 from ..core.run_config import RunConfig, is_peft_model
 from ..core.units import format_bytes
 from ..measure.footprint import advice_from_stats, allocator_settings
@@ -39,13 +39,13 @@ SNAPSHOT_NAME = "oom_snapshot.pickle"
 _WRAPPED_MARK = "_hf_memwatch_oom"
 
 #: What runs after each snapshot phase until the next one: where an OOM after that snapshot happened.
-PHASE_IN_PROGRESS = {
-    "step_begin": "the forward pass",
-    "after_forward": "the backward pass",
-    "after_backward": "the optimizer step (or the next micro-batch's forward pass)",
-    "after_optimizer": "zero_grad / the end of the step",
-    "step_end": "between steps (data loading, logging, evaluation, saving)",
-}
+PHASE_IN_PROGRESS = dict(zip(PHASES, (
+    "the forward pass",
+    "the backward pass",
+    "the optimizer step (or the next micro-batch's forward pass)",
+    "zero_grad / the end of the step",
+    "between steps (data loading, logging, evaluation, saving)",
+), strict=True))
 
 
 # -- installing ---------------------------------------------------------------------------------
