@@ -2,9 +2,10 @@
 
 MODEL is a local model directory or ``config.json`` (a hub id where the network allows). The
 default output is a table — each class in bytes and share of the peak, the phase of the peak — and,
-with ``--budget``, whether it fits, the largest micro-batch that fits, and the predicted peak of
-each remedy (checkpointing, 8-bit AdamW, both; accumulation through the plan that keeps the
-effective batch). ``--json`` prints one object instead.
+with ``--budget``, whether it fits, and the planning core's answer (one
+:class:`~hf_memwatch.planning.chooser.PlanRequest`, the auto mode's chooser): the plan, and the
+predicted peak of each remedy setting (checkpointing, 8-bit AdamW, both) with the largest
+micro-batch of the same effective batch that fits. ``--json`` prints one object instead.
 
 Usage:
     hf-memwatch estimate ./my-model --batch-size 16 --seq-len 512 --precision bf16 --budget 24GiB
@@ -22,25 +23,26 @@ import json
 import sys
 from typing import Any
 
+from ..core.categories import ESTIMATE_CLASSES
 from ..core.errors import MemWatchConfigError
+from ..core.optimizers import SUPPORTED_OPTIMS
 from ..core.run_config import RunConfig
 from ..core.units import format_bytes, parse_bytes
 from ..estimation.estimate import (
-    CLASS_NAMES,
     DEVICES,
     PRECISIONS,
     SHARDS,
     TASKS,
     estimate,
-    largest_fitting,
     logits_bytes,
 )
-from ..estimation.optim import SUPPORTED_OPTIMS
 from ..estimation.quantized import COMPUTE_DTYPES, QUANT_TYPES
 from ..measure.peak_tensors import PeakTensors, headline, removed_by
 from ..planning.catalogue import advice, with_state_share
-from ..planning.chooser import candidates
-from ..planning.planner import plan_for
+from ..planning.chooser import PlanRequest
+from ..planning.plan import Plan
+from ..planning.predict import EstimatorPredictor
+from ..planning.remedies import setting_rows
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -230,45 +232,42 @@ def deepspeed_engine(args: argparse.Namespace) -> Any:
     return engine_from_deepspeed_config({"zero_optimization": zero}, int(args.world_size))
 
 
-def remedies(args: argparse.Namespace, budget: int, given: Any) -> list[dict[str, Any]]:
-    """Each combination of the catalogue's checkpointing and optimizer options at the given micro-batch:
-    its predicted peak and the largest micro-batch it allows."""
+def planning_request(args: argparse.Namespace, budget: int, given: Any) -> PlanRequest:
+    """The one planning request of the command: the chooser's candidates and one cache of predictions
+    (the estimator, as the auto mode's predictor, seeded with the command's own estimate ``given``),
+    from which the plan and the remedy table are read."""
     run = with_state_share(_run_config(args), given)
+    extra = dict(peft_kwargs(args))
+    if args.top > 0:  # every prediction lists its peak tensors: what each remedy removes
+        extra["top_tensors"] = args.top
+    predictor = EstimatorPredictor(args.model, run, extra=extra)
+    predictor.remember(Plan.of(run), given)
+    return PlanRequest(run, predictor, budget)
+
+
+def remedies(request: PlanRequest, args: argparse.Namespace, given: Any) -> list[dict[str, Any]]:
+    """The remedy table: each setting of the chooser's candidates (checkpointing x optimizer) at the
+    given micro-batch, the estimator's peak and the chooser's prediction of it (margin included:
+    what ``fits`` compares), and the largest micro-batch of that setting that fits (same effective
+    batch) — all from ``request``'s predictions (:func:`~hf_memwatch.planning.remedies.setting_rows`)."""
     rows = []
-    for plan in candidates(run):
-        if plan.micro_batch_size != run.micro_batch_size:
-            continue
-        changes = [c for c in plan.changes_from(run) if not c.startswith("micro-batch")]
-        cache: dict[int, int] = {}
-        if not changes:
-            cache[args.batch_size] = given.peak_bytes
-
-        def peak_of(batch: int, plan: Any = plan, cache: dict[int, int] = cache) -> int:
-            if batch not in cache:
-                cache[batch] = estimate(args.model, **run.replace(
-                    micro_batch_size=batch, checkpointing=plan.activation_checkpointing, optim=plan.optim,
-                ).estimate_kwargs(), **peft_kwargs(args)).peak_bytes
-            return cache[batch]
-
-        peak = peak_of(args.batch_size)
+    for row in setting_rows(request):
+        estimated = request.predictor.estimate(row.plan)
         removes = None
-        if args.top > 0 and given.peak_tensors is not None and changes:
-            after = estimate(args.model, **run.replace(
-                checkpointing=plan.activation_checkpointing, optim=plan.optim).estimate_kwargs(),
-                **peft_kwargs(args), top_tensors=args.top).peak_tensors
-            removes = None if after is None else removed_by(given.peak_tensors, after)
+        if args.top > 0 and given.peak_tensors is not None and row.changes and estimated.peak_tensors is not None:
+            removes = removed_by(given.peak_tensors, estimated.peak_tensors)
         rows.append({
-            "remedy": " + ".join(changes) or "as given", "checkpointing": plan.activation_checkpointing,
-            "optim": plan.optim, "peak_bytes": peak, "fits": peak <= budget,
-            "largest_fitting_batch": largest_fitting(peak_of, budget, 4096), "removes": removes,
+            "remedy": row.label, "checkpointing": row.plan.activation_checkpointing, "optim": row.plan.optim,
+            "peak_bytes": int(estimated.peak_bytes), "predicted_peak": row.predicted_peak, "fits": row.fits,
+            "largest_fitting_batch": row.largest_fitting.micro_batch_size if row.largest_fitting else 0,
+            "removes": removes,
         })
     return rows
 
 
-def _plan(args: argparse.Namespace, budget: int, given: Any) -> dict[str, Any] | None:
+def _plan(request: PlanRequest) -> dict[str, Any] | None:
     """The planning core's choice (the auto mode's, for the same configuration and budget)."""
-    result = plan_for(args.model, with_state_share(_run_config(args), given), budget,
-                      estimate_kwargs=peft_kwargs(args))
+    result = request.choose()
     if result.chosen is None:
         return None
     return dict(result.chosen.as_dict(), explain=result.chosen.reason)
@@ -317,9 +316,10 @@ def run(args: argparse.Namespace) -> int:
         payload["advice"] = [item.as_dict() for item in advice(
             _run_config(args), result.frozen_models, logits_bytes(result), result.peak_bytes)]
         if budget is not None:
-            payload["remedies"] = remedies(args, budget, result)
+            request = planning_request(args, budget, result)
+            payload["plan"] = _plan(request)  # the choice first: the table reads the predictions it made
+            payload["remedies"] = remedies(request, args, result)
             payload["largest_fitting_batch"] = payload["remedies"][0]["largest_fitting_batch"]
-            payload["plan"] = _plan(args, budget, result)
     warning = positions_warning(args.model, {"--seq-len": args.seq_len, "--eval-seq-len": args.eval_seq_len})
     if warning:  # after the estimate: an error of the request itself stays the one line
         print(warning, file=sys.stderr)
@@ -354,7 +354,7 @@ def _print_table(payload: dict[str, Any]) -> None:
     table.add_column("bytes", justify="right")
     table.add_column("", justify="right")
     table.add_column("share", justify="right")
-    for name in CLASS_NAMES:
+    for name in ESTIMATE_CLASSES:
         value = payload["classes"][name]
         table.add_row(name, f"{value:,}", format_bytes(value), f"{100 * value / peak:.1f}%" if peak else "-")
         for detail, part in payload.get("details", {}).get(name, {}).items():  # e.g. the logits, inside
@@ -375,7 +375,7 @@ def _print_table(payload: dict[str, Any]) -> None:
         return
     verdict = "[green]fits[/green]" if payload["fits"] else "[red]does not fit[/red]"
     console.print(f"budget {format_bytes(payload['budget'])}: {verdict}; "
-                  f"largest micro-batch that fits: {payload['largest_fitting_batch']}")
+                  f"largest micro-batch that fits (same effective batch): {payload['largest_fitting_batch']}")
     remedy_table = Table(title="remedies")
     for column in ("remedy", "peak", "fits", "largest micro-batch"):
         remedy_table.add_column(column)

@@ -1,4 +1,12 @@
-"""The memory classes of the Transformers "GPU memory usage" guide, as measured by hf-memwatch."""
+"""The memory classes of the Transformers "GPU memory usage" guide, as measured by hf-memwatch, and the
+phases of a step: the one definition of each name (every module reads them from here).
+
+Example:
+    >>> PHASES.index(AFTER_BACKWARD), STAGE_AFTER[AFTER_FORWARD]
+    (2, 'backward')
+    >>> ESTIMATE_CLASSES
+    ('weights', 'gradients', 'optimizer_states', 'activations', 'temporaries', 'other')
+"""
 
 from __future__ import annotations
 
@@ -34,4 +42,21 @@ LIVE_CLASSES: tuple[str, ...] = (
 # Live classes of an evaluation snapshot: the training ones plus the accumulated outputs.
 EVAL_LIVE_CLASSES: tuple[str, ...] = LIVE_CLASSES[:-1] + (MemClass.OUTPUTS.value, MemClass.OTHER.value)
 
-PHASES: tuple[str, ...] = ("step_begin", "after_forward", "after_backward", "after_optimizer", "step_end")
+# The classes of a predicted step (``MemoryEstimate.classes``): the live ones and the spike, ``other`` last.
+ESTIMATE_CLASSES: tuple[str, ...] = LIVE_CLASSES[:-1] + (MemClass.TEMPORARIES.value, MemClass.OTHER.value)
+# The classes of a predicted evaluation loop (no gradients, no saved activations).
+EVAL_ESTIMATE_CLASSES: tuple[str, ...] = (MemClass.WEIGHTS.value, MemClass.OPTIMIZER_STATES.value,
+                                          MemClass.OUTPUTS.value, MemClass.OTHER.value, MemClass.TEMPORARIES.value)
+# The classes that stay from step to step (not made by the step's forward and backward).
+RESIDENT_CLASSES = frozenset({MemClass.WEIGHTS.value, MemClass.GRADIENTS.value, MemClass.OPTIMIZER_STATES.value})
+
+# The snapshot phases of an optimizer step, in order (README: "What is measured").
+STEP_BEGIN = "step_begin"
+AFTER_FORWARD = "after_forward"
+AFTER_BACKWARD = "after_backward"
+AFTER_OPTIMIZER = "after_optimizer"
+STEP_END = "step_end"
+PHASES: tuple[str, ...] = (STEP_BEGIN, AFTER_FORWARD, AFTER_BACKWARD, AFTER_OPTIMIZER, STEP_END)
+FORWARD_BACKWARD_PHASES: tuple[str, ...] = (AFTER_FORWARD, AFTER_BACKWARD)
+#: The stage that runs after each snapshot phase until the model's hooks say otherwise.
+STAGE_AFTER: dict[str, str] = dict(zip(PHASES, ("forward", "backward", "optimizer", "zero_grad", "outside"), strict=True))

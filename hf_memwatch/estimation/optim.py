@@ -20,19 +20,9 @@ import torch
 
 from ..core.errors import MemWatchConfigError
 
-SUPPORTED_OPTIMS: tuple[str, ...] = (
-    "adamw_torch",
-    "adamw_torch_fused",
-    "adamw_bnb_8bit",
-    "adamw_8bit",
-    "paged_adamw_8bit",
-    "paged_adamw_32bit",
-    "sgd",
-    "adafactor",
-    "adagrad",
-    "rmsprop",
-)
-BNB_OPTIMS = frozenset({"adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit"})
+# Defined in core (one list each); named here for the estimator's callers.
+from ..core.optimizers import BNB_OPTIMS as BNB_OPTIMS
+from ..core.optimizers import SUPPORTED_OPTIMS as SUPPORTED_OPTIMS
 
 
 @functools.lru_cache(maxsize=32)

@@ -16,12 +16,9 @@ from typing import Any
 
 import torch
 
+from ..core.categories import STAGE_AFTER
 from ..measure.module_scope import ModuleScope
 from ..measure.peak_tensors import PeakCensus, PeakTensors, TensorInfo, resident_namer, summarize
-
-# The stage that runs after each of the estimator's phase closes.
-_STAGE_AFTER = {"after_forward": "backward", "after_backward": "optimizer", "after_optimizer": "zero_grad",
-                "step_end": "outside"}
 
 
 class PeakCensusWatch:
@@ -38,7 +35,7 @@ class PeakCensusWatch:
         self.scope.start()
 
     def after(self, phase: str) -> None:
-        self.scope.set_stage(_STAGE_AFTER.get(phase, "outside"))
+        self.scope.set_stage(STAGE_AFTER.get(phase, "outside"))
 
     def close(self) -> None:
         self.scope.stop()

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from ..core.categories import STEP_BEGIN
 from .held_models import HeldModels, held_models
 from .monitor import StepMonitor
 from .storage import collect_storages, nested_tensors
@@ -394,7 +395,7 @@ class EngineStorages:
         # tracker sees a bucket when DDP first writes into it (first tracked backward), so inside that
         # one window its peak may or may not include it: the bound on the safe side is taken there.
         before = getattr(self, "unseen_bytes_before", 0)
-        unseen = max(before, self.unseen_bytes) if phase != "step_begin" else self.unseen_bytes
+        unseen = max(before, self.unseen_bytes) if phase != STEP_BEGIN else self.unseen_bytes
         if unseen and monitor.backend.live_storages() is not None and window_peak is not None:
             record["peak"] = max(record["peak"], window_peak + unseen)
             floor = record["allocated"]

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ..core.categories import LIVE_CLASSES
+from ..core.categories import LIVE_CLASSES, STEP_BEGIN, STEP_END
 from ..core.records import EvalRecord, Snapshot, StepRecord
 from ..core.timeline import TimelineWriter
 from .attribution import (
@@ -119,10 +119,10 @@ class StepMonitor:
                 self.backend.start_tracking()
             self.saved.start()
         self.peaks.begin_step(full and self.backend.tracking, full)
-        return self.snapshot("step_begin")
+        return self.snapshot(STEP_BEGIN)
 
     def end_step(self) -> dict[str, Any]:
-        last = self.snapshot("step_end")
+        last = self.snapshot(STEP_END)
         self.stop_tracking()
         self.in_step = False
         peak_snapshot = max(self.step_snapshots, key=lambda s: s["peak"] if s["peak"] is not None else -1)

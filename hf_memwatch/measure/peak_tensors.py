@@ -24,12 +24,12 @@ from typing import Any
 
 import torch
 
+from ..core.categories import RESIDENT_CLASSES
 from ..core.units import format_bytes
 from .attribution import unwrap_optimizer
 
 DEFAULT_TOP = 20  # storages listed per peak; the groups are cut to the same number
 NO_SCOPE = ("(outside)", "outside")  # (module path, stage) before any hook fired
-RESIDENT_CLASSES = frozenset({"weights", "gradients", "optimizer_states"})
 
 
 class TensorInfo:

@@ -31,13 +31,10 @@ from typing import Any
 
 import torch
 
+from ..core.categories import STAGE_AFTER
 from ..core.records import PeakTensorsRecord
 from .module_scope import ModuleScope
 from .peak_tensors import DEFAULT_TOP, PeakCensus, PeakTensors, TensorInfo, resident_namer, summarize
-
-#: The stage that runs after each snapshot phase until the model's hooks say otherwise.
-STAGE_AFTER = {"step_begin": "forward", "after_forward": "backward", "after_backward": "optimizer",
-               "after_optimizer": "zero_grad", "step_end": "outside"}
 
 
 class PeakWatch:

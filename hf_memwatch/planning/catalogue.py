@@ -5,8 +5,12 @@ post-mortem) draws its options from :data:`REMEDIES`. A remedy that changes the 
 algorithm is not a memory remedy: 8-bit AdamW replaces AdamW variants only (same update rule, the
 states quantised), never SGD, Adafactor or another optimizer.
 
-Adding a remedy: one :class:`Remedy` entry with its ``unavailable`` rule and its ``options``
-(the values it may give its plan field), and its cost in :func:`hf_memwatch.planning.chooser.relative_throughput`.
+Adding a remedy: one :class:`Remedy` entry in :data:`REMEDIES` with its ``unavailable`` rule, its
+``options`` (the values it may give its plan field, a field of
+:class:`~hf_memwatch.planning.plan.Plan`), its ``step`` (the one-step change an OOM post-mortem
+names) and ``describe`` (that change in words), and its cost in
+:func:`hf_memwatch.planning.chooser.relative_throughput`. The chooser's candidates, the CLI's remedy
+table and the post-mortem's savings (:mod:`hf_memwatch.planning.remedies`) all follow from the entry.
 
 Example:
     >>> from hf_memwatch.core.run_config import RunConfig
@@ -24,14 +28,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ..core.optimizers import ADAMW_NAMES, EIGHT_BIT_NAMES
 from ..core.run_config import RunConfig
 
 # 8-bit AdamW is not proposed where the optimizer states are less than this share of the predicted
 # peak (a LoRA run's adapters): it would save at most ~3/4 of a rounding error.
 MIN_STATE_SHARE = 0.05
-# Optimizers that 8-bit AdamW replaces without changing the algorithm.
-ADAMW_NAMES = frozenset({"adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw_apex_fused", "adamw_torch_xla"})
-EIGHT_BIT_NAMES = frozenset({"adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit"})
 
 
 def divisors(n: int) -> list[int]:
@@ -70,18 +72,31 @@ def state_bytes_floor(optim: str, trainable_params: int) -> int:
     return 2 * trainable_params if optim in EIGHT_BIT_NAMES else 0
 
 
+def _first_other(run: RunConfig, value: Any, options: list[Any]) -> Any:
+    """The first option other than the run's own ``value`` (None: there is none)."""
+    return next((option for option in options if option != value), None)
+
+
+def _says(run: RunConfig, plan: Any) -> str:
+    return ", ".join(plan.changes_from(run))
+
+
 @dataclass(frozen=True)
 class Remedy:
     """One memory remedy: the plan field it sets and the values it may give it.
 
     ``unavailable(run)`` says why it cannot be used on ``run`` (None: it can); ``options(run)`` are
-    the values of ``field`` it allows, the run's own value included.
+    the values of ``field`` it allows, the run's own value included; ``step(run, value, options)`` is
+    the value of the remedy applied alone, one step from the run's ``value`` (None: no such step);
+    ``describe(run, plan)`` that step in words.
     """
 
     name: str
     field: str
     unavailable: Callable[[RunConfig], str | None]
     options: Callable[[RunConfig], list[Any]]
+    step: Callable[[RunConfig, Any, list[Any]], Any] = _first_other
+    describe: Callable[[RunConfig, Any], str] = _says
 
 
 def _accumulation_options(run: RunConfig) -> list[int]:
@@ -92,12 +107,26 @@ def _accumulation_unavailable(run: RunConfig) -> str | None:
     return run.micro_batch_fixed
 
 
+def _accumulation_step(run: RunConfig, micro: int, options: list[int]) -> int | None:
+    """The next smaller micro-batch that keeps the effective batch (the largest saving's first step)."""
+    return max((m for m in options if m < micro), default=None)
+
+
+def _accumulation_says(run: RunConfig, plan: Any) -> str:
+    return (f"micro-batch {run.micro_batch_size} -> {plan.micro_batch_size}, gradient accumulation "
+            f"{run.gradient_accumulation_steps} -> {plan.gradient_accumulation_steps} (same effective batch)")
+
+
 def _checkpointing_unavailable(run: RunConfig) -> str | None:
     return None if run.checkpointing else run.checkpointing_unavailable
 
 
 def _checkpointing_options(run: RunConfig) -> list[bool]:
     return [run.checkpointing] if run.checkpointing or run.checkpointing_unavailable else [False, True]
+
+
+def _checkpointing_step(run: RunConfig, on: bool, options: list[bool]) -> bool | None:
+    return True if not on and True in options else None
 
 
 def _eight_bit_unavailable(run: RunConfig) -> str | None:
@@ -125,10 +154,12 @@ def _eight_bit_options(run: RunConfig) -> list[str]:
     return [run.optim, eight_bit_optim(run.device)]
 
 
-ACCUMULATION = Remedy("gradient accumulation", "micro_batch_size", _accumulation_unavailable, _accumulation_options)
+ACCUMULATION = Remedy("gradient accumulation", "micro_batch_size", _accumulation_unavailable, _accumulation_options,
+                      _accumulation_step, _accumulation_says)
 CHECKPOINTING = Remedy("activation checkpointing", "activation_checkpointing", _checkpointing_unavailable,
-                       _checkpointing_options)
-EIGHT_BIT_ADAMW = Remedy("8-bit AdamW", "optim", _eight_bit_unavailable, _eight_bit_options)
+                       _checkpointing_options, _checkpointing_step, lambda run, plan: "activation checkpointing on")
+EIGHT_BIT_ADAMW = Remedy("8-bit AdamW", "optim", _eight_bit_unavailable, _eight_bit_options,
+                         describe=lambda run, plan: f"8-bit AdamW (optim='{plan.optim}')")
 
 REMEDIES: tuple[Remedy, ...] = (ACCUMULATION, CHECKPOINTING, EIGHT_BIT_ADAMW)
 
@@ -138,30 +169,17 @@ def unavailable_remedies(run: RunConfig) -> dict[str, str]:
     return {remedy.name: why for remedy in REMEDIES if (why := remedy.unavailable(run))}
 
 
-def single_remedies(run: RunConfig) -> list[tuple[str, RunConfig]]:
-    """Each remedy alone, one step from ``run`` — what an OOM post-mortem proposes — plus bf16 as
-    advice where the run is in fp32 (it changes numerics, so no planner applies it by itself).
+def precision_advice(run: RunConfig) -> tuple[str, RunConfig] | None:
+    """bf16 mixed precision as advice where the run is in fp32 (it changes numerics, so no planner
+    applies it by itself): what an OOM post-mortem names beside the remedies.
 
     Example:
-        >>> [name for name, _ in single_remedies(RunConfig(micro_batch_size=8, seq_len=128))][:2]
-        ['micro-batch 8 -> 4, gradient accumulation 1 -> 2 (same effective batch)', 'activation checkpointing on']
+        >>> precision_advice(RunConfig(micro_batch_size=8))[0]
+        'bf16 mixed precision (advice: changes numerics)'
     """
-    variants: list[tuple[str, RunConfig]] = []
-    smaller = [m for m in ACCUMULATION.options(run) if m < run.micro_batch_size]
-    if smaller:
-        micro = smaller[-1]
-        accum = run.effective_batch // micro
-        variants.append((f"micro-batch {run.micro_batch_size} -> {micro}, gradient accumulation "
-                         f"{run.gradient_accumulation_steps} -> {accum} (same effective batch)",
-                         run.replace(micro_batch_size=micro, gradient_accumulation_steps=accum)))
-    if True in CHECKPOINTING.options(run) and not run.checkpointing:
-        variants.append(("activation checkpointing on", run.replace(checkpointing=True)))
-    optims = [o for o in EIGHT_BIT_ADAMW.options(run) if o != run.optim]
-    if optims:
-        variants.append((f"8-bit AdamW (optim='{optims[0]}')", run.replace(optim=optims[0])))
-    if run.precision == "fp32":
-        variants.append(("bf16 mixed precision (advice: changes numerics)", run.replace(precision="bf16")))
-    return variants
+    if run.precision != "fp32":
+        return None
+    return "bf16 mixed precision (advice: changes numerics)", run.replace(precision="bf16")
 
 
 def with_state_share(run: RunConfig, estimate: Any) -> RunConfig:

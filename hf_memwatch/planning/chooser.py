@@ -33,6 +33,8 @@ Example (a made-up predictor: 100 bytes of weights + 10 a sample, checkpointing 
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -103,17 +105,22 @@ def relative_throughput(plan: Plan, run: RunConfig) -> float:
 
 
 def candidates(run: RunConfig, *, larger_micro_batches: bool = True) -> list[Plan]:
-    """Every plan the catalogue allows for ``run`` (the run as configured first)."""
-    options = {remedy.field: remedy.options(run) for remedy in REMEDIES}
-    plans = [Plan.of(run)]
-    for micro in options["micro_batch_size"]:
+    """Every plan the catalogue allows for ``run`` (the run as configured first).
+
+    The product of every remedy's options (:data:`~hf_memwatch.planning.catalogue.REMEDIES`, in
+    their order), the accumulation following the micro-batch so that the effective batch is kept.
+    """
+    given = Plan.of(run)
+    plans = [given]
+    fields = [remedy.field for remedy in REMEDIES]
+    for values in itertools.product(*(remedy.options(run) for remedy in REMEDIES)):
+        setting = dict(zip(fields, values, strict=True))
+        micro = setting.get("micro_batch_size", run.micro_batch_size)
         if micro > run.micro_batch_size and not larger_micro_batches:
             continue
-        for checkpointing in options["activation_checkpointing"]:
-            for optim in options["optim"]:
-                plan = Plan(micro, run.effective_batch // micro, checkpointing, optim)
-                if plan.key() != plans[0].key():
-                    plans.append(plan)
+        plan = dataclasses.replace(given, **setting, gradient_accumulation_steps=run.effective_batch // micro)
+        if plan.key() != given.key():
+            plans.append(plan)
     for plan in plans:
         plan.relative_throughput = relative_throughput(plan, run)
     return plans
@@ -214,9 +221,9 @@ def _next_to_predict(line: list[Plan], low: int, high: int, peak: _Exact, limit:
     largest micro-batch it puts under ``limit``. Only the order of predictions depends on the
     guess, never the answer of the bisection. Without two figures: the middle.
     """
-    setting = (line[0].activation_checkpointing, line[0].optim)
-    figures = {key[0]: parts.floor(key[3]) for key, parts in peak.parts.items() if (key[2], key[3]) == setting}
-    figures.update((key[0], figure) for key, figure in peak.peaks.items() if (key[2], key[3]) == setting)
+    setting = setting_of(line[0])
+    figures = {key[0]: parts.floor(key[3]) for key, parts in peak.parts.items() if key[2:] == setting}
+    figures.update((key[0], figure) for key, figure in peak.peaks.items() if key[2:] == setting)
     known = sorted(figures.items(), key=lambda point: abs(point[0] - line[high].micro_batch_size))[:2]
     if len(known) < 2 or known[0][0] == known[1][0]:
         return (low + high) // 2
@@ -256,6 +263,59 @@ def _could_win(plan: Plan, given: Plan, in_hand: list[Plan], budget: int) -> boo
     return pick(given, [*in_hand, hopeful], budget) is hopeful
 
 
+class PlanRequest:
+    """One question to the planning core: the plans of ``run`` under ``budget``, one predictor, one cache.
+
+    Every answer about the run's remedies reads the same candidates (:func:`candidates`) and the same
+    predictions (one :class:`_Exact` cache): the choice (:meth:`choose`, what the auto mode applies),
+    the CLI's remedy table and the OOM post-mortem's savings (:mod:`hf_memwatch.planning.remedies`).
+    So they cannot disagree, and a plan predicted for one is not predicted again for another.
+    ``budget`` may be None where only figures are asked for (the post-mortem).
+    """
+
+    def __init__(self, run: RunConfig, predictor: Predictor, budget: int | None = None, *,
+                 larger_micro_batches: bool = True) -> None:
+        self.run = run
+        self.predictor = predictor
+        self.budget = budget
+        self.peak = _Exact(predictor)
+        self.given = Plan.of(run)
+        self.given.relative_throughput = 1.0
+        self.candidates = candidates(run, larger_micro_batches=larger_micro_batches)
+        self.candidates[0] = self.given
+        self._result: PlanResult | None = None
+
+    def predicted(self, plan: Plan) -> int:
+        """The exact predicted peak of ``plan`` (margin included), from the request's one cache."""
+        return self.peak(plan)
+
+    def lines(self) -> dict[tuple, list[Plan]]:
+        """The candidates by setting (every plan field but the micro-batch and accumulation: checkpointing,
+        optimizer, ...), each line sorted by micro-batch; the run's own setting first."""
+        lines: dict[tuple, list[Plan]] = {setting_of(self.given): []}
+        for plan in self.candidates:
+            lines.setdefault(setting_of(plan), []).append(plan)
+        return {setting: sorted(line, key=lambda p: p.micro_batch_size) for setting, line in lines.items()}
+
+    def largest_fitting(self, line: list[Plan], limit: float) -> Plan | None:
+        """The plan of ``line`` (one setting, sorted by micro-batch) with the largest micro-batch whose
+        prediction is under ``limit``: the chooser's bisection on the request's cache."""
+        return _largest_fitting(line, self.peak, limit)
+
+    def choose(self) -> PlanResult:
+        """The plan for the budget — see :func:`plan_run` (computed once per request)."""
+        if self._result is None:
+            if self.budget is None:
+                raise ValueError("PlanRequest.choose needs a budget")
+            self._result = _choose(self)
+        return self._result
+
+
+def setting_of(plan: Plan) -> tuple:
+    """What a plan sets besides the micro-batch and its accumulation (a line of plans)."""
+    return plan.key()[2:]
+
+
 def plan_run(run: RunConfig, predictor: Predictor, budget: int, *, larger_micro_batches: bool = True) -> PlanResult:
     """Choose the plan of ``run`` for ``budget`` (bytes per device) — see the module docstring.
 
@@ -265,28 +325,26 @@ def plan_run(run: RunConfig, predictor: Predictor, budget: int, *, larger_micro_
     and no figure already in hand puts it over the limit (:meth:`_Exact.lower_bound`). The chosen
     plan's figure is exact (``verified``); plans ruled out may rest on floors.
     """
-    peak = _Exact(predictor)
-    given = Plan.of(run)
-    given.relative_throughput = 1.0
+    return PlanRequest(run, predictor, budget, larger_micro_batches=larger_micro_batches).choose()
+
+
+def _choose(request: PlanRequest) -> PlanResult:
+    run, peak, given, budget = request.run, request.peak, request.given, request.budget
+    assert budget is not None
     given_fits = peak(given) <= budget
     limit = budget * UPGRADE_HEADROOM if given_fits else budget
-    plans = candidates(run, larger_micro_batches=larger_micro_batches)
-    plans[0] = given
-    lines: dict[tuple[bool, str], list[Plan]] = {}
-    for plan in plans:
-        lines.setdefault((plan.activation_checkpointing, plan.optim), []).append(plan)
     in_hand = [given] if given_fits else []
+    lines = [[p for p in request.candidates if setting_of(p) == setting] for setting in request.lines()]
     # Fastest lines first; between equally fast lines the run's own optimizer first, so that the
     # other optimizer's plans meet the figures that bound them.
-    order = sorted(lines.values(), key=lambda line: (-max(p.relative_throughput for p in line),
-                                                      line[0].optim != run.optim))
+    order = sorted(lines, key=lambda line: (-max(p.relative_throughput for p in line), line[0].optim != run.optim))
     for line in order:
-        worth = sorted((p for p in line if p.key() != given.key() and p.key() not in peak.peaks
+        worth = sorted((p for p in line if p.key() != given.key()
                         and _could_win(p, given, in_hand, budget) and peak.lower_bound(p) <= limit),
                        key=lambda p: p.micro_batch_size)
         if worth and (best := _largest_fitting(worth, peak, limit)) is not None:
             in_hand.append(best)
-    return _result(pick(given, in_hand, budget), given, plans, budget, run, predictor)
+    return _result(pick(given, in_hand, budget), given, request.candidates, budget, run, request.predictor)
 
 
 def _result(chosen: Plan | None, given: Plan, plans: list[Plan], budget: int, run: RunConfig,

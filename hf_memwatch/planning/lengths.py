@@ -320,71 +320,14 @@ def worst_batch(
         max_length = collator_max if isinstance(collator_max, int) else None
     if padding_free is None:
         padding_free = is_padding_free(collator)
-    cap = max_length if max_length is not None else model_max_length
+    padding = _Padding(k, max_length, truncation, pad_to_multiple_of, bool(padding_free), model_max_length,
+                       pads_to_max_length(collator))
     notes: list[str] = []
     size = len(dataset) if hasattr(dataset, "__len__") and not is_iterable_only(dataset) else None
-
-    found: _Lengths | None = None
-    if is_iterable_only(dataset):
-        notes.append("iterable dataset: not read (that would consume its iterator); planned for "
-                     + ("max_length" if max_length is not None else "model_max_length" if cap else "nothing known"))
-    elif is_hf_dataset(dataset):
-        found = arrow_lengths(dataset, k)
-        source = "arrow"
-        if found is None:
-            found = scan_lengths(dataset, k, scan_seconds)
-            source = "scan" if found.complete else "scan-partial"
-    else:
-        found = scan_lengths(dataset, k, scan_seconds)
-        source = "scan" if found.complete else "scan-partial"
-
+    found, source = _read_lengths(dataset, k, scan_seconds, padding, notes)
     if found is None or found.length is None:
-        if found is not None:
-            notes.extend(found.notes)
-            if found.length is None:
-                notes.append("no sequence length in the items")
-        if found is not None and found.pixel_values:
-            notes.append("image inputs (pixel_values): sized by the image processor, no sequence length")
-        length = cap
-        batch_length = None if cap is None else round_up(cap, pad_to_multiple_of)
-        batch_tokens = None if batch_length is None else batch_length * k
-        return WorstBatch(
-            index=None, length=None, batch_length=batch_length, batch_tokens=batch_tokens,
-            source="max_length" if length is not None else "unknown", notes=tuple(notes),
-            pixel_values=bool(found and found.pixel_values), scanned=None if found is None else found.scanned,
-            size=size,
-        )
-
-    notes.extend(found.notes)
-    if found.pixel_values:
-        notes.append("image inputs (pixel_values): sized by the image processor, no sequence length; "
-                     "the length is that of the token sequence")
-
-    def effective(n: int) -> int:
-        return min(n, max_length) if truncation and max_length is not None else n
-
-    if truncation and max_length is not None and found.length > max_length:
-        notes.append(f"longest sample {found.length} truncated to max_length {max_length}")
-    elif model_max_length is not None and found.length > model_max_length and not (truncation and max_length):
-        notes.append(f"longest sample {found.length} exceeds model_max_length {model_max_length}")
-    if padding_free:
-        # One row holding the micro-batch's samples: worst = the k longest together.
-        batch_length = sum(effective(n) for n in found.top)
-        batch_tokens = batch_length
-        notes.append(f"padding-free: the {len(found.top)} longest samples in one row")
-    elif pads_to_max_length(collator) and max_length is not None:
-        batch_length = round_up(max_length, pad_to_multiple_of)  # every batch padded to max_length
-        batch_tokens = batch_length * k
-        notes.append(f"the collator pads every batch to max_length {max_length}")
-    else:
-        batch_length = round_up(effective(found.length), pad_to_multiple_of)
-        batch_tokens = batch_length * k
-    if not found.complete and cap is not None and not padding_free and round_up(cap, pad_to_multiple_of) > batch_length:
-        # The unread rest may hold a longer sample: plan for the truncation length instead.
-        batch_length = round_up(cap, pad_to_multiple_of)
-        batch_tokens = batch_length * k
-        notes.append(f"planned for {'max_length' if max_length is not None else 'model_max_length'} {cap}: "
-                     "the unread samples may be longer")
+        return _without_lengths(found, padding, notes, size)
+    batch_length, batch_tokens = _padded(found, padding, notes)
     if packing:
         notes.append("packing: each packed row counts as one sample")
     if group_by_length:
@@ -393,4 +336,96 @@ def worst_batch(
         index=found.index, length=found.length, batch_length=batch_length, batch_tokens=batch_tokens,
         source=source, notes=tuple(notes), pixel_values=found.pixel_values, scanned=found.scanned, size=size,
     )
+
+
+@dataclass(frozen=True)
+class _Padding:
+    """How the collator pads a micro-batch of ``k`` samples (settings resolved against the collator)."""
+
+    k: int
+    max_length: int | None
+    truncation: bool
+    pad_to_multiple_of: int | None
+    padding_free: bool
+    model_max_length: int | None
+    pads_to_max_length: bool
+
+    @property
+    def cap(self) -> int | None:
+        """The longest a sample can be: ``max_length``, else the tokenizer's ``model_max_length``."""
+        return self.max_length if self.max_length is not None else self.model_max_length
+
+    def effective(self, n: int) -> int:
+        """A sample of ``n`` tokens as the batch holds it (truncated where the run truncates)."""
+        return min(n, self.max_length) if self.truncation and self.max_length is not None else n
+
+
+def _read_lengths(dataset: Any, k: int, seconds: float, padding: _Padding,
+                  notes: list[str]) -> tuple[_Lengths | None, str]:
+    """The sample lengths of ``dataset`` (None for an iterable dataset, never read) and their source."""
+    if is_iterable_only(dataset):
+        cap, max_length = padding.cap, padding.max_length
+        notes.append("iterable dataset: not read (that would consume its iterator); planned for "
+                     + ("max_length" if max_length is not None else "model_max_length" if cap else "nothing known"))
+        return None, "unknown"
+    if is_hf_dataset(dataset):
+        found = arrow_lengths(dataset, k)
+        if found is not None:
+            return found, "arrow"
+    found = scan_lengths(dataset, k, seconds)
+    return found, "scan" if found.complete else "scan-partial"
+
+
+def _without_lengths(found: _Lengths | None, padding: _Padding, notes: list[str], size: int | None) -> WorstBatch:
+    """The worst batch when no sample length is known: the truncation length, where there is one."""
+    if found is not None:
+        notes.extend(found.notes)
+        if found.length is None:
+            notes.append("no sequence length in the items")
+    if found is not None and found.pixel_values:
+        notes.append("image inputs (pixel_values): sized by the image processor, no sequence length")
+    cap = padding.cap
+    batch_length = None if cap is None else round_up(cap, padding.pad_to_multiple_of)
+    batch_tokens = None if batch_length is None else batch_length * padding.k
+    return WorstBatch(
+        index=None, length=None, batch_length=batch_length, batch_tokens=batch_tokens,
+        source="max_length" if cap is not None else "unknown", notes=tuple(notes),
+        pixel_values=bool(found and found.pixel_values), scanned=None if found is None else found.scanned,
+        size=size,
+    )
+
+
+def _padded(found: _Lengths, padding: _Padding, notes: list[str]) -> tuple[int, int]:
+    """(sequence length, tokens) of the worst batch the collator forms from ``found``'s longest samples."""
+    assert found.length is not None
+    k, max_length, multiple = padding.k, padding.max_length, padding.pad_to_multiple_of
+    notes.extend(found.notes)
+    if found.pixel_values:
+        notes.append("image inputs (pixel_values): sized by the image processor, no sequence length; "
+                     "the length is that of the token sequence")
+    if padding.truncation and max_length is not None and found.length > max_length:
+        notes.append(f"longest sample {found.length} truncated to max_length {max_length}")
+    elif (padding.model_max_length is not None and found.length > padding.model_max_length
+          and not (padding.truncation and max_length)):
+        notes.append(f"longest sample {found.length} exceeds model_max_length {padding.model_max_length}")
+    if padding.padding_free:
+        # One row holding the micro-batch's samples: worst = the k longest together.
+        batch_length = sum(padding.effective(n) for n in found.top)
+        batch_tokens = batch_length
+        notes.append(f"padding-free: the {len(found.top)} longest samples in one row")
+    elif padding.pads_to_max_length and max_length is not None:
+        batch_length = round_up(max_length, multiple)  # every batch padded to max_length
+        batch_tokens = batch_length * k
+        notes.append(f"the collator pads every batch to max_length {max_length}")
+    else:
+        batch_length = round_up(padding.effective(found.length), multiple)
+        batch_tokens = batch_length * k
+    cap = padding.cap
+    if not found.complete and cap is not None and not padding.padding_free and round_up(cap, multiple) > batch_length:
+        # The unread rest may hold a longer sample: plan for the truncation length instead.
+        batch_length = round_up(cap, multiple)
+        batch_tokens = batch_length * k
+        notes.append(f"planned for {'max_length' if max_length is not None else 'model_max_length'} {cap}: "
+                     "the unread samples may be longer")
+    return batch_length, batch_tokens
 

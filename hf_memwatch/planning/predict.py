@@ -16,8 +16,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from ..core.categories import FORWARD_BACKWARD_PHASES
 from ..core.run_config import RunConfig
-from ..estimation.step import FORWARD_BACKWARD_PHASES
 from .chooser import PeakParts
 from .plan import Plan
 
@@ -51,6 +51,11 @@ class EstimatorPredictor:
             self.calls += 1
             self.estimates[plan.key()] = self._estimate(plan)
         return self.estimates[plan.key()]
+
+    def remember(self, plan: Plan, estimate: Any) -> None:
+        """Take ``estimate`` (a :class:`~hf_memwatch.estimation.estimate.MemoryEstimate` of ``plan`` made
+        by the caller with the same keywords) as this predictor's: it is not predicted again."""
+        self.estimates.setdefault(plan.key(), estimate)
 
     def _estimate(self, plan: Plan, **options: Any) -> Any:
         estimate = self.estimator

@@ -30,8 +30,6 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from ..core.categories import EVAL_LIVE_CLASSES
 from ..core.records import OomRecord
 from ..core.run_config import RunConfig, generation_kwargs
@@ -41,33 +39,28 @@ from .oom import REPORT_NAME, cpu_memory_exhausted, requested_bytes
 logger = logging.getLogger("hf_memwatch")
 
 
-@dataclasses.dataclass
-class EvalRunConfig:
-    """The eval loop's settings the estimator needs (read from the Trainer at the failure)."""
+@dataclasses.dataclass(frozen=True)
+class EvalFailure:
+    """The failing eval loop as the estimator needs it: the run's settings (one
+    :class:`~hf_memwatch.core.run_config.RunConfig`, read from ``TrainingArguments`` by its one reader,
+    ``seq_len`` the eval batch's) and what only the failure knows: the dataset's size and the optimizer
+    states resident during the loop."""
 
-    batch_size: int
+    run: RunConfig
     samples: int | None
-    seq_len: int | None
-    accumulation_steps: int | None
-    precision: str
-    device: str
     optimizer_state_bytes: int = 0
-    # Seq2SeqTrainer's generation-based prediction: estimate_eval's keywords of that name
-    generation: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @classmethod
-    def from_trainer(cls, trainer: Any, seq_len: int | None, optimizer_state_bytes: int) -> EvalRunConfig:
-        args = trainer.args
+    def from_trainer(cls, trainer: Any, seq_len: int | None, optimizer_state_bytes: int) -> EvalFailure:
         dataloader = getattr(getattr(trainer, "callback_handler", None), "eval_dataloader", None)
         dataset = getattr(dataloader, "dataset", None)
         samples = len(dataset) if hasattr(dataset, "__len__") else None
-        return cls(
-            batch_size=int(args.per_device_eval_batch_size), samples=samples, seq_len=seq_len,
-            accumulation_steps=args.eval_accumulation_steps,
-            precision="bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
-            device=torch.device(args.device).type, optimizer_state_bytes=optimizer_state_bytes,
-            generation=generation_kwargs(RunConfig.from_args(args)),
-        )
+        known = seq_len if isinstance(seq_len, int) and not isinstance(seq_len, bool) and seq_len > 0 else None
+        return cls(RunConfig.from_args(trainer.args, seq_len=known), samples, optimizer_state_bytes)
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.run.eval_batch_size or 8)
 
 
 def clear_failed_loop_frames(exc: BaseException) -> int:
@@ -87,21 +80,22 @@ def clear_failed_loop_frames(exc: BaseException) -> int:
 
 
 def eval_remedies(
-    model: Any, config: EvalRunConfig, estimate_eval: Callable[..., Any]
+    model: Any, config: EvalFailure, estimate_eval: Callable[..., Any]
 ) -> tuple[int | None, list[tuple[str, int | None, str]], str]:
     """(predicted peak of the failing loop, [(remedy, predicted peak, note)], note on the whole)."""
-    if config.seq_len is None or config.samples is None:
+    run = config.run
+    if run.seq_len is None or config.samples is None:
         return None, [], "the eval batch's sequence length or the dataset's size is unknown"
     subject = getattr(model, "config", None) or model
 
     def peak_of(**changes: Any) -> tuple[int, int]:
-        fields = dict(batch_size=config.batch_size, accumulation_steps=config.accumulation_steps)
+        fields = dict(batch_size=config.batch_size, accumulation_steps=run.eval_accumulation_steps)
         extra = {k: changes.pop(k) for k in ("preprocess_argmax", "prediction_loss_only") if k in changes}
         fields.update(changes)
         sim = estimate_eval(
-            subject, eval_batch_size=fields["batch_size"], eval_samples=config.samples, seq_len=config.seq_len,
-            eval_accumulation_steps=fields["accumulation_steps"], precision=config.precision,
-            device=config.device, optimizer_state_bytes=config.optimizer_state_bytes, **config.generation, **extra)
+            subject, eval_batch_size=fields["batch_size"], eval_samples=config.samples, seq_len=run.seq_len,
+            eval_accumulation_steps=fields["accumulation_steps"], precision=run.precision,
+            device=run.device, optimizer_state_bytes=config.optimizer_state_bytes, **generation_kwargs(run), **extra)
         return int(sim.peak_bytes), int(sim.host_bytes)
 
     try:
@@ -112,9 +106,9 @@ def eval_remedies(
     if config.batch_size > 1:
         variants.append((f"per_device_eval_batch_size {config.batch_size} → {config.batch_size // 2}",
                          {"batch_size": config.batch_size // 2}, ""))
-    if config.accumulation_steps != 1:
+    if run.eval_accumulation_steps != 1:
         note = ("on the CPU numpy holds the same bytes in host memory: no saving in RAM"
-                if config.device == "cpu" else "")
+                if run.device == "cpu" else "")
         variants.append(("eval_accumulation_steps=1 (outputs leave the device every batch)",
                          {"accumulation_steps": 1}, note))
     variants.append(("preprocess_logits_for_metrics = lambda logits, labels: logits.argmax(-1)",
@@ -125,7 +119,7 @@ def eval_remedies(
     for description, changes, note in variants:
         try:
             peak, host = peak_of(**changes)
-            if config.device == "cpu" and "accumulation_steps" in changes:
+            if run.device == "cpu" and "accumulation_steps" in changes:
                 # The host *is* the device: numpy's copies count against the same RAM, and each
                 # np.concatenate holds the old and the new array at once.
                 peak += 2 * host
@@ -143,7 +137,7 @@ def write_eval_oom_report(
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     live = dict((failure or {}).get("live") or {})
-    config = EvalRunConfig.from_trainer(trainer, seq_len, int(live.get("optimizer_states") or 0))
+    config = EvalFailure.from_trainer(trainer, seq_len, int(live.get("optimizer_states") or 0))
     model = getattr(trainer, "model", None)
     record = OomRecord(
         stage=loop.get("stage"), step=loop.get("step"), batch=loop.get("batches"),
@@ -176,7 +170,7 @@ def write_eval_oom_report(
 
 
 def render_eval_oom_report(
-    exc: BaseException, loop: Mapping[str, Any], failure: Mapping[str, Any] | None, config: EvalRunConfig,
+    exc: BaseException, loop: Mapping[str, Any], failure: Mapping[str, Any] | None, config: EvalFailure,
     model: Any, baseline: int | None, remedies: list[tuple[str, int | None, str]], note: str,
 ) -> str:
     """The Markdown text of an eval loop's post-mortem."""
@@ -191,8 +185,8 @@ def render_eval_oom_report(
         f"- **Where:** the {stage} loop (`Trainer.{call}`) at global step {loop.get('step')}, "
         f"eval batch {loop.get('batches')} of {batches} (0-based)",
         f"- **Loop:** {name}, per_device_eval_batch_size {config.batch_size}, {config.samples or '?'} samples, "
-        f"sequence length {config.seq_len or '?'}, eval_accumulation_steps {config.accumulation_steps}, "
-        f"{config.precision}, device {config.device}",
+        f"sequence length {config.run.seq_len or '?'}, eval_accumulation_steps {config.run.eval_accumulation_steps}, "
+        f"{config.run.precision}, device {config.run.device}",
     ]
     requested = requested_bytes(exc)
     if requested is not None:

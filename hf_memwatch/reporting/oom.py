@@ -26,12 +26,12 @@ from typing import Any
 
 import torch
 
-from ..core.categories import LIVE_CLASSES
+from ..core.categories import LIVE_CLASSES, PHASES
 from ..core.records import OomRecord
 from ..core.run_config import RunConfig, is_peft_model
 from ..core.units import format_bytes
 from ..measure.footprint import advice_from_stats, allocator_settings
-from ..planning.catalogue import advice, single_remedies, with_state_share
+from ..planning.catalogue import advice, precision_advice, with_state_share
 from .oom_tensors import tensor_lines, tensors_at_failure
 
 logger = logging.getLogger("hf_memwatch")
@@ -41,13 +41,13 @@ SNAPSHOT_NAME = "oom_snapshot.pickle"
 _WRAPPED_MARK = "_hf_memwatch_oom"
 
 #: What runs after each snapshot phase until the next one: where an OOM after that snapshot happened.
-PHASE_IN_PROGRESS = {
-    "step_begin": "the forward pass",
-    "after_forward": "the backward pass",
-    "after_backward": "the optimizer step (or the next micro-batch's forward pass)",
-    "after_optimizer": "zero_grad / the end of the step",
-    "step_end": "between steps (data loading, logging, evaluation, saving)",
-}
+PHASE_IN_PROGRESS = dict(zip(PHASES, (
+    "the forward pass",
+    "the backward pass",
+    "the optimizer step (or the next micro-batch's forward pass)",
+    "zero_grad / the end of the step",
+    "between steps (data loading, logging, evaluation, saving)",
+), strict=True))
 
 
 # -- installing ---------------------------------------------------------------------------------
@@ -151,41 +151,58 @@ def estimate_command(model: Any, config: RunConfig) -> str:
 def estimate_remedies(model: Any, config: RunConfig) -> tuple[int | None, list[tuple[str, int | None, str]], str]:
     """(predicted peak of ``config``, [(remedy, predicted peak, note)], note on the whole).
 
-    Uses :func:`hf_memwatch.estimation.estimate.estimate`; without it, no figures and a note saying why.
+    The planning core's figures: one :class:`~hf_memwatch.planning.chooser.PlanRequest` — the
+    chooser's candidates and its one cache of the estimator's predictions — gives the run's peak and
+    each remedy alone (:func:`~hf_memwatch.planning.remedies.single_steps`); the figures are the
+    estimator's peaks (:func:`hf_memwatch.estimation.estimate.estimate`) of those candidates. Without
+    the estimator, no figures and a note saying why.
     """
-    estimate = _load_estimator()
-    if estimate is None:
+    if _load_estimator() is None:
         return None, [], f"the estimator is not available ({_ESTIMATOR_ERROR})"
     if config.seq_len is None:
         return None, [], "the sequence length of the failing batch is unknown, so the estimator was not run"
+    from ..planning.chooser import PlanRequest
+    from ..planning.plan import Plan
+    from ..planning.predict import EstimatorPredictor
+    from ..planning.remedies import single_steps
 
     # The config, not the module: the live module carries our hooks (and the user's), which the
     # estimator's copy must not drag along. A PEFT model is the exception: its config alone would be
     # estimated as a full fine-tune of an unquantized base (the estimator's copy keeps plain-function
     # hooks only, never a callback's bound method).
     subject = model if is_peft_model(model) else (getattr(model, "config", None) or model)
-
-    def peak_of(cfg: RunConfig) -> int:
-        return int(estimate(subject, **cfg.estimate_kwargs()).peak_bytes)
-
+    predictor = EstimatorPredictor(subject, config, estimator=_ESTIMATOR)
     try:
-        given = estimate(subject, **config.estimate_kwargs())
+        given = predictor.estimate(Plan.of(config))
     except Exception as exc:  # noqa: BLE001 - report what we can
         return None, [], f"the estimator failed on this run's configuration ({type(exc).__name__}: {exc})"
     baseline = int(given.peak_bytes)
-    config = with_state_share(config, given)  # no 8-bit AdamW where the states are a rounding error
+    config = predictor.run = with_state_share(config, given)  # no 8-bit AdamW where the states are a rounding error
+    request = PlanRequest(config, predictor)
     rows: list[tuple[str, int | None, str]] = []
-    for description, variant in single_remedies(config):
-        try:
-            rows.append((description, peak_of(variant), ""))
-        except Exception as exc:  # noqa: BLE001
-            rows.append((description, None, f"estimator failed: {type(exc).__name__} {exc}".strip()))
+
+    def estimated(plan: Plan) -> int:  # the estimator's figure of the chooser's prediction (one cache)
+        request.predicted(plan)
+        return int(predictor.estimate(plan).peak_bytes)
+
+    for description, plan in single_steps(request):
+        rows.append(_predicted_row(description, functools.partial(estimated, plan)))
+    bf16 = precision_advice(config)
+    if bf16 is not None:  # changes numerics: the estimator's figure as advice, never a plan
+        rows.append(_predicted_row(bf16[0], lambda: _ESTIMATOR(subject, **bf16[1].estimate_kwargs()).peak_bytes))
     # Savings that change the code path or what is trained: named with their bytes, no plan figure.
     from ..estimation.estimate import logits_bytes
 
     for item in advice(config, given.frozen_models, logits_bytes(given), baseline):
         rows.append((f"{item.name} (advice)", None, f"saves up to {format_bytes(item.saving)}: {item.how}"))
     return baseline, rows, ""
+
+
+def _predicted_row(description: str, peak_of: Any) -> tuple[str, int | None, str]:
+    try:
+        return description, int(peak_of()), ""
+    except Exception as exc:  # noqa: BLE001 - one remedy's failure must not cost the others
+        return description, None, f"estimator failed: {type(exc).__name__} {exc}".strip()
 
 
 # -- the report --------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ import html
 import json
 from typing import Any
 
-from ..core.categories import LIVE_CLASSES
+from ..core.categories import LIVE_CLASSES, STEP_BEGIN
 from ..core.units import format_bytes
 from .report import COLOURS, LABELS, SPIKE, RankTimeline, budget_of, live_bands, title_of
 
@@ -163,7 +163,7 @@ def build_figure(runs: list[RankTimeline], budget: int | None = None) -> Any:
         shapes.append({"type": "line", "xref": "paper", "x0": 0, "x1": 1, "y0": predicted, "y1": predicted,
                        "line": {"color": "purple", "dash": "dashdot"}})
     snaps = runs[0].snapshots
-    starts = [(i, s["step"]) for i, s in enumerate(snaps) if s["phase"] == "step_begin"]
+    starts = [(i, s["step"]) for i, s in enumerate(snaps) if s["phase"] == STEP_BEGIN]
     every = max(1, len(starts) // 20)
     buttons = []
     for n, run in enumerate(runs):

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..core.categories import LIVE_CLASSES
+from ..core.categories import LIVE_CLASSES, PHASES, STEP_BEGIN
 from ..core.errors import MemWatchConfigError
 from ..core.records import RECORDS, MetaRecord, validate_record
 from ..core.run_config import RunConfig
@@ -44,7 +44,7 @@ LABELS = {
     "other": "other (inputs, logits, buffers)",
     SPIKE: "spike (temporaries inside the phase)",
 }
-PHASE_LETTERS = {"step_begin": "b", "after_forward": "F", "after_backward": "B", "after_optimizer": "O", "step_end": "e"}
+PHASE_LETTERS = dict(zip(PHASES, "bFBOe", strict=True))
 
 
 @dataclass
@@ -331,7 +331,7 @@ def _mark_evals(ax: Any, run: RankTimeline, snaps: list[dict[str, Any]], scale: 
 
 
 def _step_ticks(ax: Any, snaps: list[dict[str, Any]]) -> None:
-    starts = [(i, s["step"]) for i, s in enumerate(snaps) if s["phase"] == "step_begin"]
+    starts = [(i, s["step"]) for i, s in enumerate(snaps) if s["phase"] == STEP_BEGIN]
     if not starts:
         return
     every = max(1, len(starts) // 12)  # at most ~12 labelled steps, readable for long runs
