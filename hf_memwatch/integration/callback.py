@@ -447,7 +447,8 @@ class MemWatch(TrainerCallback, ExportableState):
         self.monitor.peaks.history = self.record_history
         self.monitor.attach(model, kwargs.get("optimizer"))
         if backend.observes_operators and kwargs.get("train_dataloader") is not None:
-            self.monitor.add_contributor(FormedBatches(kwargs["train_dataloader"]))  # the look-ahead batch
+            # the look-ahead batch, the step's loss divisor and running loss
+            self.monitor.add_contributor(FormedBatches(kwargs["train_dataloader"], self.trainer))
         writer.write(run_meta(model, RunConfig.from_args(args, model)))  # model and batch, for the picture's title and the summary
         if self.record_history:
             self._history_started = start_allocator_history(self.monitor)
