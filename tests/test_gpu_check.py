@@ -160,14 +160,16 @@ def test_the_sweep_has_billion_parameter_shapes_first(gpu_check):
 
 
 def test_the_cpu_dry_run_passes_every_check_and_keeps_the_json_valid_throughout(tmp_path, gpu_check):
-    """The whole script on the CPU, at its default budget: every check runs and passes.
+    """The whole script on the CPU: every check runs (a budget no loaded machine spends: dropping
+    what does not fit is tested below) and passes.
 
     The JSON is read while the run writes it: each read must parse (atomic replacement). What is
     skipped is only what needs CUDA (or what the CPU backend cannot see), each with its reason.
     """
     out = tmp_path / "dry"
-    proc = subprocess.Popen([sys.executable, str(SCRIPT), "--device", "cpu", "--quick", "--out", str(out)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env())
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), "--device", "cpu", "--quick", "--out", str(out),
+                             "--time-budget-s", "3600"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=_env())
     reads = 0
     while proc.poll() is None:
         path = out / "gpu_check.json"
