@@ -241,3 +241,25 @@ def test_the_sweep_drops_what_its_budget_cannot_hold_and_lists_it(tmp_path, gpu_
     assert any(s["check"] == "prediction" and s["why"].startswith("out of time") for s in results.skipped)
     written = json.loads((tmp_path / "out" / "gpu_check.json").read_text())  # published as it came
     assert written["status"] == "running" and written["checks"][0]["details"]["configurations"]
+
+
+def test_the_cpu_reader_counts_what_the_allocator_does_not_a_dataset_reached_through_a_view(gpu_check):
+    """``dataset[i]`` is a view: PyTorch's CPU allocator (the profiler) allocates nothing for it, so the
+    reader leaves the dataset's storage out; a plain tracker counted it (the attribution gap)."""
+    from hf_memwatch.testing.truth import cpu_memory_deltas, cpu_memory_profile
+
+    weights = [torch.zeros(256)]
+    table = torch.arange(512).reshape(8, 64)  # the dataset's token table, made before the run
+    counted = {}
+    for name, before in (("plain", ()), ("reader", [table])):
+        tracker = gpu_check.RunTracker(weights, before)
+        with cpu_memory_profile() as prof:
+            with tracker:
+                row = table[3]
+                doubled = row * 2
+        counted[name] = (tracker.allocated, sum(d for _, d in cpu_memory_deltas(prof)))
+        del row, doubled
+    weight_bytes = weights[0].untyped_storage().nbytes()
+    reader, truth = counted["reader"]
+    assert reader == weight_bytes + truth  # the weights and what the run allocated: the profiler's count
+    assert counted["plain"][0] == reader + table.untyped_storage().nbytes()  # the defect it guards
