@@ -14,6 +14,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+CHECK_NAMES = ("attribution", "prediction", "prevention", "overhead")
+# Share of the time budget each check may use (what one leaves goes to the next ones).
+CHECK_SHARES = {"attribution": 0.12, "prediction": 0.58, "prevention": 0.18, "overhead": 0.12}
+DEFAULT_BUDGET_S = 420.0
 GOALS = {"prediction_median": 0.03, "prediction_worst": 0.08, "reserved_worst": 0.10, "overhead_ratio": 1.01,
          "step_peak_rel": 0.01, "plan_reserved_rel": 0.10}
 

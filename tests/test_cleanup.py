@@ -20,7 +20,7 @@ from transformers import Trainer, TrainerCallback
 from hf_memwatch import MemWatch
 from hf_memwatch.integration.patches import ENTRY_POINTS, patched_names
 
-RUN_PATCHES = ("log", "_inner_training_loop", "evaluation_loop", "prediction_step")
+RUN_PATCHES = ("log", "_inner_training_loop", "evaluation_loop", "prediction_step", "get_batch_samples")
 
 
 class Failing(Trainer):

@@ -159,14 +159,16 @@ def test_the_sweep_has_billion_parameter_shapes_first(gpu_check):
     assert tuple(gpu_check.CHECKS) == gpu_check.CHECK_NAMES
 
 
-def test_the_cpu_dry_run_runs_every_check_and_keeps_the_json_valid_throughout(tmp_path):
-    """The whole script on the CPU, with a budget small enough that the sweep drops configurations.
+def test_the_cpu_dry_run_passes_every_check_and_keeps_the_json_valid_throughout(tmp_path, gpu_check):
+    """The whole script on the CPU: every check runs (a budget no loaded machine spends: dropping
+    what does not fit is tested below) and passes.
 
-    The JSON is read while the run writes it: each read must parse (atomic replacement).
+    The JSON is read while the run writes it: each read must parse (atomic replacement). What is
+    skipped is only what needs CUDA (or what the CPU backend cannot see), each with its reason.
     """
     out = tmp_path / "dry"
     proc = subprocess.Popen([sys.executable, str(SCRIPT), "--device", "cpu", "--quick", "--out", str(out),
-                             "--time-budget-s", "50"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             "--time-budget-s", "3600"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=_env())
     reads = 0
     while proc.poll() is None:
@@ -180,29 +182,24 @@ def test_the_cpu_dry_run_runs_every_check_and_keeps_the_json_valid_throughout(tm
     assert payload["status"] == "finished" and reads > 0, output[-3000:]
     checks = {c["name"]: c for c in payload["checks"]}
     assert list(checks) == ["attribution", "prediction", "prevention", "overhead"]
-    # Each check runs within its share of the budget: on a loaded machine a late one may not start
-    # (it says so); the first two always do.
-    assert checks["attribution"]["passed"] is not None and checks["prediction"]["passed"] is not None
-    assert all(c["passed"] is not None or c["summary"].startswith("not run: the 50 s budget")
-               for c in checks.values()), output[-3000:]
-    assert all("traceback" not in c["details"] for c in checks.values()), output[-3000:]
+    failed = {name: c["summary"] for name, c in checks.items() if c["passed"] is not True}
+    assert not failed, failed  # attribution included: MemWatch's classes sum to the CPU truth's bytes
+    assert payload["passed"] is True and proc.returncode == 0, output[-3000:]
     attribution = checks["attribution"]["details"]
     assert attribution["snapshots"] >= 2 * 7 and attribution["hooked_module"] == "GPT2LMHeadModel"
-    assert not any("different phases" in m for m in attribution["mismatches"])  # reader and MemWatch aligned
-    prediction = checks["prediction"]
-    rows = prediction["details"]["configurations"]
-    assert rows and all("error" not in r for r in rows), rows
-    assert len(rows) + len(prediction["details"]["dropped"]) == prediction["details"]["planned"]
-    assert prediction["passed"], prediction["summary"]  # the estimator against the CPU backend's figures
+    assert attribution["mismatches"] == [] and "unmonitored_errors" in attribution  # the twin ran
+    prediction = checks["prediction"]["details"]
+    rows = prediction["configurations"]
+    assert len(rows) == prediction["planned"] and not prediction["dropped"]
+    assert all("error" not in r for r in rows), rows
     assert all(("excluded" in r) == ("bnb" in r["optim"]) for r in rows)  # only where the CPU cannot see
-    if checks["prevention"]["passed"] is not None:
-        assert checks["prevention"]["passed"], checks["prevention"]["summary"]  # the plan's bytes were measured
-        plan = checks["prevention"]["details"]["memwatch_auto"]["plan"]
-        assert plan["micro_batch_size"] < 8 or plan["activation_checkpointing"]  # the plan changed the run
+    plan = checks["prevention"]["details"]["memwatch_auto"]["plan"]
+    assert plan["micro_batch_size"] < 8 or plan["activation_checkpointing"]  # the plan changed the run
+    allowed = set(gpu_check.CUDA_ONLY.values()) | set(gpu_check.CPU_BLIND.values())
+    assert payload["skipped"] and all(s["why"] in allowed for s in payload["skipped"]), payload["skipped"]
     skipped = {(s["check"], s["what"]) for s in payload["skipped"]}
-    assert ("prediction", "predicted vs measured reserved") in skipped
-    if prediction["details"]["dropped"]:
-        assert any(s["check"] == "prediction" and "out of time" in s["why"] for s in payload["skipped"])
+    assert {("prediction", "predicted vs measured reserved"), ("prediction", "predicted vs measured mem_get_info"),
+            ("prevention", "auto_find_batch_size"), ("overhead", "the 1.01 goal")} <= skipped
     assert "| prediction |" in (out / "gpu_check.md").read_text()
 
 
@@ -244,3 +241,25 @@ def test_the_sweep_drops_what_its_budget_cannot_hold_and_lists_it(tmp_path, gpu_
     assert any(s["check"] == "prediction" and s["why"].startswith("out of time") for s in results.skipped)
     written = json.loads((tmp_path / "out" / "gpu_check.json").read_text())  # published as it came
     assert written["status"] == "running" and written["checks"][0]["details"]["configurations"]
+
+
+def test_the_cpu_reader_counts_what_the_allocator_does_not_a_dataset_reached_through_a_view(gpu_check):
+    """``dataset[i]`` is a view: PyTorch's CPU allocator (the profiler) allocates nothing for it, so the
+    reader leaves the dataset's storage out; a plain tracker counted it (the attribution gap)."""
+    from hf_memwatch.testing.truth import cpu_memory_deltas, cpu_memory_profile
+
+    weights = [torch.zeros(256)]
+    table = torch.arange(512).reshape(8, 64)  # the dataset's token table, made before the run
+    counted = {}
+    for name, before in (("plain", ()), ("reader", [table])):
+        tracker = gpu_check.RunTracker(weights, before)
+        with cpu_memory_profile() as prof:
+            with tracker:
+                row = table[3]
+                doubled = row * 2
+        counted[name] = (tracker.allocated, sum(d for _, d in cpu_memory_deltas(prof)))
+        del row, doubled
+    weight_bytes = weights[0].untyped_storage().nbytes()
+    reader, truth = counted["reader"]
+    assert reader == weight_bytes + truth  # the weights and what the run allocated: the profiler's count
+    assert counted["plain"][0] == reader + table.untyped_storage().nbytes()  # the defect it guards

@@ -345,6 +345,11 @@ class MemWatch(TrainerCallback, ExportableState):
             self.session.begin_step(state.global_step + 1, kwargs.get("optimizer"), self.detail, self.full_steps)
 
     @guarded
+    def batch_samples_fetched(self, fetched: Any) -> None:
+        if self.session is not None:
+            self.session.batch_samples_fetched(fetched)
+
+    @guarded
     def _before_forward(self, module: Any, args: Any, kwargs: Any) -> None:
         session = self.session
         if session is not None:

@@ -14,7 +14,10 @@ Two tiers, installed in this order and removed in the reverse one:
   2. ``on_log`` of the TensorBoard and W&B callbacks present now: the scalars keep their exact names;
   3. ``evaluation_loop`` and ``prediction_step``: the eval loop's peak window
      (:mod:`hf_memwatch.integration.eval_watch`);
-  4. ``_inner_training_loop`` (auto mode only, when its plan is applied inside ``train``):
+  4. ``get_batch_samples``: what it returns (the step's micro-batches and loss divisor
+     ``num_items_in_batch``, made before ``on_step_begin``) is told to the watcher
+     (:class:`hf_memwatch.measure.batches.FormedBatches` counts it);
+  5. ``_inner_training_loop`` (auto mode only, when its plan is applied inside ``train``):
      :func:`keep_effective_batch`.
 
   Around the Trainer's own ``train``: the auto mode's planning and first-step safety net (outer),
@@ -161,6 +164,7 @@ class Watcher(Protocol):
     def eval_loop_begin(self, stage: str, containers: list[Any]) -> None: ...
     def eval_loop_end(self, output: Any, error: BaseException | None) -> None: ...
     def eval_forward_done(self) -> None: ...
+    def batch_samples_fetched(self, fetched: Any) -> None: ...
 
 
 class _Patch:
@@ -289,6 +293,8 @@ class TrainerPatches:
                 self.run.append(_Patch(callback, "on_log", routed_on_log(callback, callback.on_log, before, after)))
         self.run.append(_Patch(trainer, "evaluation_loop", wrap_evaluation_loop(trainer.evaluation_loop, watcher)))
         self.run.append(_Patch(trainer, "prediction_step", wrap_prediction_step(trainer.prediction_step, watcher)))
+        if callable(getattr(trainer, "get_batch_samples", None)):
+            self.run.append(_Patch(trainer, "get_batch_samples", _told_fetch(trainer.get_batch_samples, watcher)))
 
     def _remove_run_patches(self) -> None:
         while self.run:
@@ -302,6 +308,18 @@ class TrainerPatches:
 
 
 _REGISTRY: weakref.WeakKeyDictionary[Any, TrainerPatches] = weakref.WeakKeyDictionary()
+
+
+def _told_fetch(original: Callable[..., Any], watcher: Watcher) -> Callable[..., Any]:
+    """``trainer.get_batch_samples`` telling ``watcher`` what it returned."""
+
+    @functools.wraps(original)
+    def get_batch_samples(*args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        watcher.batch_samples_fetched(result)
+        return result
+
+    return get_batch_samples
 
 
 def install_entry_points(trainer: Any, watcher: Watcher) -> TrainerPatches:

@@ -93,6 +93,7 @@ class RunSession:
         self.run_peak: int | None = None  # the highest step peak of the train() call in progress
         self.logging_steps = 0
         self.last_seq_len: int | None = None  # for the OOM post-mortem's estimates
+        self.formed: FormedBatches | None = None  # the batches formed before the step's operators
 
     # -- opening --------------------------------------------------------------------------------
     @classmethod
@@ -112,7 +113,9 @@ class RunSession:
         monitor.peaks.history = record_history
         monitor.attach(model, optimizer)
         if backend.observes_operators and dataloader is not None:
-            monitor.add_contributor(FormedBatches(dataloader))  # the look-ahead batch
+            # the look-ahead batch, the step's loss divisor and running loss
+            session.formed = FormedBatches(dataloader, trainer)
+            monitor.add_contributor(session.formed)
         writer.write(run_meta(model, RunConfig.from_args(args, model)))  # for the picture's title and the summary
         session.logging_steps = logging_interval(args, state)
         if record_history:
@@ -144,6 +147,11 @@ class RunSession:
         self.hooks.append(target.register_forward_hook(post))
 
     # -- during the run -------------------------------------------------------------------------
+    def batch_samples_fetched(self, fetched: Any) -> None:
+        """What the Trainer's ``get_batch_samples`` returned (the step's micro-batches, ``num_items_in_batch``)."""
+        if self.formed is not None:
+            self.formed.remember(fetched)
+
     def register_inputs(self, args: Any, kwargs: dict[str, Any], *, active: bool) -> None:
         """A forward's inputs: the sequence length kept; the tensors registered with the tracker when ``active``."""
         ids = kwargs.get("input_ids", args[0] if args else None)

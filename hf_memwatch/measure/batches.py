@@ -14,6 +14,14 @@ them — and the look-ahead batch never reaches this step's forward. Measured on
 monitor at each fully tracked step, which registers them (class ``other``). With worker processes
 the batches arrive through shared memory, which the CPU allocator (and the profiler) does not
 count either, so only in-process collation matters.
+
+Given the Trainer, it also counts the two tensors the Trainer makes between tracked steps that no
+batch holds: the loss divisor ``get_batch_samples`` returns with the step's micro-batches
+(``num_items_in_batch``, made before ``on_step_begin``; the run patch of ``get_batch_samples`` in
+:mod:`hf_memwatch.integration.patches` hands it to :meth:`FormedBatches.remember`) and the running loss (``_tr_loss``, transformers 5:
+made before ``on_train_begin``, counted once an operator of a step writes it). Measured against the
+profiler on the GPU check's dry run (tiny GPT-2, batch 2 x 32, accumulation 2): without them each
+step-begin snapshot read 8 B (step 1) and 4 B (later steps) under PyTorch's CPU allocator.
 """
 
 from __future__ import annotations
@@ -42,8 +50,12 @@ class _CollateWrapper:
         return batch
 
 
+# Tensors the Trainer keeps as attributes across steps (transformers 5's running loss).
+TRAINER_TENSORS = ("_tr_loss",)
+
+
 class FormedBatches:
-    """Tensors of the batches a dataloader formed, while they are alive.
+    """Tensors of the batches a dataloader formed (and, given the Trainer, what it fetched with them).
 
     Example:
         >>> loader = torch.utils.data.DataLoader([torch.zeros(4)] * 4, batch_size=2)
@@ -55,8 +67,9 @@ class FormedBatches:
         True
     """
 
-    def __init__(self, dataloader: Any) -> None:
+    def __init__(self, dataloader: Any, trainer: Any = None) -> None:
         self._refs: list[weakref.ref] = []
+        self._trainer = weakref.ref(trainer) if trainer is not None else None
         # accelerate's DataLoaderShard iterates the DataLoader it wraps (attributes read through)
         self.dataloader = getattr(dataloader, "base_dataloader", dataloader)
         dataloader = self.dataloader
@@ -69,7 +82,12 @@ class FormedBatches:
         self._refs.extend(weakref.ref(t) for t in nested_tensors(batch) if isinstance(t, torch.Tensor))
 
     def known_tensors(self, monitor: Any) -> Iterable[torch.Tensor]:
-        return [t for t in (ref() for ref in self._refs) if t is not None]
+        tensors = [t for t in (ref() for ref in self._refs) if t is not None]
+        trainer = self._trainer() if self._trainer is not None else None
+        if trainer is not None:
+            tensors.extend(t for t in (getattr(trainer, name, None) for name in TRAINER_TENSORS)
+                           if isinstance(t, torch.Tensor))
+        return tensors
 
     def class_storages(self, monitor: Any) -> dict[str, dict[int, int]]:
         return {}  # ``other``, as the inputs the forward registers
