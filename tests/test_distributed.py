@@ -197,6 +197,22 @@ def test_ddp_step_peaks_per_rank_match_the_profiler(ddp_runs):
             assert abs(measured - reference) / reference <= 0.02, (rank, ours, truth)
 
 
+@pytest.mark.parametrize("run", ["auto", "ckpt_bnb"])
+def test_planned_ddp_step_peaks_per_rank_match_the_profiler(ddp_runs, run):
+    """Checkpointing + 8-bit AdamW under DDP (the planned run, and issue 19's accumulation-2 run with
+    ranks of 16 and 64 tokens): every step within 2% of the profiler on each rank. Failed before on
+    step 1 (the first write into DDP's buckets counted them twice: +4...+17%), on the step DDP
+    rebuilds its buckets (the freed initial ones kept as placeholders: +5...+10%) and wherever the
+    8-bit step's fp32 temporaries made the peak (unseen inside bitsandbytes' kernel: -5.8%)."""
+    out, facts = ddp_runs
+    for rank in (0, 1):
+        ours = [r["peak"] for r in timeline(out / run, rank) if r["event"] == "step"]
+        truth = facts[rank][run]["truth_step_peaks"]
+        assert len(ours) == len(truth) == 3
+        for measured, reference in zip(ours, truth):
+            assert abs(measured - reference) / reference <= 0.02, (rank, ours, truth)
+
+
 def test_scalars_figure_is_the_maximum_over_ranks(ddp_runs):
     out, facts = ddp_runs
     peaks = [max(r["peak"] for r in timeline(out / "watch", rank) if r["event"] == "step") for rank in (0, 1)]
