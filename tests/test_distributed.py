@@ -248,6 +248,9 @@ def test_auto_mode_agrees_one_plan_when_only_one_rank_must_act(ddp_runs):
     assert rank1_peak <= plans[1][0]["predicted_peak"], (rank1_peak, plans[1][0])
     truth = facts[1]["auto"]["truth_step_peaks"]
     assert len(truth) == 3 and max(truth) <= facts[1]["auto_budget"], (truth, facts[1]["auto_budget"])
+    # The engine's own remedy is advice in the record on every rank, never applied (issue 19, point 4).
+    for rank_plans in plans:
+        assert [a["name"] for a in rank_plans[0].get("advice", []) if a["name"].startswith("DeepSpeed ZeRO-1")]
 
 
 def test_planned_ddp_run_equals_the_hand_configured_run_of_its_plan(ddp_runs):
