@@ -45,10 +45,39 @@ def launch(out: Path) -> None:
         raise SystemExit(f"{SCRIPT.name} did not finish in 900 s") from None
 
 
-def step_peak(run_dir: Path, rank: int) -> int:
+def step_peaks(run_dir: Path, rank: int) -> list[int]:
     name = "timeline.jsonl" if rank == 0 else f"timeline.rank{rank}.jsonl"
     records = [json.loads(line) for line in (run_dir / "memwatch" / name).read_text().splitlines() if line.strip()]
-    return max(r["peak"] for r in records if r["event"] == "step")
+    return [r["peak"] for r in records if r["event"] == "step"]
+
+
+def step_peak(run_dir: Path, rank: int) -> int:
+    return max(step_peaks(run_dir, rank))
+
+
+def truth_table(out: Path, facts: list[dict]) -> list[str]:
+    lines = ["## Against the profiler, per rank", "",
+             "| engine | rank | profiler step peaks (B) | predicted before train() | error | MemWatch per step |",
+             "|---|---|---|---|---|---|"]
+    predicted_errors, watch_errors = [], []
+    for engine in ENGINES:
+        for rank in (0, 1):
+            truth = facts[rank][engine].get("truth_step_peaks")
+            if not truth:
+                continue
+            ours = step_peaks(out / engine, rank)
+            predicted = facts[rank][engine]["predicted_peak"]
+            error = predicted / max(truth) - 1
+            predicted_errors.append(abs(error))
+            per_step = [m / t - 1 for m, t in zip(ours, truth)]
+            watch_errors.extend(abs(e) for e in per_step)
+            lines.append(f"| {facts[rank][engine]['engine']} | {rank} | {', '.join(f'{t:,}' for t in truth)} | "
+                         f"{predicted:,} | {100 * error:+.2f}% | {', '.join(f'{100 * e:+.2f}%' for e in per_step)} |")
+    if predicted_errors:
+        lines += ["", f"prediction: median |error| {100 * statistics.median(predicted_errors):.2f}%, worst "
+                      f"{100 * max(predicted_errors):.2f}%; MemWatch per step: median "
+                      f"{100 * statistics.median(watch_errors):.2f}%, worst {100 * max(watch_errors):.2f}%", ""]
+    return lines
 
 
 def table(out: Path) -> str:
@@ -62,7 +91,9 @@ def table(out: Path) -> str:
             error = predicted / measured - 1
             errors.append(abs(error))
             lines.append(f"| {facts[rank][engine]['engine']} | {rank} | {predicted:,} | {measured:,} | {100 * error:+.2f}% |")
-    lines += ["", f"median |error| {100 * statistics.median(errors):.2f}%, worst {100 * max(errors):.2f}%", "",
+    lines += ["", f"median |error| {100 * statistics.median(errors):.2f}%, worst {100 * max(errors):.2f}%", ""]
+    lines = truth_table(out, facts) + ["## Against MemWatch's step peak, per rank", ""] + lines
+    lines += [
               "| auto mode | rank | budget (0.7 x peak) | plan | predicted | measured step peaks | fits |",
               "|---|---|---|---|---|---|---|"]
     for engine, run in facts[0]["auto"].items():
@@ -80,10 +111,14 @@ def table(out: Path) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "engines_accuracy.md"))
+    parser.add_argument("--from", dest="source", default=None, help="a finished launch's OUT_DIR")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        launch(Path(tmp))
-        body = table(Path(tmp))
+    if args.source:
+        body = table(Path(args.source))
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            launch(Path(tmp))
+            body = table(Path(tmp))
     Path(args.out).write_text("# Engine-aware prediction per rank (2 CPU ranks, gloo, DeepSpeed 0.19.8)\n\n"
                               "`python benchmarks/engines_accuracy.py` (see its docstring for the setup).\n\n" + body + "\n")
     print(body)

@@ -197,6 +197,22 @@ def test_ddp_step_peaks_per_rank_match_the_profiler(ddp_runs):
             assert abs(measured - reference) / reference <= 0.02, (rank, ours, truth)
 
 
+@pytest.mark.parametrize("run", ["auto", "ckpt_bnb"])
+def test_planned_ddp_step_peaks_per_rank_match_the_profiler(ddp_runs, run):
+    """Checkpointing + 8-bit AdamW under DDP (the planned run, and issue 19's accumulation-2 run with
+    ranks of 16 and 64 tokens): every step within 2% of the profiler on each rank. Failed before on
+    step 1 (the first write into DDP's buckets counted them twice: +4...+17%), on the step DDP
+    rebuilds its buckets (the freed initial ones kept as placeholders: +5...+10%) and wherever the
+    8-bit step's fp32 temporaries made the peak (unseen inside bitsandbytes' kernel: -5.8%)."""
+    out, facts = ddp_runs
+    for rank in (0, 1):
+        ours = [r["peak"] for r in timeline(out / run, rank) if r["event"] == "step"]
+        truth = facts[rank][run]["truth_step_peaks"]
+        assert len(ours) == len(truth) == 3
+        for measured, reference in zip(ours, truth):
+            assert abs(measured - reference) / reference <= 0.02, (rank, ours, truth)
+
+
 def test_scalars_figure_is_the_maximum_over_ranks(ddp_runs):
     out, facts = ddp_runs
     peaks = [max(r["peak"] for r in timeline(out / "watch", rank) if r["event"] == "step") for rank in (0, 1)]
@@ -232,6 +248,9 @@ def test_auto_mode_agrees_one_plan_when_only_one_rank_must_act(ddp_runs):
     assert rank1_peak <= plans[1][0]["predicted_peak"], (rank1_peak, plans[1][0])
     truth = facts[1]["auto"]["truth_step_peaks"]
     assert len(truth) == 3 and max(truth) <= facts[1]["auto_budget"], (truth, facts[1]["auto_budget"])
+    # The engine's own remedy is advice in the record on every rank, never applied (issue 19, point 4).
+    for rank_plans in plans:
+        assert [a["name"] for a in rank_plans[0].get("advice", []) if a["name"].startswith("DeepSpeed ZeRO-1")]
 
 
 def test_planned_ddp_run_equals_the_hand_configured_run_of_its_plan(ddp_runs):
@@ -368,6 +387,12 @@ def test_zero_prediction_before_the_engine_exists_matches_the_measured_peak(zero
         assert -0.01 <= error <= 0.03, (name, rank, fact[name]["predicted_peak"], measured)
 
 
+# Known defect (issue 19, point 2): the plan's 8-bit AdamW under ZeRO steps DeepSpeed's flat fp32
+# partitions, and bitsandbytes' CPU kernel's fp32 temporaries on them are not in the prediction. Once
+# the tracker saw inside that kernel (tests/test_tracker.py), the planned runs measured 12,501,996 B
+# (ZeRO-2, budget 9,292,799), 11,596,424 B (ZeRO-3, budget 10,311,823) and 11,603,796 B (offload, budget
+# 11,138,290): the earlier "fits" was the tracker missing those temporaries. Strict: passes = fixed.
+@pytest.mark.xfail(strict=True, reason="8-bit AdamW step temporaries on ZeRO's flat partitions not predicted")
 @pytest.mark.parametrize("name", ZERO_ENGINES)
 def test_auto_mode_plans_every_zero_engine_and_fits(zero_runs, name):
     """Budget 0.7 x the configured peak: a plan on every rank (none failed), the same on all ranks, each

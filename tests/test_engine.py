@@ -81,3 +81,44 @@ def test_fsdp_planned_from_the_engine_the_accelerator_reports(tmp_path, monkeypa
     sharded = estimate(model, **run.estimate_kwargs())
     whole = estimate(model, **run.replace(world_size=1, shard="none").estimate_kwargs())
     assert sharded.classes["optimizer_states"] == pytest.approx(whole.classes["optimizer_states"] / 2, abs=8)
+
+
+def test_engine_remedies_join_the_catalogue_as_advice_with_their_per_rank_savings():
+    """ZeRO stage, offload and the reduce bucket are advice (the plan record, the log, the CLI, the
+    post-mortem read ``advice``); the saving follows the predicted per-rank split."""
+    from hf_memwatch.core.engine import Engine
+    from hf_memwatch.planning.catalogue import REMEDIES, advice
+
+    model = gpt2_model()
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    ddp = RunConfig(micro_batch_size=8, world_size=2, engine=Engine(kind="ddp", world_size=2))
+    predicted = estimate(model, batch_size=8, seq_len=32, world_size=2, shard="none")
+    found = {a.name.split(" ")[0] + " " + a.name.split(" ")[1]: a for a in advice(
+        ddp, predicted.frozen_models, 0, predicted.peak_bytes, classes=predicted.classes)}
+    states = predicted.classes["optimizer_states"]
+    zero1 = found["DeepSpeed ZeRO-1"]
+    assert zero1.saving == weights + states - states // 2 - weights // 2 > 0  # buckets + half the states
+    # Without the split (a caller that has none) nothing is invented; a single process has no engine remedy.
+    assert not advice(ddp, {}, 0, predicted.peak_bytes)
+    single = estimate(model, batch_size=8, seq_len=32)
+    assert not advice(RunConfig(micro_batch_size=8), {}, 0, single.peak_bytes, classes=single.classes)
+    # ZeRO-1 on an accelerator: ZeRO-2 and the optimizer offload; on CPU ranks no offload (host RAM is the device).
+    split = {"weights": 4000, "gradients": 4000, "optimizer_states": 12000}
+    zero1_cuda = RunConfig(micro_batch_size=8, world_size=2, device="cuda",
+                           engine=Engine(kind="deepspeed", world_size=2, zero_stage=1, reduce_bucket_size=100))
+    names = {a.name.split(" ")[0]: a.saving for a in engine_advice_of(zero1_cuda, split)}
+    assert names == {"ZeRO-2": 4000 - 2000 - 400, "optimizer": 12000}
+    assert not [a for a in engine_advice_of(zero1_cuda.replace(device="cpu"), split) if "offload" in a.name]
+    # ZeRO-2 with a reduce bucket that weighs in the peak: a quarter of it advised, 3/4 saved.
+    zero2 = RunConfig(micro_batch_size=8, world_size=2,
+                      engine=Engine(kind="deepspeed", world_size=2, zero_stage=2, reduce_bucket_size=1000))
+    (bucket,) = engine_advice_of(zero2, {"weights": 4000, "gradients": 6000, "optimizer_states": 6000})
+    assert bucket.name.startswith("reduce_bucket_size=250") and bucket.saving == 4000 - 1000
+    # Never a planner's remedy: no catalogue Remedy sets an engine field.
+    assert {r.field for r in REMEDIES} == {"micro_batch_size", "activation_checkpointing", "optim"}
+
+
+def engine_advice_of(run, split):
+    from hf_memwatch.planning.catalogue import advice
+
+    return advice(run, {}, 0, 20000, classes=split)

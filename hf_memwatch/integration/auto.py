@@ -366,7 +366,8 @@ class AutoMode(BetweenSteps):
         # Savings that change what is trained or computed (DPO's reference model): shown, never applied.
         from ..estimation.estimate import logits_bytes
 
-        found = advice(run, given_estimate.frozen_models, logits_bytes(given_estimate), given_estimate.peak_bytes)
+        found = advice(run, given_estimate.frozen_models, logits_bytes(given_estimate), given_estimate.peak_bytes,
+                       classes=given_estimate.classes)
         if found:
             record = record.replace(advice=[item.as_dict() for item in found])
         # The rank that must cut the most from the configured run decides (issue 7): its plan fits

@@ -6,7 +6,8 @@ OUT_DIR with what DeepSpeed itself holds on that rank (read from its ZeRO optimi
 not through hf_memwatch) at the first step's ``step_begin``, first micro-step end (gradient
 accumulation 2, so gradients are still held) and ``step_end``; the test compares MemWatch's
 timeline of the same run with them. Runs, each in OUT_DIR/<name>: ``zero1``, ``zero2``, ``zero3``
-with MemWatch full, and ``zero3_offload`` (``offload_optimizer: cpu``) with MemWatch.
+with MemWatch full, and ``zero3_offload`` (``offload_optimizer: cpu``) with MemWatch, each under the
+profiler from the model's construction on (``truth_step_peaks``: the per-rank truth).
 
 The auto mode on each engine (issue 19), for ``zero2``, ``zero3`` and ``zero3_offload``: the
 prediction of the configured run before ``train()`` (no DeepSpeed engine exists yet), then
@@ -32,6 +33,7 @@ from transformers import Trainer, TrainerCallback  # noqa: E402
 
 from hf_memwatch import MemWatch, estimate  # noqa: E402
 from hf_memwatch.core.run_config import RunConfig  # noqa: E402
+from hf_memwatch.testing.truth import StepMarker, cpu_memory_deltas, cpu_memory_profile, step_peaks  # noqa: E402
 
 # Small buckets: DeepSpeed's default reduce bucket (5e8 elements) would allocate 2 GB per rank.
 BUCKET = 100_000
@@ -128,25 +130,48 @@ class DeepSpeedHoldings(TrainerCallback):
             self._record("step_end", model)
 
 
-def build(out: Path, name: str, stage: int, callbacks: list, plan: dict | None = None, offload: bool = False) -> Trainer:
+ESTIMATE_MARK = "deepspeed_zero.estimate"
+
+
+def left_by(profiler, mark: str) -> int:
+    """Net CPU bytes allocated inside the ``mark`` range and still alive after it."""
+    (start, end), = [(e.start_ns(), e.end_ns()) for e in profiler.profiler.kineto_results.events() if e.name() == mark]
+    return sum(delta for time, delta in cpu_memory_deltas(profiler) if start <= time <= end)
+
+
+def build(out: Path, name: str, stage: int, callbacks: list, plan: dict | None = None, offload: bool = False,
+          profiler=None) -> Trainer:
+    """The Trainer of one run; with ``profiler`` (a ``cpu_memory_profile()``) the truth's window opens
+    before the model is built, so every block the run allocates and frees on this thread is in it
+    (baseline 0: the dataset, built before, is not counted by MemWatch either)."""
     plan = plan or CONFIGURED
     args = training_args(out / name, per_device_train_batch_size=plan["micro_batch_size"],
                          gradient_accumulation_steps=plan["gradient_accumulation_steps"],
                          gradient_checkpointing=plan["activation_checkpointing"], optim=plan["optim"],
                          max_steps=2, deepspeed=deepspeed_config(stage, offload))
-    return Trainer(model=gpt2_model(), args=args, train_dataset=token_dataset(64, 32, 1000), callbacks=callbacks)
+    dataset = token_dataset(64, 32, 1000)
+    if profiler is not None:
+        profiler.start()
+        callbacks = [*callbacks, StepMarker()]
+    return Trainer(model=gpt2_model(), args=args, train_dataset=dataset, callbacks=callbacks)
 
 
 def run(out: Path, name: str, stage: int, offload: bool = False) -> dict:
     holdings = DeepSpeedHoldings()
     watch = MemWatch(detail="full", report=False, summary=False)
     # DeepSpeed's own holdings are read for the runs the split test checks (not under offload)
-    trainer = build(out, name, stage, [watch] + ([] if offload else [holdings]), offload=offload)
+    profiler = cpu_memory_profile()
+    trainer = build(out, name, stage, [watch] + ([] if offload else [holdings]), offload=offload, profiler=profiler)
     run_config = RunConfig.from_trainer(trainer)  # before train(): no DeepSpeed engine yet
-    predicted = estimate(trainer).peak_bytes
-    trainer.train()
+    with torch.profiler.record_function(ESTIMATE_MARK):  # its leftovers (caches) are no training bytes
+        predicted = estimate(trainer).peak_bytes
+    try:
+        trainer.train()
+    finally:
+        profiler.stop()
     model = trainer.model
     return {"losses": loss_history(trainer), "deepspeed": holdings.records,
+            "truth_step_peaks": step_peaks(profiler, -left_by(profiler, ESTIMATE_MARK)),
             "full_param_numel": sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters()),
             "engine": run_config.engine.describe(), "shard": run_config.shard, "offload": run_config.engine.offload,
             "predicted_peak": predicted}

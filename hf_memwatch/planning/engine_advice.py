@@ -1,0 +1,98 @@
+"""Engine-level memory remedies of a distributed run: a higher ZeRO stage, optimizer offload, a
+smaller reduce bucket — part of the one catalogue (:func:`hf_memwatch.planning.catalogue.advice`).
+
+They are advice, never applied by a planner: a ZeRO stage or an offload device changes the engine
+that runs (its collectives, where the optimizer step runs: DeepSpeed's CPU Adam under offload), so
+the run would not be the hand-configured run of the plan. The reduce bucket changes nothing in the
+numerics, but the engine is built from the DeepSpeed JSON inside ``train()``; it is advised with its
+saving here, not yet applied.
+
+The savings are per rank, from the predicted split at the peak (``classes``) and the engine the run
+has (:class:`~hf_memwatch.core.engine.Engine`), with the rules of
+:mod:`hf_memwatch.estimation.shard` (fp32, N ranks, W weights, G gradients, S optimizer states at
+the peak, P = W / 4 trainable elements):
+
+==============================  =========================================================
+DDP -> DeepSpeed ZeRO-1         DDP's buckets (W) go, the states are partitioned with an
+                                fp32 master partition: W + S (1 - 1/N) - W / N
+ZeRO-1 -> ZeRO-2                gradients partitioned, one reduce bucket kept:
+                                G (1 - 1/N) - bucket
+ZeRO-1/2/3, offload_optimizer   the states (S) leave the device, on an accelerator only (on
+                                CPU ranks host RAM is the device: nothing saved)
+ZeRO-2/3 reduce bucket          ``reduce_bucket_size`` / 4: 3/4 of the bucket, where it is at
+                                least 5% of the peak
+==============================  =========================================================
+
+ZeRO-2 -> ZeRO-3 is not advised by default: with ``stage3_max_reuse_distance`` and
+``stage3_max_live_parameters`` at DeepSpeed's defaults (1e9 elements) a model below them stays
+gathered whole from forward to backward (measured on 2 gloo ranks: weights 1,180,672 B partition +
+2,361,344 B gathered), so the weights saved are spent again.
+
+Example:
+    >>> from hf_memwatch.core.engine import Engine
+    >>> from hf_memwatch.core.run_config import RunConfig
+    >>> run = RunConfig(micro_batch_size=4, world_size=2, engine=Engine(kind="ddp", world_size=2))
+    >>> split = {"weights": 400, "gradients": 800, "optimizer_states": 800}
+    >>> [(a.name, a.saving) for a in engine_advice(run, split, 2000)]
+    [('DeepSpeed ZeRO-1 (deepspeed={"zero_optimization": {"stage": 1}})', 600)]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from ..core.run_config import RunConfig
+from .catalogue import Advice
+
+# A bucket smaller than this share of the peak is not worth a line of advice.
+BUCKET_ADVICE_SHARE = 0.05
+
+
+def _ddp(run: RunConfig) -> bool:
+    engine = run.engine
+    if engine is not None:
+        return engine.kind == "ddp" and engine.world_size > 1
+    return run.world_size > 1 and run.shard == "none"
+
+
+def engine_advice(run: RunConfig, classes: Mapping[str, int], peak: int) -> list[Advice]:
+    """The engine remedies for ``run`` (see the module doc), each with its saving in bytes per rank;
+    only those that save something."""
+    weights = int(classes.get("weights", 0))
+    grads = int(classes.get("gradients", 0))
+    states = int(classes.get("optimizer_states", 0))
+    world = run.engine.world_size if run.engine is not None else run.world_size
+    found: list[Advice] = []
+    if _ddp(run):
+        saving = weights + states - states // world - weights // world
+        if saving > 0:
+            found.append(Advice(
+                'DeepSpeed ZeRO-1 (deepspeed={"zero_optimization": {"stage": 1}})', saving,
+                f"the optimizer states are partitioned over the {world} ranks (an fp32 master partition "
+                "on top) and DDP's gradient buckets are not kept; the engine changes (DeepSpeed's collectives)"))
+        return found
+    engine = run.engine
+    if engine is None or engine.kind != "deepspeed" or engine.zero_stage not in (1, 2, 3) or world < 2:
+        return found
+    size = 2 if run.precision in ("bf16", "fp16") else 4
+    bucket = min(int(engine.reduce_bucket_size or 0) * size, grads) if engine.zero_stage >= 2 else 0
+    if engine.zero_stage == 1:
+        bucket_next = min(int(engine.reduce_bucket_size or 0) * size, grads)
+        saving = grads - grads // world - bucket_next
+        if saving > 0:
+            found.append(Advice(
+                'ZeRO-2 ("zero_optimization": {"stage": 2})', saving,
+                "gradients are reduced into partitions (one reduce bucket kept) instead of kept whole on each rank"))
+    if engine.offload_optimizer == "none" and run.device != "cpu" and states > 0:
+        found.append(Advice(
+            'optimizer offload ("offload_optimizer": {"device": "cpu"})', states,
+            "the optimizer states and the fp32 master partition live in host RAM and DeepSpeed steps them "
+            "there (host RAM counts against the host limit; the step runs on the CPU)"))
+    if bucket and peak > 0 and bucket >= BUCKET_ADVICE_SHARE * peak:
+        smaller = max(1, int(engine.reduce_bucket_size or 0) // 4)
+        found.append(Advice(
+            f'reduce_bucket_size={smaller} ("zero_optimization": {{"reduce_bucket_size": {smaller}}})',
+            bucket - min(smaller * size, bucket),
+            "a smaller reduce bucket holds fewer gradient bytes at once; the numerics are unchanged, "
+            "more (smaller) reductions run"))
+    return found
