@@ -43,6 +43,7 @@ bench: venv
 	$(PY) benchmarks/lengths.py --out benchmarks/results/lengths.md
 	$(PY) benchmarks/eval_accuracy.py
 	$(PY) benchmarks/perturbation.py
+	$(PY) benchmarks/start_fast.py --out benchmarks/results/start_fast.md
 
 gpu-check: venv
 	$(PY) benchmarks/gpu_check.py --out benchmarks/results/gpu

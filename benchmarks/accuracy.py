@@ -40,7 +40,8 @@ from transformers import (
     T5Config,
 )
 
-from hf_memwatch.estimation.estimate import auto_class, estimate
+from hf_memwatch.estimation.estimate import estimate
+from hf_memwatch.estimation.fake_model import auto_class
 from hf_memwatch.testing.estimate_truth import trainer_peak
 from hf_memwatch.testing.families import FAMILIES, NO_CHECKPOINTING, build_family_model
 

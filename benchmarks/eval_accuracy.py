@@ -40,7 +40,8 @@ from transformers import (  # noqa: E402
     T5Config,
 )
 
-from hf_memwatch.estimation.estimate import auto_class, estimate_eval  # noqa: E402
+from hf_memwatch.estimation.estimate import estimate_eval  # noqa: E402
+from hf_memwatch.estimation.fake_model import auto_class  # noqa: E402
 from hf_memwatch.estimation.generation import GenerationSettings  # noqa: E402
 from hf_memwatch.testing.estimate_truth import evaluate_peak  # noqa: E402
 

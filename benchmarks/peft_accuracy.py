@@ -34,7 +34,8 @@ import torch
 import transformers
 from peft import get_peft_model
 
-from hf_memwatch.estimation.estimate import auto_class, estimate
+from hf_memwatch.estimation.estimate import estimate
+from hf_memwatch.estimation.fake_model import auto_class
 from hf_memwatch.estimation.peft import LoraSpec
 from hf_memwatch.estimation.quantized import QuantSpec
 from hf_memwatch.testing.estimate_truth import trainer_peak

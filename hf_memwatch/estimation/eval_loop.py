@@ -2,7 +2,7 @@
 
 :func:`simulate_eval` mirrors ``Trainer.evaluation_loop`` / ``prediction_step`` /
 ``EvalLoopContainer`` (transformers 5.x) batch by batch, every tensor fake, the CPU tracker of
-:mod:`hf_memwatch.estimation.step` counting storages:
+:mod:`hf_memwatch.estimation.fake_dispatch` counting storages:
 
 * the eval dataloader is accelerate's ``DataLoaderShard``: the next batch is collated before the
   current one is handed out (two batches of inputs live);
@@ -39,17 +39,16 @@ import torch
 
 from ..measure.attribution import weight_tensors
 from ..measure.saved_tensors import SavedTensorRegistry
-from .generation import GenerationReplay, GenerationSettings, check_generation
-from .step import (
-    CUDA_BLOCK,
+from .classify import classify, refs
+from .fake_dispatch import CUDA_BLOCK, EstimateTracker
+from .generation import GenerationReplay, check_generation
+from .trainer_mirror import (
     MIXED_DTYPES,
-    EstimateTracker,
-    _refs,
-    _restore_forward,
     accepts_loss_kwargs,
     loss_shifts_labels,
     make_batch,
     real_batch_masks,
+    restore_forward,
     wrap_autocast,
 )
 
@@ -182,140 +181,170 @@ def replayed_batches(batches: int, accumulation_steps: int | None) -> list[int]:
     return sorted(i for i in picked if 0 <= i < batches)
 
 
-def simulate_eval(
-    model: torch.nn.Module, fake_mode: Any, *, config: Any, task: str, batch_size: int, samples: int,
-    seq_len: int, target_len: int, accumulation_steps: int | None, prediction_loss_only: bool,
-    precision: str, device: str, optimizer_state_bytes: int = 0, preprocess_argmax: bool = False,
-    use_cache: bool = False, generation: GenerationSettings | None = None,
-) -> EvalSimulation:
-    """Replay ``Trainer.evaluation_loop`` over ``samples`` examples in batches of ``batch_size``.
+@dataclass(frozen=True)
+class EvalInputs:
+    """What an eval replay reads beside the request.
 
     ``optimizer_state_bytes``: optimizer state live during the loop (an eval inside ``train()``).
     ``preprocess_argmax``: ``preprocess_logits_for_metrics`` returns ``logits.argmax(-1)``.
     ``use_cache``: ``TrainingArguments.use_cache`` (the Trainer sets ``config.use_cache`` from it,
     default False: no KV cache in the eval forward).
-    ``generation``: ``Seq2SeqTrainer`` with ``predict_with_generate`` (None: without); the prediction step
-    is then :func:`~hf_memwatch.estimation.generation.generation_prediction_step` (unless
+    """
+
+    config: Any
+    optimizer_state_bytes: int = 0
+    preprocess_argmax: bool = False
+    use_cache: bool = False
+
+
+def simulate_eval(model: torch.nn.Module, fake_mode: Any, request: Any, inputs: EvalInputs) -> EvalSimulation:
+    """Replay ``Trainer.evaluation_loop`` over ``request.eval_samples`` examples in batches of
+    ``request.eval_batch_size``, at ``request.eval_len`` tokens (:class:`EvalInputs` for the rest).
+
+    ``request.generation``: ``Seq2SeqTrainer`` with ``predict_with_generate`` (None: without); the prediction
+    step is then :func:`~hf_memwatch.estimation.generation.generation_prediction_step` (unless
     ``prediction_loss_only``, where the Trainer takes the plain step too).
     """
-    target, device = device, "cpu"  # a CUDA target is simulated on fake CPU tensors (see step.py)
     was_training = model.training
     model.eval()
     model_config = getattr(model, "config", None)
     saved_use_cache = getattr(model_config, "use_cache", None)
     if model_config is not None and saved_use_cache is not None:
-        model_config.use_cache = use_cache
+        model_config.use_cache = inputs.use_cache
     saved_forward = model.__dict__.get("forward")
-    if precision in MIXED_DTYPES:
-        wrap_autocast(model, device, precision)
-    takes_loss_kwargs = accepts_loss_kwargs(model)
-    shifts = loss_shifts_labels(model)
-    ignore = list(getattr(config, "keys_to_ignore_at_inference", ["past_key_values"]) or []) + ["loss"]
-    replay = None if generation is None or prediction_loss_only else GenerationReplay(generation)
+    if request.precision in MIXED_DTYPES:  # a CUDA target is simulated on fake CPU tensors (see step.py)
+        wrap_autocast(model, "cpu", request.precision)
+    generation = request.generation
+    replay = None if generation is None or request.prediction_loss_only else GenerationReplay(generation)
     if replay is not None:
-        check_generation(model, replay.settings, seq_len)
-    tracker = EstimateTracker(device, SavedTensorRegistry(), round_to=CUDA_BLOCK if target == "cuda" else 1)
-    weights_of_model = weight_tensors(model)  # quantization state included
-    tracker.register(weights_of_model)
-    weights = _refs(tracker, weights_of_model)
-    batches = math.ceil(samples / batch_size)
-    sizes = [batch_size] * (batches - 1) + [samples - (batches - 1) * batch_size]
-    containers = {name: _Container(target == "cpu") for name in ("losses", "preds", "labels")}
-    best: dict[str, Any] = {"bytes": -1}
-    template: dict[str, Any] = {}
-
-    def close(phase: str, outputs: dict[int, Any], other: dict[int, Any]) -> None:
-        snapshot = tracker.snapshot
-        if snapshot is not None:
-            classes = dict.fromkeys(EVAL_CLASSES, 0)
-            for key, ref in snapshot[0].items():
-                if weights.get(key) is ref:
-                    name = "weights"
-                elif outputs.get(key) is ref:
-                    name = "outputs"
-                elif other.get(key) is ref:
-                    name = "other"
-                else:
-                    name = "temporaries"
-                classes[name] += ref.nbytes
-            total = sum(classes.values())
-            if total > best["bytes"]:
-                best.update(bytes=total, phase=phase, classes=classes)
-        tracker.reset_peak()
-
-    def held() -> dict[int, Any]:
-        return _refs(tracker, [t for c in containers.values() for t in c.leaves()])
-
-    with warnings.catch_warnings(), real_batch_masks(), fake_mode, tracker:
+        check_generation(model, replay.settings, request.eval_len)
+    run = _EvalRun(model, request, inputs, replay)
+    with warnings.catch_warnings(), real_batch_masks(), fake_mode, run.tracker:
         warnings.simplefilter("ignore")
         try:
-            lookahead = make_batch(config, task, sizes[0], seq_len, target_len, device)
-            previous = -1
-            # The previous batch's losses, logits and labels: locals of ``evaluation_loop`` that live
-            # until the next prediction step's results replace them (deleted only at a flush).
-            last_outputs: list[torch.Tensor] = []
-            for index in replayed_batches(batches, accumulation_steps):
-                if index != previous + 1:
-                    lookahead = make_batch(config, task, sizes[index], seq_len, target_len, device)
-                    _fast_forward(containers, template, index, batch_size, accumulation_steps)
-                    flushed = bool(accumulation_steps) and index % (accumulation_steps or 1) == 0
-                    last_outputs = [] if flushed else _leaves(
-                        [_resized(template.get(name), batch_size) for name in ("losses", "preds", "labels")])
-                previous = index
-                inputs = lookahead
-                lookahead = (make_batch(config, task, sizes[index + 1], seq_len, target_len, device)
-                             if index + 1 < batches else None)
-                other = _refs(tracker, list(inputs.values()) + list((lookahead or {}).values()))
-                last_refs = _refs(tracker, last_outputs)
-                tracker.reset_peak()
-                if replay is not None:
-                    loss, logits, labels = replay.step(model, inputs, tracker)
-                else:
-                    loss, logits, labels = _prediction_step(
-                        model, inputs, takes_loss_kwargs, shifts, ignore, prediction_loss_only, preprocess_argmax)
-                last_outputs = []  # replaced by this step's results
-                other.update(_refs(tracker, _leaves(loss) + _leaves(logits)))
-                close("eval_forward", {**last_refs, **held()}, other)
-                outputs_before = held()
-                losses = None if loss is None else loss.repeat(sizes[index])  # no labels: no loss
-                if losses is not None:
-                    containers["losses"].add(losses)
-                if logits is not None:
-                    containers["preds"].add(logits)
-                if labels is not None:
-                    containers["labels"].add(labels)
-                if not template:
-                    template.update(losses=_spec(losses), preds=_spec(logits), labels=_spec(labels))
-                last_outputs = _leaves([losses, logits, labels])
-                del losses, loss, logits, labels
-                close("eval_accumulate", {**outputs_before, **held(), **_refs(tracker, last_outputs)}, other)
-                if accumulation_steps and (index + 1) % accumulation_steps == 0:
-                    for container in containers.values():
-                        container.flush()
-                    last_outputs = []  # the loop's ``del losses, logits, labels, inputs``
-                    close("eval_accumulate", held(), other)
-                del inputs
-            last_refs = _refs(tracker, last_outputs)
-            outputs_before = held()
-            for container in containers.values():  # get_arrays: the last batch's locals still live
-                container.flush()
-            close("eval_gather", {**outputs_before, **held(), **last_refs}, {})
+            run.replay_loop()
         finally:
-            _restore_forward(model, saved_forward)
+            restore_forward(model, saved_forward)
             model.train(was_training)
             if model_config is not None and saved_use_cache is not None:
                 model_config.use_cache = saved_use_cache
+    return run.simulation()
 
-    classes = dict(best["classes"])
-    classes["optimizer_states"] = optimizer_state_bytes
-    host = sum(c.host_bytes for c in containers.values())
-    notes = []
-    if replay is not None:
-        notes.append("eval: predict_with_generate modelled as the worst case: every sequence generated to "
-                     "generation_max_length (no early EOS), the KV cache of max_length x beams")
-    if host:
-        notes.append(f"eval: {host} bytes of outputs copied into numpy memory on the host (not torch allocations)")
-    return EvalSimulation(sum(classes.values()), best["phase"], classes, host, notes)
+
+class _EvalRun:
+    """One replayed loop's state: the tracker, the containers, the highest classified snapshot."""
+
+    def __init__(self, model: torch.nn.Module, request: Any, inputs: EvalInputs, replay: Any) -> None:
+        self.model, self.request, self.inputs, self.replay = model, request, inputs, replay
+        self.device = "cpu"
+        self.tracker = tracker = EstimateTracker(self.device, SavedTensorRegistry(),
+                                                 round_to=CUDA_BLOCK if request.device == "cuda" else 1)
+        weights_of_model = weight_tensors(model)  # quantization state included
+        tracker.register(weights_of_model)
+        self.weights = refs(tracker, weights_of_model)
+        batch_size, samples = request.eval_batch_size, request.eval_samples
+        self.batches = batches = math.ceil(samples / batch_size)
+        self.sizes = [batch_size] * (batches - 1) + [samples - (batches - 1) * batch_size]
+        self.containers = {name: _Container(request.device == "cpu") for name in ("losses", "preds", "labels")}
+        self.best: dict[str, Any] = {"bytes": -1}
+        self.template: dict[str, Any] = {}
+        # The previous batch's losses, logits and labels: locals of ``evaluation_loop`` that live
+        # until the next prediction step's results replace them (deleted only at a flush).
+        self.last_outputs: list[torch.Tensor] = []
+        self.ignore = list(getattr(inputs.config, "keys_to_ignore_at_inference", ["past_key_values"]) or []) + [
+            "loss"]
+        self.takes_loss_kwargs, self.shifts = accepts_loss_kwargs(model), loss_shifts_labels(model)
+
+    def close(self, phase: str, outputs: dict[int, Any], other: dict[int, Any]) -> None:
+        """Classify the interval's highest snapshot; keep the loop's highest."""
+        snapshot = self.tracker.snapshot
+        if snapshot is not None:
+            classes = classify(snapshot, {}, self.weights, set(), set(), other, outputs=outputs, names=EVAL_CLASSES)
+            total = sum(classes.values())
+            if total > self.best["bytes"]:
+                self.best.update(bytes=total, phase=phase, classes=classes)
+        self.tracker.reset_peak()
+
+    def held(self) -> dict[int, Any]:
+        """Refs of what the containers hold."""
+        return refs(self.tracker, [t for c in self.containers.values() for t in c.leaves()])
+
+    def make_batch(self, index: int) -> dict[str, torch.Tensor]:
+        request = self.request
+        return make_batch(self.inputs.config, request.task, self.sizes[index], request.eval_len,
+                          request.eval_target_len, self.device)
+
+    def replay_loop(self) -> None:
+        """The replayed batches (the containers fast-forwarded between them), then ``get_arrays``."""
+        batch_size, accumulation_steps = self.request.eval_batch_size, self.request.eval_accumulation_steps
+        lookahead = self.make_batch(0)
+        previous = -1
+        for index in replayed_batches(self.batches, accumulation_steps):
+            if index != previous + 1:
+                lookahead = self.make_batch(index)
+                _fast_forward(self.containers, self.template, index, batch_size, accumulation_steps)
+                flushed = bool(accumulation_steps) and index % (accumulation_steps or 1) == 0
+                self.last_outputs = [] if flushed else _leaves(
+                    [_resized(self.template.get(name), batch_size) for name in ("losses", "preds", "labels")])
+            previous = index
+            inputs = lookahead
+            lookahead = self.make_batch(index + 1) if index + 1 < self.batches else None
+            self.one_batch(index, inputs, lookahead)
+            del inputs
+        last_refs = refs(self.tracker, self.last_outputs)
+        outputs_before = self.held()
+        for container in self.containers.values():  # get_arrays: the last batch's locals still live
+            container.flush()
+        self.close("eval_gather", {**outputs_before, **self.held(), **last_refs}, {})
+
+    def one_batch(self, index: int, inputs: dict[str, Any], lookahead: dict[str, Any] | None) -> None:
+        """One prediction step and its accumulation (a flush where due)."""
+        tracker, containers, request = self.tracker, self.containers, self.request
+        other = refs(tracker, list(inputs.values()) + list((lookahead or {}).values()))
+        last_refs = refs(tracker, self.last_outputs)
+        tracker.reset_peak()
+        if self.replay is not None:
+            loss, logits, labels = self.replay.step(self.model, inputs, tracker)
+        else:
+            loss, logits, labels = _prediction_step(
+                self.model, inputs, self.takes_loss_kwargs, self.shifts, self.ignore, request.prediction_loss_only,
+                self.inputs.preprocess_argmax)
+        self.last_outputs = []  # replaced by this step's results
+        other.update(refs(tracker, _leaves(loss) + _leaves(logits)))
+        self.close("eval_forward", {**last_refs, **self.held()}, other)
+        outputs_before = self.held()
+        losses = None if loss is None else loss.repeat(self.sizes[index])  # no labels: no loss
+        if losses is not None:
+            containers["losses"].add(losses)
+        if logits is not None:
+            containers["preds"].add(logits)
+        if labels is not None:
+            containers["labels"].add(labels)
+        if not self.template:
+            self.template.update(losses=_spec(losses), preds=_spec(logits), labels=_spec(labels))
+        self.last_outputs = _leaves([losses, logits, labels])
+        del losses, loss, logits, labels
+        self.close("eval_accumulate", {**outputs_before, **self.held(), **refs(tracker, self.last_outputs)}, other)
+        steps = request.eval_accumulation_steps
+        if steps and (index + 1) % steps == 0:
+            for container in containers.values():
+                container.flush()
+            self.last_outputs = []  # the loop's ``del losses, logits, labels, inputs``
+            self.close("eval_accumulate", self.held(), other)
+
+    def simulation(self) -> EvalSimulation:
+        """The loop's peak, split (the optimizer state beside it added), with its notes."""
+        classes = dict(self.best["classes"])
+        classes["optimizer_states"] = self.inputs.optimizer_state_bytes
+        host = sum(c.host_bytes for c in self.containers.values())
+        notes = []
+        if self.replay is not None:
+            notes.append("eval: predict_with_generate modelled as the worst case: every sequence generated to "
+                         "generation_max_length (no early EOS), the KV cache of max_length x beams")
+        if host:
+            notes.append(f"eval: {host} bytes of outputs copied into numpy memory on the host "
+                         "(not torch allocations)")
+        return EvalSimulation(sum(classes.values()), self.best["phase"], classes, host, notes)
 
 
 def _fast_forward(containers: dict[str, _Container], template: dict[str, Any], index: int, batch_size: int,

@@ -14,7 +14,7 @@ worst case for memory, as a run whose sequences never end early (no EOS) has the
   (``GenerationMixin._has_unfinished_sequences``) is answered per call, on this fake copy only,
   from the number of tokens still to generate;
 * values read back from tensors answer as a clean batch's do
-  (:meth:`~hf_memwatch.estimation.step.EstimateTracker.reading_a_clean_batch`): an integer (beam
+  (:meth:`~hf_memwatch.estimation.fake_dispatch.EstimateTracker.reading_a_clean_batch`): an integer (beam
   search's "longest generated beam") is ``max_length``, so every slice it bounds keeps its whole
   length; the validity checks (negative ids, right padding, an all-ones mask) pass.
 

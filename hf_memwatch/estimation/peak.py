@@ -5,7 +5,7 @@ The estimator's tracker feeds a :class:`~hf_memwatch.measure.peak_tensors.PeakCe
 live CPU tracker does, and the same module hooks (:class:`~hf_memwatch.measure.module_scope.ModuleScope`)
 stamp each allocation with the fake model's module path, so a prediction names the same storages, shapes
 and modules as a measured step. Classes follow the estimator's own split (``classify`` in
-:mod:`hf_memwatch.estimation.step`): what is live at the high but none of weights, gradients, optimizer
+:mod:`hf_memwatch.estimation.classify`): what is live at the high but none of weights, gradients, optimizer
 states, saved activations or the batch is a temporary.
 """
 

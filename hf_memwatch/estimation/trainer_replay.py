@@ -9,7 +9,7 @@ batches its own collator forms from its own dataset. Three things make that safe
   TRL's ``_total_train_tokens``, metric lists) and its ``state`` afterwards, in place;
 * values read back from fake tensors (``.item()``, ``if tensor:``) answer 1 — metrics code runs its
   operators (their memory counts) but nothing depends on the answer (see
-  :class:`~hf_memwatch.estimation.step.EstimateTracker`);
+  :class:`~hf_memwatch.estimation.fake_dispatch.EstimateTracker`);
 * the dataset is read by index only (map-style); a one-pass iterable dataset is never iterated:
   the step is then replayed on synthetic batches at the longest length the run allows, and the
   estimate says so.

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ..estimation.generation import GenerationSettings
-from ..estimation.step import make_batch
+from ..estimation.trainer_mirror import make_batch
 from ..measure.attribution import weight_storages
 from .truth import cpu_memory_profile, window_peak
 
@@ -36,7 +36,7 @@ class ListDataset(torch.utils.data.Dataset):
 
 
 def synthetic_dataset(config: Any, task: str, rows: int, seq_len: int, target_len: int) -> ListDataset:
-    """``rows`` examples shaped as :func:`~hf_memwatch.estimation.step.make_batch` shapes one batch."""
+    """``rows`` examples shaped as :func:`~hf_memwatch.estimation.trainer_mirror.make_batch` shapes one batch."""
     batch = make_batch(config, task, rows, seq_len, target_len, "cpu")
     return ListDataset([{k: v[i] for k, v in batch.items()} for i in range(rows)])
 

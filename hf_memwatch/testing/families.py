@@ -87,7 +87,7 @@ def build_family_model(name: str) -> Any:
     """A randomly initialised model of family ``name`` for its task (seed 0)."""
     import torch
 
-    from ..estimation.estimate import auto_class
+    from ..estimation.fake_model import auto_class
 
     task, make_config = FAMILIES[name]
     torch.manual_seed(0)

@@ -1,0 +1,113 @@
+"""The one classifier: a live-set snapshot split into classes, for the step replay and the eval replay.
+
+Storage keys are addresses, reused once a storage dies, so a snapshot entry belongs to a class only when
+it is the *same* storage: the tracker's reference object (one per storage lifetime) must match the one
+recorded for the class. :class:`Phases` closes a step's phase intervals with it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..measure.peak_tensors import PeakTensors
+from ..measure.tracker import StorageTracker
+from .fake_dispatch import EstimateTracker
+from .peak import PeakCensusWatch
+from .request import CLASS_NAMES
+
+
+# -- classification --------------------------------------------------------------------------
+def classify(snapshot: tuple[dict[int, Any], set[int]], live_now: dict[int, Any], weights: dict[int, Any],
+             gradients: set[int], states: set[int], other: dict[int, Any],
+             named: dict[int, tuple[Any, str]] | None = None,
+             details: dict[str, dict[str, int]] | None = None, outputs: dict[int, Any] | None = None,
+             names: tuple[str, ...] = CLASS_NAMES) -> dict[str, int]:
+    """Split a live-set snapshot into classes (each storage once, first class wins): weights, gradients,
+    optimizer states, activations (saved for backward), outputs (an eval loop's held predictions), other,
+    else temporaries; the result has the keys ``names`` in that order (the step's six by default).
+
+    Storage keys are addresses and get reused once a storage dies, so a snapshot entry belongs to
+    a class only when it is the *same* storage: the tracker's reference object (one per storage
+    lifetime) must match the one recorded for the class (``weights``/``other``: key -> ref) or
+    the one live now (``gradients``/``states``: keys read now). Entries of ``named`` (key -> (ref,
+    name)) are also added to ``details[class][name]`` when given. The eval replay gives ``outputs``
+    (key -> ref) and no gradients, states or saved tensors.
+    """
+    live, saved = snapshot
+    classes = dict.fromkeys(names, 0)
+    for key, ref in live.items():
+        if weights.get(key) is ref:
+            name = "weights"
+        elif key in gradients and live_now.get(key) is ref:
+            name = "gradients"
+        elif key in states and live_now.get(key) is ref:
+            name = "optimizer_states"
+        elif key in saved:
+            name = "activations"
+        elif outputs is not None and outputs.get(key) is ref:
+            name = "outputs"
+        elif other.get(key) is ref:
+            name = "other"
+        else:
+            name = "temporaries"
+        classes[name] += ref.nbytes
+        if named is not None and details is not None:
+            label = named.get(key)
+            if label is not None and label[0] is ref:
+                inner = details.setdefault(name, {})
+                inner[label[1]] = inner.get(label[1], 0) + ref.nbytes
+    return classes
+
+
+def storage_keys(tensors: Any) -> set[int]:
+    keys: set[int] = set()
+    for tensor in tensors:
+        if isinstance(tensor, torch.Tensor):
+            keys.add(tensor.untyped_storage()._cdata)
+    return keys
+
+
+def refs(tracker: StorageTracker, tensors: Any) -> dict[int, Any]:
+    """key -> the tracker's reference object of each tensor's storage (its identity for this lifetime)."""
+    live = tracker.live_refs()
+    return {key: live[key] for key in storage_keys(tensors) if key in live}
+
+
+def state_tensors(optimizer: Any) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    for state in optimizer.state.values():
+        values = state.values() if isinstance(state, dict) else [state]
+        found.extend(v for v in values if isinstance(v, torch.Tensor))
+    return found
+
+
+class Phases:
+    """Closes phase intervals: classify the interval's highest snapshot, keep the best per phase."""
+
+    def __init__(self, tracker: EstimateTracker, model: torch.nn.Module, optimizer: Any,
+                 weights: dict[int, Any], other: dict[int, Any]) -> None:
+        self.tracker, self.model, self.optimizer = tracker, model, optimizer
+        self.weights, self.other = weights, other
+        self.best: dict[str, dict[str, int]] = {}
+        self.details: dict[str, dict[str, dict[str, int]]] = {}
+        self.tensors: dict[str, PeakTensors] = {}
+        self.census: PeakCensusWatch | None = None
+
+    def close(self, phase: str) -> None:
+        tracker = self.tracker
+        if tracker.snapshot is not None:
+            grads = storage_keys(p.grad for p in self.model.parameters())
+            states = storage_keys(state_tensors(self.optimizer))
+            details: dict[str, dict[str, int]] = {}
+            classes = classify(tracker.snapshot, tracker.live_refs(), self.weights, grads, states, self.other,
+                               tracker.named, details)
+            if sum(classes.values()) > sum(self.best.get(phase, {}).values() or [-1]):
+                self.best[phase] = classes
+                self.details[phase] = details
+                if self.census is not None:
+                    self.tensors[phase] = self.census.summary(grads, states)
+        if self.census is not None:
+            self.census.after(phase)
+        tracker.reset_peak()

@@ -1,0 +1,239 @@
+"""The fake model builder, one for the training step and the evaluation loop.
+
+A config, a model directory / ``config.json`` path or a built module becomes a model whose every
+parameter and buffer is a fake tensor (``FakeTensorMode``: real shape, dtype and device, no memory):
+:func:`fake_model` builds it, PEFT adapters (a :class:`~hf_memwatch.estimation.peft.LoraSpec` or a saved
+adapter folder) and bitsandbytes quantization (a :class:`~hf_memwatch.estimation.quantized.QuantSpec`)
+applied on a meta-device base first. A built module is never copied: :func:`fake_copy` makes a fake twin
+(tied and frozen parameters respected).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+import types
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from ..core.errors import MemWatchConfigError
+from ..measure.attribution import is_quantized_param
+from .peft import LoraSpec, apply_peft, is_adapter_dir, load_adapter, meta_copy
+from .quantized import QuantSpec, fake_quantized_param, quantize_meta
+from .rebind import rebind_patched_forwards
+from .request import TASKS, check_choice
+
+
+# -- inputs ----------------------------------------------------------------------------------
+def load_config(model_or_config: Any) -> Any:
+    """A ``PretrainedConfig`` from a config, a model directory or a ``config.json`` path.
+
+    Raises :class:`MemWatchConfigError` with one clear line when the path is missing or invalid.
+    """
+    from transformers import AutoConfig, PretrainedConfig
+
+    if isinstance(model_or_config, PretrainedConfig):
+        return model_or_config
+    if isinstance(model_or_config, os.PathLike):
+        model_or_config = os.fspath(model_or_config)
+    if not isinstance(model_or_config, str):
+        raise MemWatchConfigError(
+            f"model_or_config must be a PretrainedConfig, an nn.Module or a path; got {type(model_or_config).__name__}"
+        )
+    path = model_or_config
+    try:
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as handle:
+                data = json.load(handle)
+            if not isinstance(data, dict) or "model_type" not in data:
+                raise MemWatchConfigError(f"{path}: not a Transformers config (no 'model_type')")
+            config_cls = AutoConfig.for_model(data["model_type"]).__class__
+            return config_cls.from_dict(data)
+        if os.path.isdir(path):
+            if not os.path.isfile(os.path.join(path, "config.json")):
+                raise MemWatchConfigError(f"{path}: no config.json in this directory")
+            return AutoConfig.from_pretrained(path)
+        if os.path.sep in path or path.endswith(".json"):
+            raise MemWatchConfigError(f"{path}: no such file or directory")
+        return AutoConfig.from_pretrained(path)  # a hub id, where the network allows
+    except MemWatchConfigError:
+        raise
+    except (OSError, ValueError, KeyError, json.JSONDecodeError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise MemWatchConfigError(f"cannot load a config from {path!r}: {first}") from None
+
+
+def infer_task(config: Any) -> str:
+    """The task from the config's ``architectures`` (``causal-lm`` when it says nothing)."""
+    if getattr(config, "is_encoder_decoder", False):
+        return "seq2seq"
+    for arch in getattr(config, "architectures", None) or []:
+        if arch.endswith("ForSequenceClassification"):
+            return "seq-cls"
+        if arch.endswith("ForMaskedLM"):
+            return "masked-lm"
+        if arch.endswith("ForConditionalGeneration") or arch.endswith("ForSeq2SeqLM"):
+            return "seq2seq"
+        if arch.endswith("ForCausalLM") or arch.endswith("LMHeadModel"):
+            return "causal-lm"
+    return "causal-lm"
+
+
+def auto_class(task: str) -> Any:
+    """The ``AutoModelFor...`` class of ``task``."""
+    import transformers
+
+    return {
+        "causal-lm": transformers.AutoModelForCausalLM,
+        "seq-cls": transformers.AutoModelForSequenceClassification,
+        "masked-lm": transformers.AutoModelForMaskedLM,
+        "seq2seq": transformers.AutoModelForSeq2SeqLM,
+    }[task]
+
+
+def task_of_module(model: torch.nn.Module) -> str:
+    name = type(model).__name__
+    if name.endswith("ForSequenceClassification"):
+        return "seq-cls"
+    if name.endswith("ForMaskedLM"):
+        return "masked-lm"
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        return "seq2seq"
+    return "causal-lm"
+
+
+
+# -- the fake model --------------------------------------------------------------------------
+def fake_copy(model: torch.nn.Module, fake_mode: Any, device: str) -> torch.nn.Module:
+    """A structural copy of ``model`` whose parameters and buffers are fake tensors on ``device``.
+
+    No weight is copied: each parameter/buffer is replaced (through ``deepcopy``'s memo) by a fake
+    tensor of the same shape, dtype and ``requires_grad``; tied weights stay tied because the memo
+    maps one object to one fake.
+    """
+    memo: dict[int, Any] = {}
+    target = torch.device(device)
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        if id(tensor) in memo:
+            continue
+        if is_quantized_param(tensor):  # bitsandbytes: its quantization state must come along
+            memo[id(tensor)] = fake_quantized_param(tensor, fake_mode, memo)
+            continue
+        with torch.no_grad():
+            fake = fake_mode.from_tensor(tensor.detach())
+            if fake.device != target:
+                with fake_mode:
+                    fake = fake.to(target)
+        if isinstance(tensor, torch.nn.Parameter):
+            fake = torch.nn.Parameter(fake, requires_grad=tensor.requires_grad)
+        memo[id(tensor)] = fake
+    _drop_foreign_hooks(model, memo)
+    copied = copy.deepcopy(model, memo)
+    rebind_patched_forwards(copied, memo)  # TRL's fused-LM-head forward: the copy's modules, not the live ones
+    return copied
+
+
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+def _drop_foreign_hooks(model: torch.nn.Module, memo: dict[int, Any]) -> None:
+    """Keep plain-function hooks in the copy; drop bound methods (a callback's, a monitor's).
+
+    A bound method's ``deepcopy`` copies its object — for a training callback that is the whole
+    Trainer, optimizer state included — and running it on the fake copy would feed the live
+    monitor fake events.
+    """
+    for module in model.modules():
+        for attr in _HOOK_DICTS:
+            hooks = getattr(module, attr, None)
+            if hooks:
+                memo[id(hooks)] = OrderedDict(
+                    (key, hook) for key, hook in hooks.items() if isinstance(hook, types.FunctionType)
+                )
+
+
+def build_fake_model(config: Any, task: str, fake_mode: Any, device: str) -> torch.nn.Module:
+    """Instantiate the task's model class from ``config`` under ``fake_mode`` (nothing allocated).
+
+    ``device="meta"`` with a null context for ``fake_mode`` gives a meta-device model (for PEFT).
+    """
+    from transformers.initialization import no_init_weights
+
+    auto = auto_class(task)
+    try:
+        with fake_mode, torch.device(device):
+            with no_init_weights():  # values are irrelevant, and initialising costs seconds
+                model = auto.from_config(copy.deepcopy(config))
+            model.tie_weights()  # skipped with the initialisation
+    except ValueError as exc:
+        raise MemWatchConfigError(f"task {task!r} is not available for {type(config).__name__}: {exc}") from None
+    return model
+
+
+def count_params(model: torch.nn.Module) -> tuple[int, int]:
+    """(all, trainable) parameter counts, tied weights once."""
+    seen: set[int] = set()
+    total = trainable = 0
+    for param in model.parameters():
+        if id(param) in seen:
+            continue
+        seen.add(id(param))
+        total += param.numel()
+        if param.requires_grad:
+            trainable += param.numel()
+    return total, trainable
+
+
+def resolve_adapter(model_or_config: Any, lora: LoraSpec | None,
+                     adapter: str | os.PathLike | None) -> tuple[Any, Any]:
+    """(the base model or config, the saved adapter's ``PeftConfig`` or None)."""
+    if adapter is None and is_adapter_dir(model_or_config):
+        adapter, model_or_config = model_or_config, None
+    peft_config = None
+    if adapter is not None:
+        if lora is not None:
+            raise MemWatchConfigError("give either a LoRA spec or an adapter folder, not both")
+        peft_config, base = load_adapter(adapter)
+        if model_or_config is None:
+            if base is None:
+                raise MemWatchConfigError(f"{os.fspath(adapter)}: the adapter names no base model; give MODEL")
+            model_or_config = base
+    if lora is not None and not isinstance(lora, LoraSpec):
+        raise MemWatchConfigError(f"lora must be a LoraSpec; got {type(lora).__name__}")
+    if model_or_config is None:
+        raise MemWatchConfigError("no model: give a model, a config or an adapter folder")
+    return model_or_config, peft_config
+
+
+def fake_model(model_or_config: Any, task: str | None, fake_mode: Any, lora: LoraSpec | None = None,
+               peft_config: Any = None, quantization: QuantSpec | None = None) -> tuple[torch.nn.Module, Any, str]:
+    """(fake model, its config, task) from a config, a path or a built module (never copied).
+
+    ``lora``/``peft_config``: PEFT applied to a meta-device base (frozen base, trainable adapters);
+    ``quantization``: the base loaded as ``BitsAndBytesConfig`` would (a config or path only). Every
+    target device is simulated on fake CPU tensors.
+    """
+    wants_peft = peft_config is not None or lora is not None
+    if isinstance(model_or_config, torch.nn.Module):
+        task = task or task_of_module(model_or_config)
+        if wants_peft:
+            model_or_config = apply_peft(meta_copy(model_or_config), peft_config or lora.peft_config(task))
+        model = fake_copy(model_or_config, fake_mode, "cpu")
+        return model, getattr(model, "config", None), task
+    config = load_config(model_or_config)
+    task = task or infer_task(config)
+    check_choice("task", task, TASKS)
+    if wants_peft or quantization is not None:
+        meta = build_fake_model(config, task, contextlib.nullcontext(), "meta")
+        if quantization is not None:
+            meta = quantize_meta(meta, quantization)
+        if wants_peft:
+            meta = apply_peft(meta, peft_config or lora.peft_config(task))
+        model = fake_copy(meta, fake_mode, "cpu")
+    else:
+        model = build_fake_model(config, task, fake_mode, "cpu")
+    return model, model.config, task

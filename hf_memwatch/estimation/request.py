@@ -1,0 +1,198 @@
+"""What an estimate is asked: one frozen :class:`EstimateRequest`, named as :class:`RunConfig` names things.
+
+:func:`hf_memwatch.estimate` maps its keywords onto a request once (``batch_size`` is
+``micro_batch_size``, ``accum`` is ``gradient_accumulation_steps``); from there on the request travels
+whole — resolved against a Trainer's own configuration (:meth:`EstimateRequest.resolved`), validated
+(:meth:`EstimateRequest.validate`), then read by the step and eval replays. A setting left ``None`` is
+the Trainer's own, else :class:`RunConfig`'s default.
+
+Example:
+    >>> request = EstimateRequest(micro_batch_size=8, seq_len=128).resolved(None)
+    >>> request.gradient_accumulation_steps, request.optim, request.target_len
+    (1, 'adamw_torch', 128)
+    >>> request.validate()
+    >>> request.run_config().effective_batch
+    8
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from ..core.errors import MemWatchConfigError
+from ..core.run_config import RunConfig
+from ..core.units import parse_bytes
+from .generation import GenerationSettings
+
+TASKS = ("causal-lm", "seq-cls", "masked-lm", "seq2seq")
+PRECISIONS = ("fp32", "bf16", "fp16")
+SHARDS = ("none", "zero1", "zero2", "zero3", "fsdp")
+DEVICES = ("cpu", "cuda")
+CLASS_NAMES = ("weights", "gradients", "optimizer_states", "activations", "temporaries", "other")
+
+# RunConfig's fields a request takes (None: the Trainer's own, else RunConfig's default)
+_RUN_FIELDS = ("micro_batch_size", "gradient_accumulation_steps", "checkpointing", "optim", "precision",
+               "device", "world_size", "shard", "max_grad_norm")
+# the keyword each RunConfig field is given by in estimate()'s public signature (where it differs)
+PUBLIC_NAMES = {"micro_batch_size": "batch_size", "gradient_accumulation_steps": "accum"}
+
+
+@dataclass(frozen=True)
+class EstimateRequest:
+    """One estimate's settings: :class:`RunConfig`'s names for the run, the estimate's own beside them."""
+
+    # -- the run (RunConfig's names) --
+    micro_batch_size: int | None = None
+    gradient_accumulation_steps: int | None = None
+    checkpointing: bool | None = None
+    optim: str | None = None
+    precision: str | None = None
+    device: str | None = None
+    world_size: int | None = None
+    shard: str | None = None
+    max_grad_norm: float | None = None
+    seq_len: int | None = None
+    task: str | None = None
+    seq2seq_target_len: int | None = None
+    eval_batch_size: int | None = None
+    eval_accumulation_steps: int | None = None
+    prediction_loss_only: bool = False
+    predict_with_generate: bool | None = None
+    generation_max_length: int | None = None
+    generation_num_beams: int | None = None
+    engine: Any = None
+    # -- the estimate's own --
+    budget: int | str | None = None
+    extrapolate_layers: bool | None = None
+    sample_index: int | None = None
+    lora: Any = None  # a LoraSpec
+    adapter: str | os.PathLike | None = None
+    quantization: Any = None  # a QuantSpec
+    eval_samples: int | None = None
+    eval_seq_len: int | None = None
+    eval_in_training: bool = True
+    optimizer_step: bool = True
+    top_tensors: int = 0
+
+    def replace(self, **changes: Any) -> EstimateRequest:
+        """A copy with ``changes`` applied."""
+        return dataclasses.replace(self, **changes)
+
+    def resolved(self, trainer: Any) -> EstimateRequest:
+        """Every run setting left None filled: from ``trainer``'s :class:`RunConfig` (its ``seq_len``
+        stays the request's: the Trainer's comes from its dataset), else RunConfig's defaults."""
+        if trainer is not None:
+            own = RunConfig.from_trainer(trainer)
+            defaults = {name: getattr(own, name) for name in _RUN_FIELDS}
+            defaults["device"] = "cuda" if own.device == "cuda" else "cpu"
+            defaults["predict_with_generate"] = own.predict_with_generate
+        else:
+            defaults = {f.name: f.default for f in dataclasses.fields(RunConfig) if f.name in _RUN_FIELDS}
+            defaults["micro_batch_size"] = None
+            defaults["predict_with_generate"] = False
+        changes = {name: default for name, default in defaults.items() if getattr(self, name) is None}
+        if trainer is not None and changes.get("predict_with_generate", self.predict_with_generate):
+            if self.generation_max_length is None:
+                changes["generation_max_length"] = own.generation_max_length
+            if self.generation_num_beams is None:
+                changes["generation_num_beams"] = own.generation_num_beams
+        return self.replace(**changes)
+
+    # -- derived values --------------------------------------------------------------------
+    @property
+    def target_len(self) -> int | None:
+        """The seq2seq labels' length (default: ``seq_len``)."""
+        return self.seq2seq_target_len or self.seq_len
+
+    @property
+    def eval_len(self) -> int | None:
+        """The eval batches' length (default: ``seq_len``)."""
+        return self.eval_seq_len or self.seq_len
+
+    @property
+    def eval_target_len(self) -> int | None:
+        """The eval batches' seq2seq labels' length."""
+        return self.seq2seq_target_len or self.eval_seq_len or self.seq_len
+
+    @property
+    def budget_bytes(self) -> int | None:
+        """``budget`` in bytes (None: no budget)."""
+        return None if self.budget is None else parse_bytes(self.budget)
+
+    @property
+    def generation(self) -> GenerationSettings | None:
+        """The generation the eval loop runs (None: no ``predict_with_generate``)."""
+        return generation_settings(bool(self.predict_with_generate), self.generation_max_length,
+                                   self.generation_num_beams)
+
+    def run_config(self) -> RunConfig:
+        """The run this request describes (call on a resolved, validated request)."""
+        return RunConfig(**{name: getattr(self, name) for name in _RUN_FIELDS}, seq_len=self.seq_len,
+                         task=self.task, seq2seq_target_len=self.seq2seq_target_len,
+                         eval_batch_size=self.eval_batch_size, eval_accumulation_steps=self.eval_accumulation_steps,
+                         prediction_loss_only=self.prediction_loss_only,
+                         predict_with_generate=bool(self.predict_with_generate),
+                         generation_max_length=self.generation_max_length,
+                         generation_num_beams=self.generation_num_beams)
+
+    # -- validation ------------------------------------------------------------------------
+    def validate(self) -> None:
+        """Fail fast, with one line naming the public keyword, on settings that cannot work."""
+        for name in ("micro_batch_size", "seq_len", "gradient_accumulation_steps", "world_size"):
+            check_positive(PUBLIC_NAMES.get(name, name), getattr(self, name))
+        if self.seq2seq_target_len is not None:
+            check_positive("seq2seq_target_len", self.seq2seq_target_len)
+        if self.task is not None:
+            check_choice("task", self.task, TASKS)
+        check_choice("precision", self.precision, PRECISIONS)
+        from .optim import SUPPORTED_OPTIMS
+
+        if self.optim not in SUPPORTED_OPTIMS:
+            raise MemWatchConfigError(f"unsupported optim {self.optim!r}; choose one of {', '.join(SUPPORTED_OPTIMS)}")
+        check_choice("device", self.device, DEVICES)
+        check_choice("shard", self.shard, SHARDS)
+        if self.shard != "none" and self.world_size < 2:
+            raise MemWatchConfigError(f"shard={self.shard!r} needs world_size >= 2; got {self.world_size}")
+        self.validate_eval()
+
+    def validate_eval(self) -> None:
+        """Fail fast on evaluation settings: batch size and samples come together."""
+        if (self.eval_batch_size is None) != (self.eval_samples is None):
+            raise MemWatchConfigError(
+                "eval_batch_size and eval_samples go together (the loop's batches and its length)")
+        if self.eval_batch_size is None:
+            if self.eval_accumulation_steps is not None or self.eval_seq_len is not None:
+                raise MemWatchConfigError(
+                    "eval_accumulation_steps / eval_seq_len need eval_batch_size and eval_samples")
+            return
+        check_positive("eval_batch_size", self.eval_batch_size)
+        check_positive("eval_samples", self.eval_samples)
+        if self.eval_accumulation_steps is not None:
+            check_positive("eval_accumulation_steps", self.eval_accumulation_steps)
+        if self.eval_seq_len is not None:
+            check_positive("eval_seq_len", self.eval_seq_len)
+
+
+def check_positive(name: str, value: Any) -> None:
+    """Raise :class:`MemWatchConfigError` unless ``value`` is a positive integer."""
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise MemWatchConfigError(f"{name} must be a positive integer; got {value!r}")
+
+
+def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    """Raise :class:`MemWatchConfigError` unless ``value`` is one of ``choices``."""
+    if value not in choices:
+        raise MemWatchConfigError(f"unknown {name} {value!r}; choose one of {', '.join(choices)}")
+
+
+def generation_settings(predict_with_generate: bool, max_length: int | None,
+                        num_beams: int | None) -> GenerationSettings | None:
+    """The generation the eval loop runs (None: no ``predict_with_generate``)."""
+    if not predict_with_generate:
+        if max_length is not None or num_beams is not None:
+            raise MemWatchConfigError("generation_max_length / generation_num_beams need predict_with_generate")
+        return None
+    return GenerationSettings(max_length=max_length, num_beams=num_beams)
