@@ -11,7 +11,7 @@ from transformers import Trainer
 from hf_memwatch import MemWatch
 from hf_memwatch.measure.backends import CpuTrackedBackend, reading_from_stats
 from hf_memwatch.measure.monitor import StepMonitor
-from hf_memwatch.reporting.oom import history_options
+from hf_memwatch.reporting.allocator_history import history_options
 
 
 def test_memory_stats_before_cuda_init_read_as_unknown():

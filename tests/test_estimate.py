@@ -16,7 +16,8 @@ from transformers import (
 )
 
 from hf_memwatch.core.errors import MemWatchConfigError
-from hf_memwatch.estimation.estimate import CLASS_NAMES, estimate, largest_fitting_batch
+from hf_memwatch.estimation.estimate import CLASS_NAMES, estimate
+from hf_memwatch.estimation.fitting import largest_fitting_batch
 from hf_memwatch.testing.estimate_truth import trainer_peak
 from hf_memwatch.testing.truth import cpu_memory_profile, window_peak
 

@@ -25,9 +25,10 @@ from typing import Any
 
 import torch
 
+from ..core.categories import STEP_END
 from ..core.errors import MemWatchConfigError, unknown_keywords
 from ..core.run_config import RunConfig
-from ..core.units import format_bytes, parse_bytes
+from ..core.units import format_bytes
 from ..measure.attribution import weight_storages
 from ..measure.peak_tensors import PeakTensors
 from ..measure.tracker import recording_allocations
@@ -57,11 +58,10 @@ from .trainer_replay import (
 )
 from .trl_replay import TrainerReplay, dataloader_batch_size
 
-# Names other packages import from here (cli/estimate.py; the fake model builder and the request now
-# live in fake_model.py and request.py).
+# Names other packages import from here (cli/estimate.py); the model builder, request: fake_model, request.
 __all__ = ["CLASS_NAMES", "DEVICES", "PRECISIONS", "SHARDS", "TASKS", "EstimateRequest", "MemoryEstimate",
-           "auto_class", "estimate", "estimate_eval", "largest_fitting", "largest_fitting_batch", "load_config",
-           "logits_bytes"]
+           "auto_class", "estimate", "estimate_eval", "load_config", "logits_bytes"]
+
 
 @dataclass
 class MemoryEstimate:
@@ -306,7 +306,7 @@ def _result(model: torch.nn.Module, fake_mode: Any, request: EstimateRequest, in
             world_size=world_size, shard=shard, held_bytes=sum(counts.frozen_models.values()), notes=notes)
     evaluation = None
     if request.eval_batch_size is not None:
-        states = per_phase.get("step_end", {}).get("optimizer_states", 0) if request.eval_in_training else 0
+        states = per_phase.get(STEP_END, {}).get("optimizer_states", 0) if request.eval_in_training else 0
         evaluation = _estimate_eval_loop(model, fake_mode, request, inputs.config, states)
         notes.extend(evaluation.notes)
         if shard != "none":
@@ -434,67 +434,3 @@ def _simulate(model: torch.nn.Module, fake_mode: Any, request: EstimateRequest, 
                 notes.append(f"peak tensors: those of the {SHORT_DEPTHS[1]}-layer simulation")
             return simulation.replace(phase_classes=extended)
     return simulate_step(model, fake_mode, request, inputs)
-
-
-def largest_fitting_batch(
-    model_or_config: Any, *, budget: int | str, seq_len: int, max_batch: int = 4096, **kwargs: Any
-) -> int:
-    """The largest micro-batch whose predicted peak fits ``budget`` (0 when even 1 does not).
-
-    Activations grow linearly with the batch, so two estimates give a line; the answer is checked
-    (and corrected) with one or two more.
-
-    Example:
-        >>> largest_fitting_batch(cfg, budget="2GiB", seq_len=512)   # doctest: +SKIP
-        23
-    """
-    budget_bytes = parse_bytes(budget)
-    kwargs.pop("batch_size", None)
-    kwargs.pop("budget", None)
-
-    def peak(batch: int) -> int:
-        return estimate(model_or_config, batch_size=batch, seq_len=seq_len, **kwargs).peak_bytes
-
-    return largest_fitting(peak, budget_bytes, max_batch)
-
-
-def largest_fitting(peak_of: Any, budget: int, max_batch: int) -> int:
-    """Largest ``b`` in [1, max_batch] with ``peak_of(b) <= budget``; 0 when none.
-
-    Extrapolates the line through ``peak_of(1)`` and ``peak_of(2)`` then verifies, falling back to
-    bisection over the verified bracket (``peak_of`` is assumed non-decreasing).
-    """
-    cache: dict[int, int] = {}
-
-    def fits(batch: int) -> bool:
-        if batch not in cache:
-            cache[batch] = peak_of(batch)
-        return cache[batch] <= budget
-
-    if not fits(1):
-        return 0
-    if max_batch == 1:
-        return 1
-    slope = max(peak_of_cached(cache, peak_of, 2) - cache[1], 1)
-    guess = max(1, min(max_batch, 1 + (budget - cache[1]) // slope))
-    low, high = 1, max_batch + 1  # fits(low), not fits(high) (high virtual)
-    if fits(guess):
-        low = guess
-        if guess < max_batch and not fits(guess + 1):
-            return guess
-    else:
-        high = guess
-    while high - low > 1:
-        mid = (low + high) // 2
-        if fits(mid):
-            low = mid
-        else:
-            high = mid
-    return low
-
-
-def peak_of_cached(cache: dict[int, int], peak_of: Any, batch: int) -> int:
-    """``peak_of(batch)`` through ``cache``."""
-    if batch not in cache:
-        cache[batch] = peak_of(batch)
-    return cache[batch]

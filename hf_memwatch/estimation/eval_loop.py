@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from ..core.categories import EVAL_ESTIMATE_CLASSES
 from ..measure.attribution import weight_tensors
 from ..measure.saved_tensors import SavedTensorRegistry
 from .classify import classify, refs
@@ -52,7 +53,7 @@ from .trainer_mirror import (
     wrap_autocast,
 )
 
-EVAL_CLASSES = ("weights", "optimizer_states", "outputs", "other", "temporaries")
+EVAL_CLASSES = EVAL_ESTIMATE_CLASSES  # core's one list
 
 
 @dataclass

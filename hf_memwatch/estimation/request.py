@@ -22,6 +22,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from ..core.categories import ESTIMATE_CLASSES
 from ..core.errors import MemWatchConfigError
 from ..core.run_config import RunConfig
 from ..core.units import parse_bytes
@@ -31,7 +32,7 @@ TASKS = ("causal-lm", "seq-cls", "masked-lm", "seq2seq")
 PRECISIONS = ("fp32", "bf16", "fp16")
 SHARDS = ("none", "zero1", "zero2", "zero3", "fsdp")
 DEVICES = ("cpu", "cuda")
-CLASS_NAMES = ("weights", "gradients", "optimizer_states", "activations", "temporaries", "other")
+CLASS_NAMES = ESTIMATE_CLASSES  # core's one list, under the name estimation's API has exported
 
 # RunConfig's fields a request takes (None: the Trainer's own, else RunConfig's default)
 _RUN_FIELDS = ("micro_batch_size", "gradient_accumulation_steps", "checkpointing", "optim", "precision",

@@ -32,6 +32,13 @@ from typing import Any
 
 import torch
 
+from ..core.categories import (
+    AFTER_BACKWARD,
+    AFTER_FORWARD,
+    AFTER_OPTIMIZER,
+    FORWARD_BACKWARD_PHASES,
+    STEP_END,
+)
 from ..measure.attribution import weight_tensors
 from ..measure.peak_tensors import PeakCensus, PeakTensors
 from ..measure.saved_tensors import SavedTensorRegistry
@@ -95,7 +102,6 @@ class StepInputs:
 
 # -- the step --------------------------------------------------------------------------------
 # The phases of a step before its optimizer step (keys of ``StepSimulation.phase_classes``).
-FORWARD_BACKWARD_PHASES = ("after_forward", "after_backward")
 GENERATION_PHASE = "generation"  # a step that generates (TRL's online trainers): the decoding loop's high
 
 
@@ -197,7 +203,7 @@ class _StepRun:
         # step, as priming does; the model handed in may hold some.
         optimizer.zero_grad(set_to_none=True)
         model.zero_grad(set_to_none=True)
-        phases.close("after_optimizer")
+        phases.close(AFTER_OPTIMIZER)
         batches = [lookahead] + [self.new_batch() for _ in range(request.gradient_accumulation_steps - 1)]
         lookahead = self.new_batch()
         for b in batches + [lookahead]:
@@ -216,10 +222,10 @@ class _StepRun:
         if request.max_grad_norm and request.max_grad_norm > 0:
             torch.nn.utils.clip_grad_norm_(self.params, request.max_grad_norm)
         optimizer.step()
-        phases.close("after_optimizer")
+        phases.close(AFTER_OPTIMIZER)
         optimizer.zero_grad(set_to_none=True)
         model.zero_grad(set_to_none=True)
-        phases.close("step_end")
+        phases.close(STEP_END)
 
     def num_items(self, batches: list[dict[str, Any]]) -> Any:
         """``num_items_in_batch``: the Trainer's own count, else the tokens its loss counts (None: not taken)."""
@@ -271,15 +277,15 @@ class _StepRun:
             finally:
                 hook.remove()
             del inputs
-            phases.close("after_backward")
+            phases.close(AFTER_BACKWARD)
             return loss
         loss = forward_loss(model, inputs, num_items)
         del inputs
         if num_items is None:
             loss = loss / self.request.gradient_accumulation_steps
-        phases.close("after_forward")
+        phases.close(AFTER_FORWARD)
         loss.backward()
-        phases.close("after_backward")
+        phases.close(AFTER_BACKWARD)
         return loss.detach()
 
     def simulation(self) -> StepSimulation:
@@ -298,7 +304,7 @@ def _close_after_forward(phases: Phases, replay: Any) -> Any:
     """The forward hook that closes ``after_forward`` (not on a decoding step inside ``generate``)."""
     def hook(*_: Any) -> None:
         if replay is None or not replay.generating:
-            phases.close("after_forward")
+            phases.close(AFTER_FORWARD)
     return hook
 
 

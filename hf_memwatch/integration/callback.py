@@ -28,6 +28,7 @@ from typing import Any, Literal
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
+from ..core.categories import AFTER_BACKWARD, AFTER_FORWARD, AFTER_OPTIMIZER
 from ..core.errors import MemWatchConfigError, is_oom_error, unknown_keywords
 from ..core.records import PlanRecord
 from ..core.timeline import TIMELINE_DIRNAME
@@ -351,32 +352,30 @@ class MemWatch(TrainerCallback, ExportableState):
 
     @guarded
     def _before_forward(self, module: Any, args: Any, kwargs: Any) -> None:
-        session = self.session
-        if session is not None:
-            monitor = session.monitor
-            session.register_inputs(args, kwargs, active=monitor.in_step and monitor.backend.tracking)
+        if (session := self.session) is not None:
+            session.register_inputs(args, kwargs, active=session.monitor.in_step and session.monitor.backend.tracking)
 
     @guarded
     def _after_forward(self, module: Any, args: Any, output: Any) -> None:
         if self.session is not None:
-            self.session.snapshot("after_forward", grad_only=True)
+            self.session.snapshot(AFTER_FORWARD, grad_only=True)
 
     @guarded
     def on_substep_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.session is not None:
-            self.session.snapshot("after_backward", next_micro_step=True)
+            self.session.snapshot(AFTER_BACKWARD, next_micro_step=True)
 
     @guarded
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.session is not None:
-            self.session.snapshot("after_backward")
+            self.session.snapshot(AFTER_BACKWARD)
 
     @guarded
     def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         session = self.session
         if session is not None and session.monitor.in_step:
             session.attach_optimizer(kwargs.get("optimizer"))
-            session.monitor.snapshot("after_optimizer")
+            session.monitor.snapshot(AFTER_OPTIMIZER)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._step_end()

@@ -30,8 +30,8 @@ from ..measure.distributed import make_monitor
 from ..measure.leaks import HOST_RSS, LeakWatch
 from ..measure.monitor import StepMonitor
 from ..planning.budget import remaining
+from ..reporting.allocator_history import start_allocator_history, stop_allocator_history
 from ..reporting.context import PlanFacts
-from ..reporting.oom import start_allocator_history, stop_allocator_history
 from ..reporting.report import run_meta
 from ..reporting.sinks import step_scalars
 from .compiled import hook_target, hooks_for, runs_compiled
