@@ -27,7 +27,7 @@ import torch
 from hf_memwatch.testing.tokenizers import word_tokenizer
 
 RESULTS = Path(__file__).parent / "results" / "trl_accuracy.md"
-ONLINE = ("grpo", "rloo", "onlinedpo", "gkd")  # trainers that generate inside their step
+ONLINE = ("grpo", "gmpo", "a2po", "rloo", "onlinedpo", "gkd")  # trainers that generate inside their step
 
 
 def model(family: str, seed: int = 0) -> Any:
@@ -54,13 +54,13 @@ def words(generator: torch.Generator, n: int) -> str:
     return " ".join(f"w{int(i)}" for i in torch.randint(0, 1000, (n,), generator=generator))
 
 
-def reward_model(family: str, seed: int = 2) -> Any:
+def reward_model(family: str, seed: int = 2, hidden: int = 32, layers: int = 1) -> Any:
     """A one-label sequence-classification model of ``family`` (a reward model, random weights)."""
     import transformers
 
     torch.manual_seed(seed)
-    common = dict(vocab_size=1002, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                  num_key_value_heads=1, max_position_embeddings=256, pad_token_id=1000, eos_token_id=1001,
+    common = dict(vocab_size=1002, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                  num_attention_heads=hidden // 16, num_key_value_heads=1, max_position_embeddings=256, pad_token_id=1000, eos_token_id=1001,
                   num_labels=1)
     config = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[family](**common)
     return transformers.AutoModelForSequenceClassification.from_config(config)
@@ -98,6 +98,16 @@ def build_online(kind: str, family: str, out: str, common: dict[str, Any], gener
                            processing_class=tokenizer,
                            args=GRPOConfig(**online, num_generations=4, beta=0.04 if with_reference else 0.0),
                            reward_processing_classes=[None, tokenizer][:len(rewards)])
+    if kind == "gmpo":
+        from trl.experimental.gmpo import GMPOConfig, GMPOTrainer
+
+        return GMPOTrainer(model=policy(family, out, False), reward_funcs=rewards, train_dataset=prompts,
+                           processing_class=tokenizer, args=GMPOConfig(**online, num_generations=4))
+    if kind == "a2po":
+        from trl.experimental.a2po import A2POConfig, A2POTrainer
+
+        return A2POTrainer(model=policy(family, out, True), reward_funcs=rewards, train_dataset=prompts,
+                           processing_class=tokenizer, args=A2POConfig(**online))
     if kind.startswith("rloo"):
         from trl import RLOOConfig, RLOOTrainer
 
@@ -137,6 +147,59 @@ def gkd(family: str, online: dict[str, Any], generator: torch.Generator, **overr
                       train_dataset=data, processing_class=tokenizer)
 
 
+OFFLINE = ("reward", "kto", "cpo", "orpo", "tpo", "distillation")
+
+
+def build_offline(kind: str, family: str, out: str, common: dict[str, Any], generator: torch.Generator) -> Any:
+    """RewardTrainer (a sequence-classification model on chosen/rejected pairs), KTO (a reference model,
+    desirable/undesirable completions), TRL's experimental CPO and ORPO (no reference model), and
+    DistillationTrainer (a teacher; the student generates its completions on-policy)."""
+    from datasets import Dataset
+
+    tokenizer = word_tokenizer()
+    pairs = Dataset.from_list([{"prompt": words(generator, 20), "chosen": words(generator, 20),
+                                "rejected": words(generator, 20)} for _ in range(32)])
+    small = dict(common, per_device_train_batch_size=4)
+    if kind == "reward":
+        from trl import RewardConfig, RewardTrainer
+
+        return RewardTrainer(model=reward_model(family, hidden=64, layers=2), args=RewardConfig(**small),
+                             train_dataset=pairs, processing_class=tokenizer)
+    if kind == "kto":
+        from trl import KTOConfig, KTOTrainer
+
+        data = Dataset.from_list([{"prompt": words(generator, 24), "completion": words(generator, 24),
+                                   "label": bool(i % 2)} for i in range(32)])
+        return KTOTrainer(model=model(family), ref_model=model(family, seed=1), args=KTOConfig(**small),
+                          train_dataset=data, processing_class=tokenizer)
+    if kind == "cpo":
+        from trl.experimental.cpo import CPOConfig, CPOTrainer
+
+        return CPOTrainer(model=model(family), args=CPOConfig(**small), train_dataset=pairs,
+                          processing_class=tokenizer)
+    if kind == "orpo":
+        from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+
+        return ORPOTrainer(model=model(family), args=ORPOConfig(**small), train_dataset=pairs,
+                           processing_class=tokenizer)
+    if kind == "distillation":
+        from trl import DistillationConfig, DistillationTrainer
+
+        data = Dataset.from_list([{"prompt": words(generator, 12)} for _ in range(16)])
+        values = {k: v for k, v in small.items() if k != "max_length"}
+        return DistillationTrainer(model=model(family), teacher_model=model(family, seed=1),
+                                   args=DistillationConfig(**values, max_completion_length=8), train_dataset=data,
+                                   processing_class=tokenizer)
+    if kind == "tpo":
+        from trl.experimental.tpo import TPOConfig, TPOTrainer
+
+        data = Dataset.from_list([{"prompt": words(generator, 20), "chosen": words(generator, 20),
+                                   "rejected": words(generator, 20), "reference": words(generator, 20)}
+                                  for _ in range(32)])
+        return TPOTrainer(model=model(family), args=TPOConfig(**small), train_dataset=data, processing_class=tokenizer)
+    raise ValueError(kind)
+
+
 def build(kind: str, family: str, out: str, precision: str, checkpointing: bool) -> Any:
     from datasets import Dataset
 
@@ -160,6 +223,8 @@ def build(kind: str, family: str, out: str, precision: str, checkpointing: bool)
         base = quantized(family, out) if kind == "sft-qlora" else model(family)
         return SFTTrainer(model=base, args=SFTConfig(**common), train_dataset=data,
                           processing_class=word_tokenizer(), peft_config=peft_config)
+    if kind in OFFLINE:
+        return build_offline(kind, family, out, common, generator)
     from trl import DPOConfig, DPOTrainer
 
     data = Dataset.from_list([{"prompt": words(generator, 20), "chosen": words(generator, 20),
