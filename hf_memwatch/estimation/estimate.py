@@ -428,7 +428,7 @@ def estimate(
     sample = None
     if trainer is not None:
         _check_positive("batch_size", batch_size)
-        sample, sample_len, note = worst_case_batch(trainer, dataloader_batch_size(trainer, batch_size), sample_index)
+        sample, sample_len, note = worst_case_batch(trainer, dataloader_batch_size(trainer, batch_size, accum), sample_index)
         if sample is None:
             seq_len = seq_len or longest_allowed_length(trainer)
             if seq_len is None:
