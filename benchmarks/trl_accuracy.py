@@ -266,7 +266,9 @@ CASES = [(kind, family, precision, ckpt)
                                        ("grpo", "fp32", False), ("grpo-rm-ref", "fp32", False),
                                        ("rloo", "fp32", False), ("rloo-rm", "fp32", False),
                                        ("onlinedpo", "fp32", False), ("gkd", "fp32", False),
-                                       ("gkd", "fp32", True))]
+                                       ("gkd", "fp32", True), ("reward", "fp32", False), ("kto", "fp32", False),
+                                       ("cpo", "fp32", False), ("orpo", "bf16", False), ("tpo", "fp32", False),
+                                       ("gmpo", "fp32", False), ("distillation", "fp32", False))]
 
 
 def kept_rows(kinds: set[str]) -> list[dict[str, Any]]:
@@ -320,7 +322,11 @@ def main() -> int:
               "RLOO's default beta has one). onlinedpo: TRL's experimental OnlineDPOTrainer, 2 completions of 8 tokens per "
               "prompt scored by a reward model in `reward_funcs`, with a reference model. gkd: TRL's experimental GKDTrainer, a "
               "teacher of the same architecture, `lmbda=0.5` (the replay generates on-policy every step, "
-              "`max_new_tokens`=8: the worst case).", "", "sft-qlora: a 4-bit nf4 base (loaded through `BitsAndBytesConfig`) + LoRA on all linears. QLoRA "
+              "`max_new_tokens`=8: the worst case). reward: RewardTrainer on a 2-layer one-label classifier (chosen and "
+              "rejected in one batch); kto: a reference model, desirable/undesirable completions; cpo, orpo, tpo: TRL's "
+              "experimental trainers (no reference model; tpo adds a reference completion); gmpo: the experimental GRPO "
+              "variant (a Python reward and a reward model); distillation: DistillationTrainer, a teacher, the student "
+              "generates 8 tokens per prompt on-policy. TRL 1.16 ships no PRM, Nash-MD, XPO or BCO trainer.", "", "sft-qlora: a 4-bit nf4 base (loaded through `BitsAndBytesConfig`) + LoRA on all linears. QLoRA "
               "from a config (`--load-in-4bit`, 8-bit, double quantization, fp4): `peft_accuracy.md`."]
     text = "\n".join(lines) + "\n"
     print(text)
