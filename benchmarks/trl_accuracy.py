@@ -147,7 +147,27 @@ def gkd(family: str, online: dict[str, Any], generator: torch.Generator, **overr
                       train_dataset=data, processing_class=tokenizer)
 
 
-OFFLINE = ("reward", "kto", "cpo", "orpo", "tpo", "distillation")
+OFFLINE = ("reward", "kto", "cpo", "orpo", "tpo", "distillation", "custom")
+
+
+def _masking_trainer() -> type:
+    """A user's ``Trainer`` subclass: 15% of the input tokens masked in ``_prepare_inputs``, LM loss + 0.01 x
+    every layer's hidden states' mean square in ``compute_loss`` (as ``tests/test_custom_trainer.py``)."""
+    from transformers import Trainer
+
+    class MaskingTrainer(Trainer):
+        def _prepare_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
+            inputs = super()._prepare_inputs(inputs)
+            ids = inputs["input_ids"]
+            keep = torch.rand(ids.shape, device=ids.device) > 0.15
+            return {**inputs, "input_ids": torch.where(keep, ids, torch.zeros_like(ids))}
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):  # noqa: ANN001
+            outputs = model(**inputs, output_hidden_states=True)
+            loss = outputs.loss + 0.01 * sum(h.pow(2).mean() for h in outputs.hidden_states)
+            return (loss, outputs) if return_outputs else loss
+
+    return MaskingTrainer
 
 
 def build_offline(kind: str, family: str, out: str, common: dict[str, Any], generator: torch.Generator) -> Any:
@@ -190,6 +210,13 @@ def build_offline(kind: str, family: str, out: str, common: dict[str, Any], gene
         return DistillationTrainer(model=model(family), teacher_model=model(family, seed=1),
                                    args=DistillationConfig(**values, max_completion_length=8), train_dataset=data,
                                    processing_class=tokenizer)
+    if kind == "custom":
+        from transformers import TrainingArguments
+
+        data = Dataset.from_list([{"input_ids": ids, "labels": ids} for ids in
+                                  (torch.randint(0, 1000, (48,), generator=generator).tolist() for _ in range(32))])
+        values = {k: v for k, v in small.items() if k not in ("max_length", "activation_checkpointing")}
+        return _masking_trainer()(model=model(family), args=TrainingArguments(**values), train_dataset=data)
     if kind == "tpo":
         from trl.experimental.tpo import TPOConfig, TPOTrainer
 
@@ -268,7 +295,8 @@ CASES = [(kind, family, precision, ckpt)
                                        ("onlinedpo", "fp32", False), ("gkd", "fp32", False),
                                        ("gkd", "fp32", True), ("reward", "fp32", False), ("kto", "fp32", False),
                                        ("cpo", "fp32", False), ("orpo", "bf16", False), ("tpo", "fp32", False),
-                                       ("gmpo", "fp32", False), ("distillation", "fp32", False))]
+                                       ("gmpo", "fp32", False), ("distillation", "fp32", False),
+                                       ("custom", "fp32", False))]
 
 
 def kept_rows(kinds: set[str]) -> list[dict[str, Any]]:
@@ -326,7 +354,9 @@ def main() -> int:
               "rejected in one batch); kto: a reference model, desirable/undesirable completions; cpo, orpo, tpo: TRL's "
               "experimental trainers (no reference model; tpo adds a reference completion); gmpo: the experimental GRPO "
               "variant (a Python reward and a reward model); distillation: DistillationTrainer, a teacher, the student "
-              "generates 8 tokens per prompt on-policy. TRL 1.16 ships no PRM, Nash-MD, XPO or BCO trainer.", "", "sft-qlora: a 4-bit nf4 base (loaded through `BitsAndBytesConfig`) + LoRA on all linears. QLoRA "
+              "generates 8 tokens per prompt on-policy. custom: a plain `Trainer` subclass with its own "
+              "`_prepare_inputs` (15% of the tokens masked) and `compute_loss` (LM loss + a penalty on every layer's "
+              "hidden states), replayed as written. TRL 1.16 ships no PRM, Nash-MD, XPO or BCO trainer.", "", "sft-qlora: a 4-bit nf4 base (loaded through `BitsAndBytesConfig`) + LoRA on all linears. QLoRA "
               "from a config (`--load-in-4bit`, 8-bit, double quantization, fp4): `peft_accuracy.md`."]
     text = "\n".join(lines) + "\n"
     print(text)
