@@ -19,6 +19,7 @@ from test_trl_online import resident, same_training
 from transformers import TrainerCallback
 
 from hf_memwatch import MemWatch, estimate
+from hf_memwatch.planning.predict import ESTIMATE_MARGIN
 from hf_memwatch.testing.tokenizers import word_tokenizer
 from hf_memwatch.testing.truth import cpu_memory_profile, window_peak
 
@@ -85,9 +86,10 @@ def test_auto_mode_plans_gkd_and_is_the_hand_configured_run(tmp_path: Path) -> N
                gradient_accumulation_steps=plan["gradient_accumulation_steps"], optim=plan["optim"],
                activation_checkpointing=plan["activation_checkpointing"])
     # The plan's prediction is the estimate of the run it configures (the issue: 10.70 MB planned for 4x2,
-    # 16.29 MB estimated for 4x2 configured by hand).
+    # 16.29 MB estimated for 4x2 configured by hand) times the planner's ESTIMATE_MARGIN (1.5%, docs/auto.md):
+    # that margin is the whole gap (measured: 6,171,777 B planned, 6,080,568 B estimated by hand, x1.0150001).
     hand_estimate = estimate(hand).peak_bytes
-    assert abs(plan["predicted_peak"] - hand_estimate) <= 0.02 * hand_estimate, (plan["predicted_peak"], hand_estimate)
+    assert abs(plan["predicted_peak"] - hand_estimate * (1 + ESTIMATE_MARGIN)) <= 2, (plan["predicted_peak"], hand_estimate)
     hand.train()
     assert seen_auto.state == seen_hand.state  # planning left Python's random as it was
     assert same_training(auto) == same_training(hand)
