@@ -126,3 +126,52 @@ def test_trl_trainer_is_predicted_within_half_a_percent(kind: str, tmp_path: Pat
             trainer.train()
     truth = window_peak(prof, resident(trainer))
     assert abs(predicted - truth) <= 0.005 * truth, (kind, predicted, truth)
+
+
+# Every Trainer class the installed TRL exports (``trl`` and each ``trl.experimental`` package), and the
+# test that predicts it against the profiler. A class that appears with a new TRL fails the inventory.
+COVERED = {
+    "SFTTrainer": "test_trl_packing.py, test_qlora.py, benchmarks/trl_accuracy.py",
+    "DPOTrainer": "test_trl.py, test_dpo_auto.py",
+    "KTOTrainer": "here (kto), test_kto_auto.py",
+    "GRPOTrainer": "test_trl_online.py", "RLOOTrainer": "test_rloo_auto.py",
+    "OnlineDPOTrainer": "test_online_dpo.py", "GKDTrainer": "test_gkd_auto.py",
+    "RewardTrainer": "here (reward)", "CPOTrainer": "here (cpo)", "ORPOTrainer": "here (orpo)",
+    "TPOTrainer": "here (tpo)", "GMPOTrainer": "here (gmpo)", "DistillationTrainer": "here (distillation)",
+}
+# Not built here: a run of these is planned by the estimator where it replays the step, else by the
+# measured fallback (``source: "measured"``, tests/test_measured_fallback.py) — neither checked here yet.
+NOT_BUILT = {
+    "AsyncGRPOTrainer": "generates through a vLLM server", "AsyncDistillationTrainer": "a vLLM server",
+    "ServerDistillationTrainer": "a teacher behind a server", "A2POTrainer": "its value stage filtered every "
+    "prompt of the tiny set (num_samples=0)", "GOLDTrainer": "not tried", "IWOPDTrainer": "not tried",
+    "SDFTTrainer": "not tried", "SDPOTrainer": "not tried",
+}
+
+
+def exported_trainers() -> set[str]:
+    import importlib
+    import inspect
+    import pkgutil
+
+    import transformers
+    import trl.experimental
+
+    names = set()
+    packages = ["trl"] + [f"trl.experimental.{m.name}" for m in pkgutil.iter_modules(trl.experimental.__path__)
+                          if m.ispkg]
+    for package in packages:
+        module = importlib.import_module(package)
+        for name in dir(module):
+            value = getattr(module, name, None) if name.endswith("Trainer") else None
+            if inspect.isclass(value) and issubclass(value, transformers.Trainer):
+                names.add(value.__name__)
+    return names
+
+
+def test_every_trainer_trl_exports_is_accounted_for() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        found = exported_trainers()
+    assert found - set(COVERED) - set(NOT_BUILT) == set(), "a TRL trainer no test covers"
+    assert not {"PRMTrainer", "NashMDTrainer", "XPOTrainer", "BCOTrainer"} & found  # gone from TRL 1.16
