@@ -27,7 +27,7 @@ import torch
 from hf_memwatch.testing.tokenizers import word_tokenizer
 
 RESULTS = Path(__file__).parent / "results" / "trl_accuracy.md"
-ONLINE = ("grpo", "gmpo", "a2po", "rloo", "onlinedpo", "gkd")  # trainers that generate inside their step
+ONLINE = ("grpo", "gmpo", "rloo", "onlinedpo", "gkd")  # trainers that generate inside their step
 
 
 def model(family: str, seed: int = 0) -> Any:
@@ -103,11 +103,6 @@ def build_online(kind: str, family: str, out: str, common: dict[str, Any], gener
 
         return GMPOTrainer(model=policy(family, out, False), reward_funcs=rewards, train_dataset=prompts,
                            processing_class=tokenizer, args=GMPOConfig(**online, num_generations=4))
-    if kind == "a2po":
-        from trl.experimental.a2po import A2POConfig, A2POTrainer
-
-        return A2POTrainer(model=policy(family, out, True), reward_funcs=rewards, train_dataset=prompts,
-                           processing_class=tokenizer, args=A2POConfig(**online))
     if kind.startswith("rloo"):
         from trl import RLOOConfig, RLOOTrainer
 
