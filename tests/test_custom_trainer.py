@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from conftest import gpt2_model, read_records, token_dataset, training_args
 from test_equivalence import FULL, assert_same_training
@@ -50,26 +51,30 @@ def build(out: Path, callbacks: list[Any], cls: type = MaskingTrainer, **args: A
                train_dataset=token_dataset(n=16, seq_len=64, vocab=1000), callbacks=callbacks)
 
 
-def test_custom_compute_loss_and_prepare_inputs_are_predicted(tmp_path: Path) -> None:
-    trainer = build(tmp_path, [])
+@pytest.fixture(scope="module")
+def given(tmp_path_factory: pytest.TempPathFactory) -> dict[str, int]:
+    """The subclass as configured: its estimate, the plain step's, and the profiler's peak (built and run once)."""
+    out = tmp_path_factory.mktemp("given")
+    trainer = build(out, [])
     state = torch.get_rng_state()
     predicted = estimate(trainer).peak_bytes
-    assert torch.equal(torch.get_rng_state(), state)
-    plain = estimate(build(tmp_path / "plain", [], cls=Trainer)).peak_bytes
+    rng_kept = torch.equal(torch.get_rng_state(), state)
+    plain = estimate(build(out / "plain", [], cls=Trainer)).peak_bytes
     with cpu_memory_profile() as prof:
         trainer.train()
-    truth = window_peak(prof, resident(trainer.model))
+    return {"predicted": predicted, "plain": plain, "truth": window_peak(prof, resident(trainer.model)),
+            "rng_kept": rng_kept}
+
+
+def test_custom_compute_loss_and_prepare_inputs_are_predicted(given: dict[str, int]) -> None:
+    predicted, plain, truth = given["predicted"], given["plain"], given["truth"]
+    assert given["rng_kept"]
     assert abs(predicted - truth) <= 0.005 * truth, (predicted, truth)
     assert abs(plain - truth) > 0.005 * truth, (plain, truth)  # the user's step is not the plain one
 
 
-def test_auto_mode_plans_the_custom_trainer_from_its_replay(tmp_path: Path) -> None:
-    probe = build(tmp_path / "probe", [])
-    with cpu_memory_profile() as prof:
-        probe.train()
-    unassisted = window_peak(prof, resident(probe.model))
-    budget = int(0.7 * unassisted)
-
+def test_auto_mode_plans_the_custom_trainer_from_its_replay(given: dict[str, int], tmp_path: Path) -> None:
+    budget = int(0.7 * given["truth"])  # 0.7 x the profiler's peak of the run as configured, without MemWatch
     auto = build(tmp_path / "auto", [MemWatch(auto=True, budget=budget, **FULL)])
     with cpu_memory_profile() as prof:
         auto.train()

@@ -6,7 +6,9 @@ decreasing) and its padding-free collator puts a micro-batch's rows in one seque
 becomes 48). The micro-batch is the whole (packed) dataset, so every batch the run forms is the worst
 one: the batch the estimate plans for has the very shape of the batches the dataloader yields, the
 estimate is within 1% of the profiler's peak of the run without MemWatch, and the auto mode's run under
-a budget below that peak stays within it.
+a budget below that peak stays within it (packing: the planner splits the packed rows). With
+``pad_to_multiple_of`` the batch planned for half the micro-batch is the largest the collator forms at
+that size (a shape check: the auto run's plan, a smaller micro-batch, is the same code path).
 """
 
 from __future__ import annotations
@@ -73,6 +75,15 @@ def test_the_plan_is_for_the_batch_the_collator_forms(tmp_path: Path, case: str)
     truth = window_peak(prof, resident(trainer.model))
     assert abs(predicted - truth) <= 0.01 * truth, (case, predicted, truth)
 
+    if case == "pad_to_multiple_of":  # a smaller micro-batch, as a plan configures: still padded to 48
+        half = micro // 2
+        trainer.args.per_device_train_batch_size = half
+        trainer._train_batch_size = trainer.args.train_batch_size
+        planned, _, note = worst_case_batch(trainer, half)
+        real = [shapes(batch) for batch in trainer.get_train_dataloader()]
+        assert shapes(planned) == max(real, key=lambda r: r["input_ids"][1]) == {
+            k: (half, 48) for k in shapes(planned)}, (shapes(planned), real, note)
+        return
     budget = int(0.8 * truth)
     auto = sft(tmp_path / "auto", [MemWatch(auto=True, budget=budget, **FULL)], case)
     with cpu_memory_profile() as prof:
