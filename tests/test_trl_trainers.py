@@ -91,7 +91,7 @@ def build(kind: str, out: Path, **overrides: Any) -> Any:
         return TPOTrainer(model=llama(), args=TPOConfig(**values), train_dataset=pairs(generator, reference=True),
                           processing_class=tokenizer)
     prompts = Dataset.from_list([{"prompt": words(generator, 8)} for _ in range(8)])
-    online = dict(common(out), max_completion_length=8, **overrides)
+    online = dict(common(out), max_completion_length=4, **overrides)
     if kind == "distillation":
         from trl import DistillationConfig, DistillationTrainer
 
@@ -106,13 +106,14 @@ def build(kind: str, out: Path, **overrides: Any) -> Any:
     raise ValueError(kind)
 
 
-PREDICTED = ("reward", "kto", "cpo", "orpo", "tpo", "distillation", "gmpo")
+PREDICTED = ("reward", "kto", "cpo", "orpo", "tpo", "distillation-2x2", "gmpo")
 
 
-@pytest.mark.parametrize("kind", [*PREDICTED, "distillation-2x2"])
+@pytest.mark.parametrize("kind", PREDICTED)
 def test_trl_trainer_is_predicted_within_half_a_percent(kind: str, tmp_path: Path) -> None:
     """``distillation-2x2``: DistillationTrainer's dataloader yields micro-batch x accumulation prompts and
-    generates them all in the first micro-step (the replay once generated for one micro-batch: -27.0%)."""
+    generates them all in the first micro-step (the replay once generated for one micro-batch: -27.0%).
+    That case alone covers the trainer: 2 x 1 is the same step with one micro-batch."""
     overrides = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2) if kind.endswith("2x2") else {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
