@@ -138,7 +138,7 @@ COVERED = {
     "GRPOTrainer": "test_trl_online.py", "RLOOTrainer": "test_rloo_auto.py",
     "OnlineDPOTrainer": "test_online_dpo.py", "GKDTrainer": "test_gkd_auto.py",
     "RewardTrainer": "here (reward)", "CPOTrainer": "here (cpo)", "ORPOTrainer": "here (orpo)",
-    "TPOTrainer": "here (tpo)", "GMPOTrainer": "here (gmpo)", "DistillationTrainer": "here (distillation)",
+    "TPOTrainer": "here (tpo)", "GMPOTrainer": "here (gmpo)", "DistillationTrainer": "here (distillation-2x2)",
 }
 # Not built here: a run of these is planned by the estimator where it replays the step, else by the
 # measured fallback (``source: "measured"``, tests/test_measured_fallback.py) — neither checked here yet.
