@@ -27,7 +27,7 @@ import torch
 from hf_memwatch.testing.tokenizers import word_tokenizer
 
 RESULTS = Path(__file__).parent / "results" / "trl_accuracy.md"
-ONLINE = ("grpo", "rloo", "onlinedpo", "gkd")  # trainers that generate inside their step
+ONLINE = ("grpo", "gmpo", "rloo", "onlinedpo", "gkd")  # trainers that generate inside their step
 
 
 def model(family: str, seed: int = 0) -> Any:
@@ -54,13 +54,13 @@ def words(generator: torch.Generator, n: int) -> str:
     return " ".join(f"w{int(i)}" for i in torch.randint(0, 1000, (n,), generator=generator))
 
 
-def reward_model(family: str, seed: int = 2) -> Any:
+def reward_model(family: str, seed: int = 2, hidden: int = 32, layers: int = 1) -> Any:
     """A one-label sequence-classification model of ``family`` (a reward model, random weights)."""
     import transformers
 
     torch.manual_seed(seed)
-    common = dict(vocab_size=1002, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                  num_key_value_heads=1, max_position_embeddings=256, pad_token_id=1000, eos_token_id=1001,
+    common = dict(vocab_size=1002, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                  num_attention_heads=hidden // 16, num_key_value_heads=1, max_position_embeddings=256, pad_token_id=1000, eos_token_id=1001,
                   num_labels=1)
     config = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[family](**common)
     return transformers.AutoModelForSequenceClassification.from_config(config)
@@ -98,6 +98,11 @@ def build_online(kind: str, family: str, out: str, common: dict[str, Any], gener
                            processing_class=tokenizer,
                            args=GRPOConfig(**online, num_generations=4, beta=0.04 if with_reference else 0.0),
                            reward_processing_classes=[None, tokenizer][:len(rewards)])
+    if kind == "gmpo":
+        from trl.experimental.gmpo import GMPOConfig, GMPOTrainer
+
+        return GMPOTrainer(model=policy(family, out, False), reward_funcs=rewards, train_dataset=prompts,
+                           processing_class=tokenizer, args=GMPOConfig(**online, num_generations=4))
     if kind.startswith("rloo"):
         from trl import RLOOConfig, RLOOTrainer
 
@@ -137,6 +142,86 @@ def gkd(family: str, online: dict[str, Any], generator: torch.Generator, **overr
                       train_dataset=data, processing_class=tokenizer)
 
 
+OFFLINE = ("reward", "kto", "cpo", "orpo", "tpo", "distillation", "custom")
+
+
+def _masking_trainer() -> type:
+    """A user's ``Trainer`` subclass: 15% of the input tokens masked in ``_prepare_inputs``, LM loss + 0.01 x
+    every layer's hidden states' mean square in ``compute_loss`` (as ``tests/test_custom_trainer.py``)."""
+    from transformers import Trainer
+
+    class MaskingTrainer(Trainer):
+        def _prepare_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
+            inputs = super()._prepare_inputs(inputs)
+            ids = inputs["input_ids"]
+            keep = torch.rand(ids.shape, device=ids.device) > 0.15
+            return {**inputs, "input_ids": torch.where(keep, ids, torch.zeros_like(ids))}
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):  # noqa: ANN001
+            outputs = model(**inputs, output_hidden_states=True)
+            loss = outputs.loss + 0.01 * sum(h.pow(2).mean() for h in outputs.hidden_states)
+            return (loss, outputs) if return_outputs else loss
+
+    return MaskingTrainer
+
+
+def build_offline(kind: str, family: str, out: str, common: dict[str, Any], generator: torch.Generator) -> Any:
+    """RewardTrainer (a sequence-classification model on chosen/rejected pairs), KTO (a reference model,
+    desirable/undesirable completions), TRL's experimental CPO and ORPO (no reference model), and
+    DistillationTrainer (a teacher; the student generates its completions on-policy)."""
+    from datasets import Dataset
+
+    tokenizer = word_tokenizer()
+    pairs = Dataset.from_list([{"prompt": words(generator, 20), "chosen": words(generator, 20),
+                                "rejected": words(generator, 20)} for _ in range(32)])
+    small = dict(common, per_device_train_batch_size=4)
+    if kind == "reward":
+        from trl import RewardConfig, RewardTrainer
+
+        return RewardTrainer(model=reward_model(family, hidden=64, layers=2), args=RewardConfig(**small),
+                             train_dataset=pairs, processing_class=tokenizer)
+    if kind == "kto":
+        from trl import KTOConfig, KTOTrainer
+
+        data = Dataset.from_list([{"prompt": words(generator, 24), "completion": words(generator, 24),
+                                   "label": bool(i % 2)} for i in range(32)])
+        return KTOTrainer(model=model(family), ref_model=model(family, seed=1), args=KTOConfig(**small),
+                          train_dataset=data, processing_class=tokenizer)
+    if kind == "cpo":
+        from trl.experimental.cpo import CPOConfig, CPOTrainer
+
+        return CPOTrainer(model=model(family), args=CPOConfig(**small), train_dataset=pairs,
+                          processing_class=tokenizer)
+    if kind == "orpo":
+        from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+
+        return ORPOTrainer(model=model(family), args=ORPOConfig(**small), train_dataset=pairs,
+                           processing_class=tokenizer)
+    if kind == "distillation":
+        from trl import DistillationConfig, DistillationTrainer
+
+        data = Dataset.from_list([{"prompt": words(generator, 12)} for _ in range(16)])
+        values = {k: v for k, v in small.items() if k != "max_length"}
+        return DistillationTrainer(model=model(family), teacher_model=model(family, seed=1),
+                                   args=DistillationConfig(**values, max_completion_length=8), train_dataset=data,
+                                   processing_class=tokenizer)
+    if kind == "custom":
+        from transformers import TrainingArguments
+
+        data = Dataset.from_list([{"input_ids": ids, "labels": ids} for ids in
+                                  (torch.randint(0, 1000, (48,), generator=generator).tolist() for _ in range(32))])
+        values = {k: v for k, v in small.items() if k not in ("max_length", "activation_checkpointing")}
+        return _masking_trainer()(model=model(family), args=TrainingArguments(**values), train_dataset=data)
+    if kind == "tpo":
+        from trl.experimental.tpo import TPOConfig, TPOTrainer
+
+        data = Dataset.from_list([{"prompt": words(generator, 20), "chosen": words(generator, 20),
+                                   "rejected": words(generator, 20), "reference": words(generator, 20)}
+                                  for _ in range(32)])
+        return TPOTrainer(model=model(family), args=TPOConfig(**small), train_dataset=data, processing_class=tokenizer)
+    raise ValueError(kind)
+
+
 def build(kind: str, family: str, out: str, precision: str, checkpointing: bool) -> Any:
     from datasets import Dataset
 
@@ -160,6 +245,8 @@ def build(kind: str, family: str, out: str, precision: str, checkpointing: bool)
         base = quantized(family, out) if kind == "sft-qlora" else model(family)
         return SFTTrainer(model=base, args=SFTConfig(**common), train_dataset=data,
                           processing_class=word_tokenizer(), peft_config=peft_config)
+    if kind in OFFLINE:
+        return build_offline(kind, family, out, common, generator)
     from trl import DPOConfig, DPOTrainer
 
     data = Dataset.from_list([{"prompt": words(generator, 20), "chosen": words(generator, 20),
@@ -201,7 +288,10 @@ CASES = [(kind, family, precision, ckpt)
                                        ("grpo", "fp32", False), ("grpo-rm-ref", "fp32", False),
                                        ("rloo", "fp32", False), ("rloo-rm", "fp32", False),
                                        ("onlinedpo", "fp32", False), ("gkd", "fp32", False),
-                                       ("gkd", "fp32", True))]
+                                       ("gkd", "fp32", True), ("reward", "fp32", False), ("kto", "fp32", False),
+                                       ("cpo", "fp32", False), ("orpo", "bf16", False), ("tpo", "fp32", False),
+                                       ("gmpo", "fp32", False), ("distillation", "fp32", False),
+                                       ("custom", "fp32", False))]
 
 
 def kept_rows(kinds: set[str]) -> list[dict[str, Any]]:
@@ -255,7 +345,13 @@ def main() -> int:
               "RLOO's default beta has one). onlinedpo: TRL's experimental OnlineDPOTrainer, 2 completions of 8 tokens per "
               "prompt scored by a reward model in `reward_funcs`, with a reference model. gkd: TRL's experimental GKDTrainer, a "
               "teacher of the same architecture, `lmbda=0.5` (the replay generates on-policy every step, "
-              "`max_new_tokens`=8: the worst case).", "", "sft-qlora: a 4-bit nf4 base (loaded through `BitsAndBytesConfig`) + LoRA on all linears. QLoRA "
+              "`max_new_tokens`=8: the worst case). reward: RewardTrainer on a 2-layer one-label classifier (chosen and "
+              "rejected in one batch); kto: a reference model, desirable/undesirable completions; cpo, orpo, tpo: TRL's "
+              "experimental trainers (no reference model; tpo adds a reference completion); gmpo: the experimental GRPO "
+              "variant (a Python reward and a reward model); distillation: DistillationTrainer, a teacher, the student "
+              "generates 8 tokens per prompt on-policy. custom: a plain `Trainer` subclass with its own "
+              "`_prepare_inputs` (15% of the tokens masked) and `compute_loss` (LM loss + a penalty on every layer's "
+              "hidden states), replayed as written. TRL 1.16 ships no PRM, Nash-MD, XPO or BCO trainer.", "", "sft-qlora: a 4-bit nf4 base (loaded through `BitsAndBytesConfig`) + LoRA on all linears. QLoRA "
               "from a config (`--load-in-4bit`, 8-bit, double quantization, fp4): `peft_accuracy.md`."]
     text = "\n".join(lines) + "\n"
     print(text)

@@ -19,6 +19,7 @@ from test_trl_online import resident, same_training
 from transformers import TrainerCallback
 
 from hf_memwatch import MemWatch, estimate
+from hf_memwatch.planning.predict import ESTIMATE_MARGIN
 from hf_memwatch.testing.tokenizers import word_tokenizer
 from hf_memwatch.testing.truth import cpu_memory_profile, window_peak
 
@@ -46,7 +47,7 @@ def gkd(out: Path, callbacks: list[Any], **overrides: Any) -> Any:
     tokenizer.chat_template = "{% for message in messages %}{{ message['content'] }} {% endfor %}"
     data = Dataset.from_list([{"messages": [{"role": "user", "content": words(12)},
                                             {"role": "assistant", "content": words(4)}]} for _ in range(16)])
-    values = dict(output_dir=str(out), per_device_train_batch_size=4, max_new_tokens=8, lmbda=0.5, max_length=64,
+    values = dict(output_dir=str(out), per_device_train_batch_size=4, max_new_tokens=4, lmbda=0.5, max_length=64,
                   max_steps=2, logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True,
                   dataloader_num_workers=0, activation_checkpointing=False)  # TRL's default is on
     values.update(overrides)
@@ -71,7 +72,7 @@ def test_gkd_estimate_predicts_teacher_and_on_policy_generation(tmp_path: Path) 
 
 
 def test_auto_mode_plans_gkd_and_is_the_hand_configured_run(tmp_path: Path) -> None:
-    budget = int(0.7 * estimate(gkd(tmp_path / "probe", [])).peak_bytes)  # a number; the truth is measured below
+    budget = int(0.9 * estimate(gkd(tmp_path / "probe", [])).peak_bytes)  # a number; the truth is measured below
 
     seen_auto, seen_hand = RandomAtTrainBegin(), RandomAtTrainBegin()
     auto = gkd(tmp_path / "auto", [MemWatch(auto=True, budget=budget, **FULL), seen_auto])
@@ -85,9 +86,11 @@ def test_auto_mode_plans_gkd_and_is_the_hand_configured_run(tmp_path: Path) -> N
                gradient_accumulation_steps=plan["gradient_accumulation_steps"], optim=plan["optim"],
                activation_checkpointing=plan["activation_checkpointing"])
     # The plan's prediction is the estimate of the run it configures (the issue: 10.70 MB planned for 4x2,
-    # 16.29 MB estimated for 4x2 configured by hand).
+    # 16.29 MB estimated for 4x2 configured by hand) times the planner's ESTIMATE_MARGIN (1.5%, docs/auto.md):
+    # that margin is the whole gap (measured with 8 new tokens
+    # and 0.7 x: 6,171,777 B planned, 6,080,568 B estimated by hand, x1.0150001).
     hand_estimate = estimate(hand).peak_bytes
-    assert abs(plan["predicted_peak"] - hand_estimate) <= 0.02 * hand_estimate, (plan["predicted_peak"], hand_estimate)
+    assert abs(plan["predicted_peak"] - hand_estimate * (1 + ESTIMATE_MARGIN)) <= 2, (plan["predicted_peak"], hand_estimate)
     hand.train()
     assert seen_auto.state == seen_hand.state  # planning left Python's random as it was
     assert same_training(auto) == same_training(hand)

@@ -205,8 +205,8 @@ def estimate_request(model_or_config: Any, request: EstimateRequest) -> MemoryEs
 def _trainer_batch(trainer: Any, request: EstimateRequest, notes: list[str]) -> tuple[EstimateRequest, Any]:
     """The Trainer's worst-case collated batch (None: synthetic batches) and the request at its length."""
     check_positive("batch_size", request.micro_batch_size)
-    sample, sample_len, note = worst_case_batch(
-        trainer, dataloader_batch_size(trainer, request.micro_batch_size), request.sample_index)
+    loaded = dataloader_batch_size(trainer, request.micro_batch_size, request.gradient_accumulation_steps)
+    sample, sample_len, note = worst_case_batch(trainer, loaded, request.sample_index)
     if sample is None:
         seq_len = request.seq_len or longest_allowed_length(trainer)
         if seq_len is None:

@@ -47,7 +47,10 @@ from .generation import generating_to_max_length
 
 # Trainers whose training_step generates (TRL class names; subclasses included).
 GENERATING_TRAINERS = frozenset({"GRPOTrainer", "RLOOTrainer", "OnlineDPOTrainer", "NashMDTrainer", "XPOTrainer",
-                                 "GKDTrainer"})
+                                 "GKDTrainer", "DistillationTrainer"})
+# Trainers whose dataloader yields the whole accumulation window at once (micro-batch x accumulation
+# prompts), generated once and split into the micro-steps: TRL's DistillationTrainer.
+WINDOW_BATCHING_TRAINERS = frozenset({"DistillationTrainer"})
 
 
 def _class_names(trainer: Any) -> set[str]:
@@ -84,10 +87,17 @@ def steps_per_generation(trainer: Any, batch_size: int) -> int:
     return int(args.steps_per_generation)
 
 
-def dataloader_batch_size(trainer: Any, batch_size: int) -> int:
-    """Samples the training dataloader yields per micro-step for micro-batch ``batch_size``."""
+def dataloader_batch_size(trainer: Any, batch_size: int, accum: int | None = None) -> int:
+    """Samples the training dataloader yields per micro-step for micro-batch ``batch_size`` and
+    accumulation ``accum`` (None: the Trainer's).
+
+    Example: DistillationTrainer at 2 x 4 loads 8 prompts, generates their completions in the first
+    micro-step and trains on 2 of them in each of the 4.
+    """
     if batches_generation(trainer):
         return batch_size * steps_per_generation(trainer, batch_size)
+    if _class_names(trainer) & WINDOW_BATCHING_TRAINERS:
+        return batch_size * max(1, int(accum or getattr(trainer.args, "gradient_accumulation_steps", 1) or 1))
     return batch_size
 
 

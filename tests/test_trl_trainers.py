@@ -1,0 +1,178 @@
+"""Every trainer the installed TRL ships (issue 24, point 1): predicted, or protected by the measured fallback.
+
+Each trainer below is built on a tiny Llama, estimated (its own ``training_step`` replayed on fake
+tensors), then trained two steps under the profiler (the second has the optimizer states the estimate plans for) (PyTorch's CPU memory events, the run *without*
+MemWatch): the estimate is within 0.5% of that truth and leaves the Trainer's counters as they were.
+The table over two architectures: ``benchmarks/results/trl_accuracy.md``.
+
+TRL 1.16 has no PRM, Nash-MD, XPO or BCO trainer (removed from TRL before 1.0); the inventory test
+names every ``*Trainer`` class TRL exports and fails when one appears that no test here covers.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from test_equivalence import llama
+from test_trl_online import resident, reward_length, reward_model
+
+from hf_memwatch import estimate
+from hf_memwatch.estimation.trainer_replay import plain_counters
+from hf_memwatch.testing.tokenizers import word_tokenizer
+from hf_memwatch.testing.truth import cpu_memory_profile, window_peak
+
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+
+
+def words(generator: torch.Generator, n: int) -> str:
+    return " ".join(f"w{int(i)}" for i in torch.randint(0, 1000, (n,), generator=generator))
+
+
+def common(out: Path) -> dict[str, Any]:
+    return dict(output_dir=str(out), per_device_train_batch_size=4, max_steps=2, logging_steps=1, report_to=[],
+                save_strategy="no", use_cpu=True, disable_tqdm=True, seed=0, dataloader_num_workers=0,
+                activation_checkpointing=False)
+
+
+def pairs(generator: torch.Generator, rows: int = 8, reference: bool = False) -> Any:
+    from datasets import Dataset
+
+    return Dataset.from_list([{"prompt": words(generator, 16), "chosen": words(generator, 16),
+                               "rejected": words(generator, 16),
+                               **({"reference": words(generator, 16)} if reference else {})} for _ in range(rows)])
+
+
+def sequence_classifier() -> Any:
+    """A 2-layer one-label Llama classifier: RewardTrainer's model."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    torch.manual_seed(0)
+    return LlamaForSequenceClassification(LlamaConfig(
+        vocab_size=1002, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, pad_token_id=1000, eos_token_id=1001, num_labels=1))
+
+
+def build(kind: str, out: Path, **overrides: Any) -> Any:
+    from datasets import Dataset
+
+    generator = torch.Generator().manual_seed(0)
+    tokenizer = word_tokenizer()
+    values = dict(common(out), max_length=64, **overrides)
+    if kind == "reward":
+        from trl import RewardConfig, RewardTrainer
+
+        return RewardTrainer(model=sequence_classifier(), args=RewardConfig(**values), train_dataset=pairs(generator),
+                             processing_class=tokenizer)
+    if kind == "kto":
+        from trl import KTOConfig, KTOTrainer
+
+        data = Dataset.from_list([{"prompt": words(generator, 16), "completion": words(generator, 16),
+                                   "label": bool(i % 2)} for i in range(8)])
+        return KTOTrainer(model=llama(), ref_model=llama(seed=1), args=KTOConfig(**values), train_dataset=data,
+                          processing_class=tokenizer)
+    if kind == "cpo":
+        from trl.experimental.cpo import CPOConfig, CPOTrainer
+
+        return CPOTrainer(model=llama(), args=CPOConfig(**values), train_dataset=pairs(generator),
+                          processing_class=tokenizer)
+    if kind == "orpo":
+        from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+
+        return ORPOTrainer(model=llama(), args=ORPOConfig(**values), train_dataset=pairs(generator),
+                           processing_class=tokenizer)
+    if kind == "tpo":
+        from trl.experimental.tpo import TPOConfig, TPOTrainer
+
+        return TPOTrainer(model=llama(), args=TPOConfig(**values), train_dataset=pairs(generator, reference=True),
+                          processing_class=tokenizer)
+    prompts = Dataset.from_list([{"prompt": words(generator, 8)} for _ in range(8)])
+    online = dict(common(out), max_completion_length=4, **overrides)
+    if kind == "distillation":
+        from trl import DistillationConfig, DistillationTrainer
+
+        return DistillationTrainer(model=llama(), teacher_model=llama(seed=1), args=DistillationConfig(**online),
+                                   train_dataset=prompts, processing_class=tokenizer)
+    if kind == "gmpo":
+        from trl.experimental.gmpo import GMPOConfig, GMPOTrainer
+
+        return GMPOTrainer(model=llama(), reward_funcs=[reward_length, reward_model()], train_dataset=prompts,
+                           processing_class=tokenizer, reward_processing_classes=[None, tokenizer],
+                           args=GMPOConfig(**online, num_generations=4))
+    raise ValueError(kind)
+
+
+PREDICTED = ("reward", "kto", "cpo", "orpo", "tpo", "distillation-2x2", "gmpo")
+
+
+@pytest.mark.parametrize("kind", PREDICTED)
+def test_trl_trainer_is_predicted_within_half_a_percent(kind: str, tmp_path: Path) -> None:
+    """``distillation-2x2``: DistillationTrainer's dataloader yields micro-batch x accumulation prompts and
+    generates them all in the first micro-step (the replay once generated for one micro-batch: -27.0%).
+    That case alone covers the trainer: 2 x 1 is the same step with one micro-batch."""
+    overrides = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2) if kind.endswith("2x2") else {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = build(kind.removesuffix("-2x2"), tmp_path, **overrides)
+        before = plain_counters(trainer)
+        predicted = estimate(trainer).peak_bytes
+        after = plain_counters(trainer)
+        assert {k: v for k, v in before.items() if k != "_signature_columns"} == \
+            {k: v for k, v in after.items() if k != "_signature_columns"}
+        with cpu_memory_profile() as prof:
+            trainer.train()
+    truth = window_peak(prof, resident(trainer))
+    assert abs(predicted - truth) <= 0.005 * truth, (kind, predicted, truth)
+
+
+# Every Trainer class the installed TRL exports (``trl`` and each ``trl.experimental`` package), and the
+# test that predicts it against the profiler. A class that appears with a new TRL fails the inventory.
+COVERED = {
+    "SFTTrainer": "test_trl_packing.py, test_qlora.py, benchmarks/trl_accuracy.py",
+    "DPOTrainer": "test_trl.py, test_dpo_auto.py",
+    "KTOTrainer": "here (kto), test_kto_auto.py",
+    "GRPOTrainer": "test_trl_online.py", "RLOOTrainer": "test_rloo_auto.py",
+    "OnlineDPOTrainer": "test_online_dpo.py", "GKDTrainer": "test_gkd_auto.py",
+    "RewardTrainer": "here (reward)", "CPOTrainer": "here (cpo)", "ORPOTrainer": "here (orpo)",
+    "TPOTrainer": "here (tpo)", "GMPOTrainer": "here (gmpo)", "DistillationTrainer": "here (distillation-2x2)",
+}
+# Not built here: a run of these is planned by the estimator where it replays the step, else by the
+# measured fallback (``source: "measured"``, tests/test_measured_fallback.py) — neither checked here yet.
+NOT_BUILT = {
+    "AsyncGRPOTrainer": "generates through a vLLM server", "AsyncDistillationTrainer": "a vLLM server",
+    "ServerDistillationTrainer": "a teacher behind a server", "A2POTrainer": "its value stage filtered every "
+    "prompt of the tiny set (num_samples=0)", "GOLDTrainer": "its ULD loss needs a ByteLevel BPE tokenizer (the tests' word tokenizer is not)", "IWOPDTrainer": "not tried",
+    "SDFTTrainer": "not tried", "SDPOTrainer": "not tried",
+}
+
+
+def exported_trainers() -> set[str]:
+    import importlib
+    import inspect
+    import pkgutil
+
+    import transformers
+    import trl.experimental
+
+    names = set()
+    packages = ["trl"] + [f"trl.experimental.{m.name}" for m in pkgutil.iter_modules(trl.experimental.__path__)
+                          if m.ispkg]
+    for package in packages:
+        module = importlib.import_module(package)
+        for name in dir(module):
+            value = getattr(module, name, None) if name.endswith("Trainer") else None
+            if inspect.isclass(value) and issubclass(value, transformers.Trainer):
+                names.add(value.__name__)
+    return names
+
+
+def test_every_trainer_trl_exports_is_accounted_for() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        found = exported_trainers()
+    assert found - set(COVERED) - set(NOT_BUILT) == set(), "a TRL trainer no test covers"
+    assert not {"PRMTrainer", "NashMDTrainer", "XPOTrainer", "BCOTrainer"} & found  # gone from TRL 1.16
