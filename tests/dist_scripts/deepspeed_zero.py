@@ -39,10 +39,10 @@ from hf_memwatch.testing.truth import StepMarker, cpu_memory_deltas, cpu_memory_
 BUCKET = 100_000
 
 
-# 0.7 x the configured peak is out of reach on ZeRO-2 for every plan that keeps the numerics: the step
-# DeepSpeed runs on the flat partitions (estimation/zero_step.py) needs more with 8-bit AdamW (12.5 MB
-# measured) and fp32 AdamW at micro-batch 1 (10.65 MiB predicted) than 0.7 x 13.28 MB; the auto mode
-# says "no plan fits". 0.85 x leaves a fitting plan on every engine.
+# 0.7 x the configured peak is out of reach for every plan that keeps the numerics: the step DeepSpeed
+# runs on the flat partitions (estimation/zero_step.py) alone needs more than 0.7 x (ZeRO-2 with 8-bit
+# AdamW: 12.5 MB measured against 0.7 x 13.28 MB; the best plan, fp32 AdamW at micro-batch 1, 10.65 MiB
+# predicted), and the auto mode says "no plan fits" (a PlanError on every rank). 0.85 x leaves a plan.
 BUDGET_FRACTION = 0.85
 PLAN = ("micro_batch_size", "gradient_accumulation_steps", "activation_checkpointing", "optim")
 CONFIGURED = {"micro_batch_size": 4, "gradient_accumulation_steps": 2, "activation_checkpointing": False,
