@@ -389,8 +389,8 @@ def test_zero_prediction_before_the_engine_exists_matches_the_measured_peak(zero
 
 # Known defect (issue 19, point 4). The step DeepSpeed runs is predicted now (the Trainer's optimizer on
 # the flat fp32 partitions, estimation/zero_step.py: the former plan, 2 x 4 + checkpointing + 8-bit
-# AdamW, predicted 12,777,052 / 11,596,380 / 11,603,548 B against 12,501,996 / 11,596,424 / 11,603,796
-# measured). With it the plans change, and the backward under ZeRO is what misses: ZeRO-2 4 x 2 +
+# AdamW, predicted 12,777,052 / 11,596,380 / 11,603,548 B against 12,506,092 / 11,600,520 / 11,607,892
+# measured, rank 0 step 2). With it the plans change, and the backward under ZeRO is what misses: ZeRO-2 4 x 2 +
 # checkpointing predicted 11,171,708, measured 12,188,580 B (the second micro-step's backward: the first
 # one's high + the resident gradient partition, 1,305,600 B, as ZeRO-2 frees each .grad after reducing
 # it); ZeRO-3 8 x 1 + checkpointing + 8-bit AdamW predicted 12,215,436, measured 12,946,288; with
