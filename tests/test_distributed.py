@@ -389,15 +389,18 @@ def test_zero_prediction_before_the_engine_exists_matches_the_measured_peak(zero
         assert -0.01 <= error <= 0.03, (name, rank, fact[name]["predicted_peak"], measured)
 
 
-# Known defect (issue 19, point 2): the plan's 8-bit AdamW under ZeRO steps DeepSpeed's flat fp32
-# partitions, and bitsandbytes' CPU kernel's fp32 temporaries on them are not in the prediction. Once
-# the tracker saw inside that kernel (tests/test_tracker.py), the planned runs measured 12,501,996 B
-# (ZeRO-2, budget 9,292,799), 11,596,424 B (ZeRO-3, budget 10,311,823) and 11,603,796 B (offload, budget
-# 11,138,290): the earlier "fits" was the tracker missing those temporaries. Strict: passes = fixed.
-@pytest.mark.xfail(strict=True, reason="8-bit AdamW step temporaries on ZeRO's flat partitions not predicted")
+# Known defect (issue 19, point 4). The step DeepSpeed runs is predicted now (the Trainer's optimizer on
+# the flat fp32 partitions, estimation/zero_step.py: the former plan, 2 x 4 + checkpointing + 8-bit
+# AdamW, predicted 12,777,052 / 11,596,380 / 11,603,548 B against 12,506,092 / 11,600,520 / 11,607,892
+# measured, rank 0 step 2). With it the plans change, and the backward under ZeRO is what misses: ZeRO-2 4 x 2 +
+# checkpointing predicted 11,171,708, measured 12,188,580 B (the second micro-step's backward: the first
+# one's high + the resident gradient partition, 1,305,600 B, as ZeRO-2 frees each .grad after reducing
+# it); ZeRO-3 8 x 1 + checkpointing + 8-bit AdamW predicted 12,215,436, measured 12,946,288; with
+# offload 13,413,818 vs 14,126,956. Strict: passes = fixed.
+@pytest.mark.xfail(strict=True, reason="ZeRO backward with checkpointing under-predicted (see above)")
 @pytest.mark.parametrize("name", ZERO_ENGINES)
 def test_auto_mode_plans_every_zero_engine_and_fits(zero_runs, name):
-    """Budget 0.7 x the configured peak: a plan on every rank (none failed), the same on all ranks, each
+    """Budget 0.85 x the configured peak (0.7 x is out of reach on ZeRO-2, see deepspeed_zero.py): a plan on every rank (none failed), the same on all ranks, each
     rank's measured step peaks within the budget, the effective batch kept."""
     _, facts = zero_runs
     runs = [fact["auto"][name] for fact in facts]

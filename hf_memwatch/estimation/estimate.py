@@ -57,6 +57,7 @@ from .trainer_replay import (
     worst_case_batch,
 )
 from .trl_replay import TrainerReplay, dataloader_batch_size
+from .zero_step import zero_optimizer_step
 
 # Names other packages import from here (cli/estimate.py); the model builder, request: fake_model, request.
 __all__ = ["CLASS_NAMES", "DEVICES", "PRECISIONS", "SHARDS", "TASKS", "EstimateRequest", "MemoryEstimate",
@@ -295,6 +296,7 @@ def _result(model: torch.nn.Module, fake_mode: Any, request: EstimateRequest, in
     per_phase = {phase: engine_classes(shard_classes(classes, model, world_size, shard, notes, precision), model,
                                        engine, notes, precision, device)[0]
                  for phase, classes in simulation.phase_classes.items()}
+    per_phase = zero_optimizer_step(per_phase, model, engine, request.optim, device, notes)
     phase_peaks = {phase: sum(classes.values()) for phase, classes in per_phase.items()}
     peak_phase = max(phase_peaks, key=lambda p: phase_peaks[p])
     peak = phase_peaks[peak_phase]

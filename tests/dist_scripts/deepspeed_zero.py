@@ -11,7 +11,7 @@ profiler from the model's construction on (``truth_step_peaks``: the per-rank tr
 
 The auto mode on each engine (issue 19), for ``zero2``, ``zero3`` and ``zero3_offload``: the
 prediction of the configured run before ``train()`` (no DeepSpeed engine exists yet), then
-``<name>_auto`` with ``MemWatch(auto=True, budget=0.7 x`` the configured run's step peak as MemWatch
+``<name>_auto`` with ``MemWatch(auto=True, budget=BUDGET_FRACTION (0.85) x`` the configured run's step peak as MemWatch
 measured it on this rank ``)``, and ``<name>_hand``: the agreed plan configured by hand, without
 MemWatch (its losses and gradient norms must equal the planned run's; it also shows that monitoring
 changes nothing).
@@ -39,6 +39,11 @@ from hf_memwatch.testing.truth import StepMarker, cpu_memory_deltas, cpu_memory_
 BUCKET = 100_000
 
 
+# 0.7 x the configured peak is out of reach for every plan that keeps the numerics: the step DeepSpeed
+# runs on the flat partitions (estimation/zero_step.py) alone needs more than 0.7 x (ZeRO-2 with 8-bit
+# AdamW: 12.5 MB measured against 0.7 x 13.28 MB; the best plan, fp32 AdamW at micro-batch 1, 10.65 MiB
+# predicted), and the auto mode says "no plan fits" (a PlanError on every rank). 0.85 x leaves a plan.
+BUDGET_FRACTION = 0.85
 PLAN = ("micro_batch_size", "gradient_accumulation_steps", "activation_checkpointing", "optim")
 CONFIGURED = {"micro_batch_size": 4, "gradient_accumulation_steps": 2, "activation_checkpointing": False,
               "optim": "adamw_torch"}
@@ -178,9 +183,9 @@ def run(out: Path, name: str, stage: int, offload: bool = False) -> dict:
 
 
 def auto(out: Path, name: str, stage: int, rank: int, offload: bool = False) -> dict:
-    """The auto mode at 0.7 x the configured run's peak, and the hand-configured run of its plan."""
+    """The auto mode at BUDGET_FRACTION x the configured run's peak, and the hand-configured run of its plan."""
     peak = max(r["peak"] for r in timeline(out / name, rank) if r["event"] == "step")
-    budget = int(0.7 * peak)
+    budget = int(BUDGET_FRACTION * peak)
     planned = build(out, f"{name}_auto", stage, [MemWatch(auto=True, budget=budget, report=False, summary=False)],
                     offload=offload)
     planned.train()
