@@ -29,6 +29,7 @@ from hf_memwatch.testing.truth import cpu_memory_profile, window_peak
 
 GIVEN = 4  # per_device_train_batch_size as configured (test_trl_trainers.common), accumulation 1
 KINDS = ("reward", "cpo", "orpo", "tpo", "gmpo", "distillation")
+SHORT = {"gmpo": {"max_completion_length": 2}, "distillation": {"max_completion_length": 2}}  # CPU time of the file
 
 
 def planned_from(out: Path) -> dict[str, Any]:
@@ -40,7 +41,7 @@ def planned_from(out: Path) -> dict[str, Any]:
 def test_auto_mode_plans_the_trainer_and_is_the_hand_configured_run(kind: str, tmp_path: Path) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        probe = build(kind, tmp_path / "probe")
+        probe = build(kind, tmp_path / "probe", **SHORT.get(kind, {}))
         smallest = dict(checkpointing=True, optim="adamw_bnb_8bit")  # every remedy but the micro-batch
         at_given = estimate(probe, **smallest).peak_bytes
         at_one = estimate(probe, batch_size=1, accum=GIVEN, **smallest).peak_bytes
@@ -48,7 +49,8 @@ def test_auto_mode_plans_the_trainer_and_is_the_hand_configured_run(kind: str, t
         # Between the two as the planner predicts them (x its margin): only a smaller micro-batch fits.
         budget = int((at_one + 0.4 * (at_given - at_one)) * (1 + ESTIMATE_MARGIN))  # the truth is measured below
         del probe
-        auto = build(kind, tmp_path / "auto", callbacks=[MemWatch(auto=True, budget=budget, **FULL)])
+        auto = build(kind, tmp_path / "auto", callbacks=[MemWatch(auto=True, budget=budget, **FULL)],
+                     **SHORT.get(kind, {}))
         with cpu_memory_profile() as prof:
             auto.train()
         peak = window_peak(prof, resident(auto))
@@ -59,7 +61,7 @@ def test_auto_mode_plans_the_trainer_and_is_the_hand_configured_run(kind: str, t
         assert plan["micro_batch_size"] * plan["gradient_accumulation_steps"] == GIVEN, plan  # effective batch kept
         hand = build(kind, tmp_path / "hand", per_device_train_batch_size=plan["micro_batch_size"],
                      gradient_accumulation_steps=plan["gradient_accumulation_steps"], optim=plan["optim"],
-                     activation_checkpointing=plan["activation_checkpointing"])
+                     activation_checkpointing=plan["activation_checkpointing"], **SHORT.get(kind, {}))
         hand.train()
     assert same_training(auto) == same_training(hand)
     assert len([e for e in auto.state.log_history if "loss" in e]) == 2

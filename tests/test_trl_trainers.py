@@ -63,7 +63,7 @@ def build(kind: str, out: Path, callbacks: list[Any] | None = None, **overrides:
 
     generator = torch.Generator().manual_seed(0)
     tokenizer = word_tokenizer()
-    values = dict(common(out), max_length=64, **overrides)
+    values = {**common(out), "max_length": 64, **overrides}
     if kind == "reward":
         from trl import RewardConfig, RewardTrainer
 
@@ -92,7 +92,7 @@ def build(kind: str, out: Path, callbacks: list[Any] | None = None, **overrides:
         return TPOTrainer(model=llama(), args=TPOConfig(**values), train_dataset=pairs(generator, reference=True),
                           processing_class=tokenizer, callbacks=callbacks)
     prompts = Dataset.from_list([{"prompt": words(generator, 8)} for _ in range(8)])
-    online = dict(common(out), max_completion_length=4, **overrides)
+    online = {**common(out), "max_completion_length": 4, **overrides}
     if kind == "distillation":
         from trl import DistillationConfig, DistillationTrainer
 
