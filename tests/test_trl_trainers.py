@@ -57,52 +57,53 @@ def sequence_classifier() -> Any:
         num_key_value_heads=2, max_position_embeddings=256, pad_token_id=1000, eos_token_id=1001, num_labels=1))
 
 
-def build(kind: str, out: Path, **overrides: Any) -> Any:
+def build(kind: str, out: Path, callbacks: list[Any] | None = None, **overrides: Any) -> Any:
+    """The trainer ``kind`` on a tiny model (``callbacks``: the auto mode's MemWatch in test_trl_auto_more.py)."""
     from datasets import Dataset
 
     generator = torch.Generator().manual_seed(0)
     tokenizer = word_tokenizer()
-    values = dict(common(out), max_length=64, **overrides)
+    values = {**common(out), "max_length": 64, **overrides}
     if kind == "reward":
         from trl import RewardConfig, RewardTrainer
 
         return RewardTrainer(model=sequence_classifier(), args=RewardConfig(**values), train_dataset=pairs(generator),
-                             processing_class=tokenizer)
+                             processing_class=tokenizer, callbacks=callbacks)
     if kind == "kto":
         from trl import KTOConfig, KTOTrainer
 
         data = Dataset.from_list([{"prompt": words(generator, 16), "completion": words(generator, 16),
                                    "label": bool(i % 2)} for i in range(8)])
         return KTOTrainer(model=llama(), ref_model=llama(seed=1), args=KTOConfig(**values), train_dataset=data,
-                          processing_class=tokenizer)
+                          processing_class=tokenizer, callbacks=callbacks)
     if kind == "cpo":
         from trl.experimental.cpo import CPOConfig, CPOTrainer
 
         return CPOTrainer(model=llama(), args=CPOConfig(**values), train_dataset=pairs(generator),
-                          processing_class=tokenizer)
+                          processing_class=tokenizer, callbacks=callbacks)
     if kind == "orpo":
         from trl.experimental.orpo import ORPOConfig, ORPOTrainer
 
         return ORPOTrainer(model=llama(), args=ORPOConfig(**values), train_dataset=pairs(generator),
-                           processing_class=tokenizer)
+                           processing_class=tokenizer, callbacks=callbacks)
     if kind == "tpo":
         from trl.experimental.tpo import TPOConfig, TPOTrainer
 
         return TPOTrainer(model=llama(), args=TPOConfig(**values), train_dataset=pairs(generator, reference=True),
-                          processing_class=tokenizer)
+                          processing_class=tokenizer, callbacks=callbacks)
     prompts = Dataset.from_list([{"prompt": words(generator, 8)} for _ in range(8)])
-    online = dict(common(out), max_completion_length=4, **overrides)
+    online = {**common(out), "max_completion_length": 4, **overrides}
     if kind == "distillation":
         from trl import DistillationConfig, DistillationTrainer
 
         return DistillationTrainer(model=llama(), teacher_model=llama(seed=1), args=DistillationConfig(**online),
-                                   train_dataset=prompts, processing_class=tokenizer)
+                                   train_dataset=prompts, processing_class=tokenizer, callbacks=callbacks)
     if kind == "gmpo":
         from trl.experimental.gmpo import GMPOConfig, GMPOTrainer
 
         return GMPOTrainer(model=llama(), reward_funcs=[reward_length, reward_model()], train_dataset=prompts,
                            processing_class=tokenizer, reward_processing_classes=[None, tokenizer],
-                           args=GMPOConfig(**online, num_generations=4))
+                           args=GMPOConfig(**online, num_generations=4), callbacks=callbacks)
     raise ValueError(kind)
 
 
