@@ -124,3 +124,27 @@ def test_detach_restores_every_method(tmp_path):
     watch.detach(trainer)
     assert patched_names(trainer) == []
     assert not any(name in trainer.__dict__ for name in (*ENTRY_POINTS, *RUN_PATCHES))
+
+
+def test_auto_mode_added_after_the_trainer_was_built_never_trains_unplanned_silently(tmp_path, caplog):
+    """``trainer.add_callback(MemWatch(auto=True))``: ``train()`` was entered before the callback could wrap
+    it, so nothing can be planned. It stops before the first step with one clear message and leaves nothing
+    installed; with ``allow_over_budget=True`` it trains as configured with an ERROR line."""
+    from hf_memwatch.core.errors import MemWatchConfigError
+
+    def built(watch):
+        trainer = Trainer(model=gpt2_model(n_layer=1, n_embd=32, vocab=100), args=training_args(tmp_path, max_steps=1),
+                          train_dataset=token_dataset(4, 8, 100))
+        trainer.add_callback(watch)
+        return trainer
+
+    trainer = built(MemWatch(auto=True, budget="1GiB", report=False, summary=False))
+    with pytest.raises(MemWatchConfigError, match="added after the Trainer was built"):
+        trainer.train()
+    assert trainer.state.global_step == 0
+    assert_nothing_left(trainer, tmp_path)
+    trainer = built(MemWatch(auto=True, budget="1GiB", allow_over_budget=True, report=False, summary=False))
+    with caplog.at_level("ERROR", logger="hf_memwatch"):
+        trainer.train()
+    assert trainer.state.global_step == 1
+    assert any("unplanned" in r.getMessage() and r.levelname == "ERROR" for r in caplog.records)

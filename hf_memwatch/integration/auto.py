@@ -216,13 +216,17 @@ class AutoMode(BetweenSteps):
         """What a timeline started at train begin must hold: the recoveries, then the plan in force."""
         return [*(r.to_dict() for r in self.recoveries), *([self.plan.to_dict()] if self.plan else [])]
 
-    def check_installed(self) -> None:
-        """Warn when training starts without a plan: the callback came too late to wrap ``train()``."""
-        if not self.installed and self.plan is None:
-            logger.warning(
-                "hf-memwatch: MemWatch(auto=True) was added after the Trainer was built (add_callback), so it "
-                "could not plan before training; pass it as Trainer(callbacks=[MemWatch(auto=True)])."
-            )
+    def check_planned(self) -> None:
+        """Training began without a plan: the callback was added (``add_callback``) after ``train()`` was
+        entered, its batch already built, so nothing can be planned for this run. Never silent: a
+        :class:`MemWatchConfigError` before the first step, or with ``allow_over_budget`` an ERROR line."""
+        if self.plan is not None:
+            return
+        message = ("hf-memwatch: MemWatch(auto=True) was added after the Trainer was built (add_callback), so "
+                   "train() began before it could plan the run; pass it as Trainer(callbacks=[MemWatch(auto=True)])")
+        if not self.allow_over_budget:
+            raise MemWatchConfigError(message + ".")
+        logger.error("%s. Training as configured, unplanned (allow_over_budget=True).", message)
 
     def _planning_failed(self, trainer: Any, exc: BaseException) -> None:
         """The estimator could not predict the run: plan it from micro-steps measured live

@@ -239,8 +239,10 @@ class MemWatch(TrainerCallback, ExportableState):
         patches = install_entry_points(trainer, self)
         if self._auto is not None:
             self._auto.installed = True
-        if in_train and patches.depth == 0:
-            patches.begin()  # added by add_callback after the Trainer was built: this run from here on
+        if in_train and patches.depth == 0:  # added by add_callback after the Trainer was built
+            if self._auto is not None:
+                self._auto.check_planned()  # raises before anything of this run is installed
+            patches.begin()  # this run from here on
             self._late_run = True
 
     def _bind(self, trainer: Any) -> None:
@@ -317,8 +319,6 @@ class MemWatch(TrainerCallback, ExportableState):
     @guarded
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         self._remember_trainer(in_train=True)
-        if self._auto is not None:
-            self._auto.check_installed()
         self._close_session()
         self._failed = False
         # A run from step 0 starts its timeline anew (the auto mode's plan, decided inside train()
