@@ -129,6 +129,12 @@ def build(kind: str, out: Path, callbacks: list[Any] | None = None, **overrides:
                                    for _ in range(8)])
         return GOLDTrainer(model=llama(), teacher_model=llama(seed=1), args=GOLDConfig(**online, max_length=64),
                            train_dataset=chats, processing_class=tokenizer, callbacks=callbacks)
+    if kind == "a2po":
+        from trl.experimental.a2po import A2POConfig, A2POTrainer
+
+        return A2POTrainer(model=llama(), reward_funcs=[reward_length], train_dataset=prompts,
+                           processing_class=tokenizer, args=A2POConfig(**online, filter_all_incorrect=False),
+                           callbacks=callbacks)
     contexts = Dataset.from_list([{"prompt": words(generator, 8), "privileged_context": words(generator, 8)}
                                   for _ in range(8)])
     if kind == "sdft":
@@ -145,7 +151,7 @@ def build(kind: str, out: Path, callbacks: list[Any] | None = None, **overrides:
     raise ValueError(kind)
 
 
-PREDICTED = ("reward", "kto", "cpo", "orpo", "tpo", "distillation-2x2", "gmpo", "sdft", "sdpo", "gold")
+PREDICTED = ("reward", "kto", "cpo", "orpo", "tpo", "distillation-2x2", "gmpo", "sdft", "sdpo", "gold", "a2po")
 
 
 @pytest.mark.parametrize("kind", PREDICTED)
@@ -209,14 +215,14 @@ COVERED = {
     "TPOTrainer": "here (tpo)", "GMPOTrainer": "here (gmpo)", "DistillationTrainer": "here (distillation-2x2)",
     "SDFTTrainer": "here (sdft)", "SDPOTrainer": "here (sdpo)",
     "GOLDTrainer": "here (gold, a ByteLevel BPE tokenizer)",
+    "A2POTrainer": "here (a2po, filter_all_incorrect=False: stage 1 keeps the tiny set)",
     "IWOPDTrainer": "here (test_iwopd_is_protected_by_the_measured_fallback)",
 }
 # Not built here: a run of these is planned by the estimator where it replays the step, else by the
 # measured fallback (``source: "measured"``, tests/test_measured_fallback.py) — neither checked here yet.
 NOT_BUILT = {
     "AsyncGRPOTrainer": "generates through a vLLM server", "AsyncDistillationTrainer": "a vLLM server",
-    "ServerDistillationTrainer": "a teacher behind a server", "A2POTrainer": "its value stage filtered every "
-    "prompt of the tiny set (num_samples=0)",
+    "ServerDistillationTrainer": "a teacher behind a server",
 }
 
 
