@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from hf_memwatch.testing.tokenizers import word_tokenizer
+from hf_memwatch.testing.trainers import masking_trainer
 
 RESULTS = Path(__file__).parent / "results" / "trl_accuracy.md"
 ONLINE = ("grpo", "gmpo", "rloo", "onlinedpo", "gkd")  # trainers that generate inside their step
@@ -145,26 +146,6 @@ def gkd(family: str, online: dict[str, Any], generator: torch.Generator, **overr
 OFFLINE = ("reward", "kto", "cpo", "orpo", "tpo", "distillation", "custom")
 
 
-def _masking_trainer() -> type:
-    """A user's ``Trainer`` subclass: 15% of the input tokens masked in ``_prepare_inputs``, LM loss + 0.01 x
-    every layer's hidden states' mean square in ``compute_loss`` (as ``tests/test_custom_trainer.py``)."""
-    from transformers import Trainer
-
-    class MaskingTrainer(Trainer):
-        def _prepare_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
-            inputs = super()._prepare_inputs(inputs)
-            ids = inputs["input_ids"]
-            keep = torch.rand(ids.shape, device=ids.device) > 0.15
-            return {**inputs, "input_ids": torch.where(keep, ids, torch.zeros_like(ids))}
-
-        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):  # noqa: ANN001
-            outputs = model(**inputs, output_hidden_states=True)
-            loss = outputs.loss + 0.01 * sum(h.pow(2).mean() for h in outputs.hidden_states)
-            return (loss, outputs) if return_outputs else loss
-
-    return MaskingTrainer
-
-
 def build_offline(kind: str, family: str, out: str, common: dict[str, Any], generator: torch.Generator) -> Any:
     """RewardTrainer (a sequence-classification model on chosen/rejected pairs), KTO (a reference model,
     desirable/undesirable completions), TRL's experimental CPO and ORPO (no reference model), and
@@ -211,7 +192,7 @@ def build_offline(kind: str, family: str, out: str, common: dict[str, Any], gene
         data = Dataset.from_list([{"input_ids": ids, "labels": ids} for ids in
                                   (torch.randint(0, 1000, (48,), generator=generator).tolist() for _ in range(32))])
         values = {k: v for k, v in small.items() if k not in ("max_length", "activation_checkpointing")}
-        return _masking_trainer()(model=model(family), args=TrainingArguments(**values), train_dataset=data)
+        return masking_trainer()(model=model(family), args=TrainingArguments(**values), train_dataset=data)
     if kind == "tpo":
         from trl.experimental.tpo import TPOConfig, TPOTrainer
 

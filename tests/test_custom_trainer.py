@@ -21,23 +21,10 @@ from test_equivalence import FULL, assert_same_training
 from transformers import Trainer
 
 from hf_memwatch import MemWatch, estimate
+from hf_memwatch.testing.trainers import masking_trainer
 from hf_memwatch.testing.truth import cpu_memory_profile, window_peak
 
-
-class MaskingTrainer(Trainer):
-    """Token masking in ``_prepare_inputs``; LM loss + 0.01 x the hidden states' mean square in ``compute_loss``."""
-
-    def _prepare_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
-        inputs = super()._prepare_inputs(inputs)
-        ids = inputs["input_ids"]
-        keep = torch.rand(ids.shape, device=ids.device) > 0.15
-        return {**inputs, "input_ids": torch.where(keep, ids, torch.zeros_like(ids))}
-
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        outputs = model(**inputs, output_hidden_states=True)
-        penalty = sum(h.pow(2).mean() for h in outputs.hidden_states)
-        loss = outputs.loss + 0.01 * penalty
-        return (loss, outputs) if return_outputs else loss
+MaskingTrainer = masking_trainer()  # its own _prepare_inputs and compute_loss
 
 
 def resident(model: torch.nn.Module) -> int:
