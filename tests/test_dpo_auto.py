@@ -72,7 +72,7 @@ def test_auto_mode_on_dpo_advises_fits_and_is_the_hand_configured_run(tmp_path: 
     bands = live_bands(run.snapshots)
     assert [b.name for b in bands[:2]] == [FROZEN, "weights"]
     assert bands[0].values == [reference] * len(run.snapshots)
-    assert [f + w for f, w in zip(bands[0].values, bands[1].values)] == [s["live"]["weights"] for s in run.snapshots]
+    assert [f + w for f, w in zip(bands[0].values, bands[1].values)] == [s.live["weights"] for s in run.snapshots]
     fig = draw([run])
     (ax,) = fig.axes
     _, scale = choose_unit(max(budget, *(s["peak"] for s in records if s["event"] == "step")))
@@ -80,5 +80,5 @@ def test_auto_mode_on_dpo_advises_fits_and_is_the_hand_configured_run(tmp_path: 
     assert held.get_hatch() == "//"
     assert held.get_paths()[0].vertices[:, 1].max() == pytest.approx(reference / scale)
     [trained] = [c for c in ax.collections if c.get_label() == "weights (trained model)"]
-    assert trained.get_paths()[0].vertices[:, 1].max() == pytest.approx(max(s["live"]["weights"]
+    assert trained.get_paths()[0].vertices[:, 1].max() == pytest.approx(max(s.live["weights"]
                                                                             for s in run.snapshots) / scale)
