@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import read_records
+from conftest import hand_configured, read_records
 from test_equivalence import FULL, assert_same_training, llama
 
 from hf_memwatch import MemWatch, estimate
@@ -61,9 +61,7 @@ def test_auto_mode_on_dpo_advises_fits_and_is_the_hand_configured_run(tmp_path: 
         ("precompute_ref_log_probs=True, ref_model=None", reference), ("LoRA policy, ref_model=None", reference)]
     assert auto.ref_model is not None and auto.args.precompute_ref_log_probs is False
 
-    hand = dpo(tmp_path / "hand", [], per_device_train_batch_size=plan["micro_batch_size"],
-               gradient_accumulation_steps=plan["gradient_accumulation_steps"], optim=plan["optim"],
-               activation_checkpointing=plan["activation_checkpointing"])
+    hand = dpo(tmp_path / "hand", [], **hand_configured(plan))
     hand.train()
     assert_same_training(auto, hand, steps=2)
 
