@@ -71,6 +71,21 @@ def read_records(output_dir: Path | str, name: str = "timeline.jsonl") -> list[d
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+# A plan record's fields -> the TrainingArguments a user sets to configure that run by hand.
+HAND_CONFIGURED = {"micro_batch_size": "per_device_train_batch_size",
+                   "gradient_accumulation_steps": "gradient_accumulation_steps",
+                   "activation_checkpointing": "activation_checkpointing", "optim": "optim"}
+
+
+def hand_configured(plan: Any, *, leave: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The ``TrainingArguments`` keywords of the hand-configured run of ``plan`` (a ``plan`` record as
+    read from the timeline, or its ``PlanRecord``): micro-batch, accumulation, checkpointing and
+    optimizer as a user would type them, read from the record, not from the library's own apply code.
+    ``leave``: plan fields the caller's run sets itself (left out)."""
+    record = plan if isinstance(plan, dict) else plan.to_dict()
+    return {argument: record[field] for field, argument in HAND_CONFIGURED.items() if field not in leave}
+
+
 def loss_history(trainer) -> list[float]:
     return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
 

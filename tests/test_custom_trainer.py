@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import gpt2_model, read_records, token_dataset, training_args
+from conftest import gpt2_model, hand_configured, read_records, token_dataset, training_args
 from test_equivalence import FULL, assert_same_training
 from transformers import Trainer
 
@@ -69,8 +69,6 @@ def test_auto_mode_plans_the_custom_trainer_from_its_replay(given: dict[str, int
     [plan] = [r for r in read_records(tmp_path / "auto") if r["event"] == "plan"]
     assert plan["source"] == "predicted" and plan.get("status") is None, plan
     assert plan["micro_batch_size"] * plan["gradient_accumulation_steps"] == 8
-    hand = build(tmp_path / "hand", [], per_device_train_batch_size=plan["micro_batch_size"],
-                 gradient_accumulation_steps=plan["gradient_accumulation_steps"],
-                 activation_checkpointing=plan["activation_checkpointing"])
+    hand = build(tmp_path / "hand", [], **hand_configured(plan, leave=("optim",)))
     hand.train()
     assert_same_training(auto, hand, steps=2)

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import read_records
+from conftest import hand_configured, read_records
 from test_equivalence import FULL, assert_same_training, llama
 
 from hf_memwatch import MemWatch, estimate
@@ -61,9 +61,7 @@ def test_auto_mode_on_dpo_advises_fits_and_is_the_hand_configured_run(tmp_path: 
         ("precompute_ref_log_probs=True, ref_model=None", reference), ("LoRA policy, ref_model=None", reference)]
     assert auto.ref_model is not None and auto.args.precompute_ref_log_probs is False
 
-    hand = dpo(tmp_path / "hand", [], per_device_train_batch_size=plan["micro_batch_size"],
-               gradient_accumulation_steps=plan["gradient_accumulation_steps"], optim=plan["optim"],
-               activation_checkpointing=plan["activation_checkpointing"])
+    hand = dpo(tmp_path / "hand", [], **hand_configured(plan))
     hand.train()
     assert_same_training(auto, hand, steps=2)
 
@@ -72,7 +70,7 @@ def test_auto_mode_on_dpo_advises_fits_and_is_the_hand_configured_run(tmp_path: 
     bands = live_bands(run.snapshots)
     assert [b.name for b in bands[:2]] == [FROZEN, "weights"]
     assert bands[0].values == [reference] * len(run.snapshots)
-    assert [f + w for f, w in zip(bands[0].values, bands[1].values)] == [s["live"]["weights"] for s in run.snapshots]
+    assert [f + w for f, w in zip(bands[0].values, bands[1].values)] == [s.live["weights"] for s in run.snapshots]
     fig = draw([run])
     (ax,) = fig.axes
     _, scale = choose_unit(max(budget, *(s["peak"] for s in records if s["event"] == "step")))
@@ -80,5 +78,5 @@ def test_auto_mode_on_dpo_advises_fits_and_is_the_hand_configured_run(tmp_path: 
     assert held.get_hatch() == "//"
     assert held.get_paths()[0].vertices[:, 1].max() == pytest.approx(reference / scale)
     [trained] = [c for c in ax.collections if c.get_label() == "weights (trained model)"]
-    assert trained.get_paths()[0].vertices[:, 1].max() == pytest.approx(max(s["live"]["weights"]
+    assert trained.get_paths()[0].vertices[:, 1].max() == pytest.approx(max(s.live["weights"]
                                                                             for s in run.snapshots) / scale)

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import gpt2_model, read_records, token_dataset, training_args
+from conftest import gpt2_model, hand_configured, read_records, token_dataset, training_args
 from transformers import Trainer
 
 from hf_memwatch import MemWatch
@@ -107,9 +107,7 @@ def test_planned_run_is_the_hand_configured_run(tmp_path: Path, capsys: Any, opt
     if optim == "sgd":
         assert plan["optim"] == "sgd"  # never replaced by 8-bit AdamW
 
-    hand, hand_rng = train(tmp_path / "hand", [], optim=plan["optim"],
-                           per_device_train_batch_size=plan["micro_batch_size"],
-                           gradient_accumulation_steps=plan["gradient_accumulation_steps"])
+    hand, hand_rng = train(tmp_path / "hand", [], **hand_configured(plan, leave=("activation_checkpointing",)))
     logged = [(e["loss"], e["grad_norm"]) for t in (auto, hand) for e in t.state.log_history if "loss" in e]
     half = len(logged) // 2
     assert half == 3
@@ -165,9 +163,7 @@ def test_sft_planned_run_keeps_token_counts_and_metrics(tmp_path: Path) -> None:
     [plan] = [r for r in read_records(tmp_path / "auto") if r["event"] == "plan"]
     assert plan["micro_batch_size"] * plan["gradient_accumulation_steps"] == 8 and plan["micro_batch_size"] < 8 \
         or plan["activation_checkpointing"] or plan["optim"] != "adamw_torch_fused"
-    hand = sft(tmp_path / "hand", [], per_device_train_batch_size=plan["micro_batch_size"],
-               gradient_accumulation_steps=plan["gradient_accumulation_steps"], optim=plan["optim"],
-               activation_checkpointing=plan["activation_checkpointing"])
+    hand = sft(tmp_path / "hand", [], **hand_configured(plan))
     hand.train()
     assert comparable_state(auto) == comparable_state(hand)
     first = [next(e for e in t.state.log_history if "loss" in e) for t in (auto, hand)]

@@ -108,7 +108,7 @@ def test_eval_during_training_keeps_training_figures_apart(out_dir):
     from hf_memwatch.reporting.summary import highest_moment, load_eval_records, load_summary_inputs
 
     (run,) = load_run(out_dir)
-    assert run.evals == loops and all("stage" not in s for s in run.snapshots)
+    assert [e.to_dict() for e in run.evals] == loops and all(s.stage is None for s in run.snapshots)
     figure = draw([run])
     labels = figure.axes[0].get_legend_handles_labels()[1]
     assert "eval / predict loop (its peak)" in labels

@@ -17,6 +17,7 @@ from conftest import gpt2_model, read_records, token_dataset, training_args
 from transformers import DataCollatorForLanguageModeling, Trainer
 
 from hf_memwatch import MemWatch
+from hf_memwatch.core.records import FootprintRecord, Snapshot, StepRecord
 from hf_memwatch.integration.auto import AutoMode
 from hf_memwatch.measure.backends import backend_for
 from hf_memwatch.measure.footprint import (
@@ -121,11 +122,12 @@ def test_expandable_segments_advice_from_memory_stats_shaped_dicts() -> None:
 
 
 def test_the_summary_names_the_measured_margin_and_the_advice() -> None:
-    steps = [{"step": 1, "peak": 2_040_109_465}]
-    snapshots = [{"step": 1, "reserved": 2_684_354_560, "num_alloc_retries": 0}]
+    steps = [StepRecord.from_dict({"step": 1, "peak": 2_040_109_465}, lenient=True)]
+    snapshots = [Snapshot.from_dict({"step": 1, "reserved": 2_684_354_560, "num_alloc_retries": 0}, lenient=True)]
     assert "expandable_segments:True" in footprint_lines([], steps, snapshots, "")[0]
     assert footprint_lines([], steps, snapshots, None) == []  # a stored timeline: settings unknown
-    footprint = {"step": 1, "kind": "reserved", "footprint_gap": 644_244_095, "margin": 0.31, "advice": "set X"}
+    footprint = FootprintRecord.from_dict({"step": 1, "kind": "reserved", "footprint_gap": 644_244_095,
+                                           "margin": 0.31, "advice": "set X"}, lenient=True)
     assert footprint_lines([footprint], steps, snapshots, "") == [
         "footprint measured in steps 1: up to 614.40 MiB reserved beyond the allocated bytes, planning margin 31.0%",
         "set X"]

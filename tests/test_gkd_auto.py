@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from conftest import read_records
+from conftest import hand_configured, read_records
 from test_equivalence import FULL, llama
 from test_trl_online import resident, same_training
 from transformers import TrainerCallback
@@ -82,9 +82,7 @@ def test_auto_mode_plans_gkd_and_is_the_hand_configured_run(tmp_path: Path) -> N
     [plan] = [r for r in read_records(tmp_path / "auto") if r["event"] == "plan"]
     assert plan.get("status") != "failed", plan
     assert (plan["micro_batch_size"], plan["activation_checkpointing"]) != (4, False)  # a plan was needed
-    hand = gkd(tmp_path / "hand", [seen_hand], per_device_train_batch_size=plan["micro_batch_size"],
-               gradient_accumulation_steps=plan["gradient_accumulation_steps"], optim=plan["optim"],
-               activation_checkpointing=plan["activation_checkpointing"])
+    hand = gkd(tmp_path / "hand", [seen_hand], **hand_configured(plan))
     # The plan's prediction is the estimate of the run it configures (the issue: 10.70 MB planned for 4x2,
     # 16.29 MB estimated for 4x2 configured by hand) times the planner's ESTIMATE_MARGIN (1.5%, docs/auto.md):
     # that margin is the whole gap (measured with 8 new tokens

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import gpt2_model, read_records, token_dataset, training_args
+from conftest import gpt2_model, hand_configured, read_records, token_dataset, training_args
 from transformers import Trainer
 
 from hf_memwatch import MemWatch, PlanError
@@ -96,9 +96,7 @@ def test_an_unreplayable_step_is_measured_fits_and_equals_its_hand_configured_pl
     assert (plan["micro_batch_size"], plan["activation_checkpointing"]) != (8, False)  # a remedy was needed
     assert plan["predicted_peak"] <= budget
 
-    hand, _ = run(tmp_path / "hand", [], profiled=False, per_device_train_batch_size=plan["micro_batch_size"],
-                  gradient_accumulation_steps=plan["gradient_accumulation_steps"],
-                  activation_checkpointing=plan["activation_checkpointing"])
+    hand, _ = run(tmp_path / "hand", [], profiled=False, **hand_configured(plan, leave=("optim",)))
     assert history(auto, "loss") == pytest.approx(history(hand, "loss"), rel=1e-6)
     assert history(auto, "grad_norm") == pytest.approx(history(hand, "grad_norm"), rel=1e-6)
     assert auto.state.global_step == hand.state.global_step == 2

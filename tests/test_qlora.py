@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import read_records
+from conftest import hand_configured, read_records
 from test_equivalence import FULL, assert_same_training, llama, sft_dataset
 
 from hf_memwatch import MemWatch, estimate
@@ -173,10 +173,7 @@ def test_auto_mode_on_sft_qlora_fits_and_is_the_hand_configured_run(llama_checkp
     assert "8bit" not in plan["optim"]
 
     torch.manual_seed(0)
-    hand = sft_qlora(tmp_path / "hand", load_quantized(llama_checkpoint, quant), [],
-                     per_device_train_batch_size=plan["micro_batch_size"],
-                     gradient_accumulation_steps=plan["gradient_accumulation_steps"], optim=plan["optim"],
-                     activation_checkpointing=plan["activation_checkpointing"])
+    hand = sft_qlora(tmp_path / "hand", load_quantized(llama_checkpoint, quant), [], **hand_configured(plan))
     hand.train()
     assert_same_training(auto, hand, steps=2)
 

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from conftest import gpt2_model, read_records, token_dataset, training_args
 from transformers import Trainer
@@ -50,3 +52,30 @@ def test_unknown_fields_are_kept_and_a_missing_required_field_is_named() -> None
                               "activation_checkpointing": False, "optim": "sgd", "predicted_peak": 1, "budget": 2})
     with pytest.raises(ValueError, match="unknown event"):
         parse_record({"event": "nonsense"})
+
+
+def test_an_older_timeline_is_read_typed_with_absent_fields_and_a_newer_event_is_named(tmp_path) -> None:
+    """The one reader (``core.timeline.read_records``) and the picture's loader on a timeline an older
+    version wrote (no ``rank``, ``time``, ``host_vms``, ...) with an event this version does not define."""
+    from hf_memwatch.core.records import StepRecord
+    from hf_memwatch.core.timeline import Unread, read_records
+    from hf_memwatch.reporting.report import load_run
+
+    live = {"weights": 60, "gradients": 0, "optimizer_states": 0, "activations": 40, "other": 0}
+    lines = [{"event": "snapshot", "step": 1, "micro_step": 0, "phase": "step_begin", "allocated": 100,
+              "peak": 120, "live": live, "spike": 20},
+             {"event": "step", "step": 1, "peak": 120, "peak_phase": "step_begin"},
+             {"event": "from_a_newer_version", "step": 1},
+             {"event": "step", "step": 2, "peak": "big"}]
+    path = tmp_path / "timeline.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    unread: list[Unread] = []
+    snapshot, step = read_records(path, unread)
+    assert isinstance(snapshot, Snapshot) and snapshot.live == live and snapshot.rank is None
+    assert snapshot.host_vms is None and snapshot.stage is None and snapshot.frozen_models is None
+    assert isinstance(step, StepRecord) and step.live_at_peak == {} and step.peak_micro_step is None
+    assert [(u.number, u.event) for u in unread] == [(3, "from_a_newer_version"), (4, None)]
+    [run] = load_run(tmp_path)
+    assert run.snapshots == [snapshot] and run.steps == [step]
+    assert run.unknown == ["timeline.jsonl record 3: unknown event 'from_a_newer_version'"]
+    assert len(run.skipped) == 1 and "peak='big'" in run.skipped[0]

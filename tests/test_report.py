@@ -70,19 +70,19 @@ def test_picture_shows_the_timeline_figures(run):
 def test_console_summary_adds_up_to_the_peak_and_shows_bytes_per_param(run):
     console, model = run["console"], run["model"]
     steps, meta, plan, snapshots = load_summary_inputs(run["out"])
-    top = max(steps, key=lambda s: s["peak"])
-    step_snaps = [s for s in snapshots if s["step"] == top["step"]]
+    top = max(steps, key=lambda s: s.peak)
+    step_snaps = [s for s in snapshots if s.step == top.step]
     rows = {row["class"]: row for row in summary_rows(top, meta, step_snaps)}
-    live, allocated = composition_at_peak(top, step_snaps)
-    assert sum(row["bytes"] for row in rows.values()) == allocated + top["spike_at_peak"] == top["peak"]
+    live, allocated = composition_at_peak(top.to_dict(), [s.to_dict() for s in step_snaps])
+    assert sum(row["bytes"] for row in rows.values()) == allocated + top.spike_at_peak == top.peak
     assert sum(row["share"] for row in rows.values()) == pytest.approx(1.0)
     params = sum(p.numel() for p in model.parameters())
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     assert rows["weights"]["bytes_per_param"] == pytest.approx(weight_bytes / params)  # 4.00 in fp32
     assert rows["optimizer_states"]["rule"] == 8 and rows["gradients"]["rule"] == 4
-    assert f"hf-memwatch: peak step {top['step']}" in console
+    assert f"hf-memwatch: peak step {top.step}" in console
     assert f"{weight_bytes / params:.2f}" in console
-    assert f"plan in force: micro-batch {plan['micro_batch_size']}" in console
+    assert f"plan in force: micro-batch {plan.micro_batch_size}" in console
 
 
 def cli_main(argv: list[str]) -> int:

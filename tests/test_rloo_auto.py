@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from conftest import read_records
+from conftest import hand_configured, read_records
 from test_equivalence import FULL, llama
 from test_trl_online import prompts, resident, reward_length, same_training
 
@@ -58,9 +58,7 @@ def test_auto_mode_plans_rloo_and_is_the_hand_configured_run(tmp_path: Path) -> 
     assert (plan["micro_batch_size"], plan["activation_checkpointing"]) != (GIVEN, False)  # a plan was needed
     assert plan["micro_batch_size"] < GIVEN  # a smaller micro-batch: steps_per_generation rises
     assert plan["micro_batch_size"] * plan["gradient_accumulation_steps"] == GIVEN  # effective batch kept
-    hand = rloo(tmp_path / "hand", [], per_device_train_batch_size=plan["micro_batch_size"],
-                gradient_accumulation_steps=plan["gradient_accumulation_steps"], optim=plan["optim"],
-                activation_checkpointing=plan["activation_checkpointing"])
+    hand = rloo(tmp_path / "hand", [], **hand_configured(plan))
     assert auto.args.steps_per_generation == hand.args.steps_per_generation
     hand.train()
     assert same_training(auto) == same_training(hand)

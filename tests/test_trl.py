@@ -14,6 +14,7 @@ from conftest import read_records
 from test_equivalence import llama
 
 from hf_memwatch import MemWatch, estimate
+from hf_memwatch.core.records import parse_record
 from hf_memwatch.estimation.trainer_replay import plain_counters
 from hf_memwatch.measure.attribution import weight_storages
 from hf_memwatch.testing.tokenizers import word_tokenizer
@@ -61,4 +62,6 @@ def test_dpo_reference_model_is_weights_estimated_and_measured(tmp_path: Path) -
     from hf_memwatch.reporting.summary import build_table
 
     [meta] = [r for r in read_records(tmp_path) if r["event"] == "meta"]
-    assert "ref_model" in build_table(steps, meta, None, snapshots).caption
+    typed = [parse_record(r) for r in (*steps, meta, *snapshots)]
+    table = build_table(typed[:len(steps)], typed[len(steps)], None, typed[len(steps) + 1:])
+    assert "ref_model" in table.caption

@@ -72,18 +72,25 @@ class Serial:
         return out
 
     @classmethod
-    def from_dict(cls: type[_R], data: dict[str, Any]) -> _R:
-        """The inverse of :meth:`to_dict`; unknown keys go to ``extra``; a missing required key is a ValueError."""
+    def from_dict(cls: type[_R], data: dict[str, Any], *, lenient: bool = False) -> _R:
+        """The inverse of :meth:`to_dict`; unknown keys go to ``extra``; a missing required key is a
+        ValueError — or, ``lenient`` (a reader of timelines older versions wrote), its type's absent
+        value: ``{}`` for a mapping, ``[]`` for a list, else None."""
         keys = _disk_keys(cls)
         values: dict[str, Any] = {}
         for name, key in keys.items():
             if key in data:
                 value = data[key]
                 nested = cls.NESTED.get(name)
-                values[name] = nested.from_dict(value) if nested is not None and isinstance(value, dict) else value
-        missing = [keys[name] for name in _required(cls) if name not in values]
-        if missing:
-            raise ValueError(f"{getattr(cls, 'EVENT', cls.__name__)} record: missing {', '.join(map(repr, missing))}")
+                if nested is not None and isinstance(value, dict):
+                    value = nested.from_dict(value, lenient=lenient)
+                values[name] = value
+        missing = [name for name in _required(cls) if name not in values]
+        if missing and lenient:
+            values.update({name: _absent(_hints(cls)[name]) for name in missing})
+        elif missing:
+            named = ", ".join(repr(keys[name]) for name in missing)
+            raise ValueError(f"{getattr(cls, 'EVENT', cls.__name__)} record: missing {named}")
         known = set(keys.values()) | {"event"}
         return cls(**values, extra={k: v for k, v in data.items() if k not in known})
 
@@ -96,6 +103,26 @@ class Serial:
 def _disk_keys(cls: type[Serial]) -> dict[str, str]:
     """Field name -> key on disk, ``extra`` left out."""
     return {f.name: cls.KEYS.get(f.name, f.name) for f in dataclasses.fields(cls) if f.name != "extra"}
+
+
+def _absent(hint: Any) -> Any:
+    """The value a field an older timeline did not write is read as: an empty mapping or list, else None.
+
+    Example:
+        >>> _absent(LiveClasses), _absent(list[int]), _absent(int | None)
+        ({}, [], None)
+    """
+    origin = getattr(hint, "__origin__", None)
+    if origin is dict or (isinstance(hint, type) and issubclass(hint, dict)):
+        return {}
+    if origin is list or hint is list:
+        return []
+    return None
+
+
+@functools.cache
+def _hints(cls: type[Serial]) -> dict[str, Any]:
+    return get_type_hints(cls)
 
 
 @functools.cache
@@ -356,13 +383,13 @@ RECORDS: dict[str, type[Record]] = {
 }
 
 
-def parse_record(data: dict[str, Any]) -> Record:
-    """The typed record of a timeline line (the one reader); ValueError for an unknown event or a
-    missing required field."""
+def parse_record(data: dict[str, Any], *, lenient: bool = False) -> Record:
+    """The typed record of a timeline line (the one reader); ValueError for an unknown event or (not
+    ``lenient``: see :meth:`Serial.from_dict`) a missing required field."""
     kind = RECORDS.get(data.get("event")) if isinstance(data.get("event"), str) else None
     if kind is None:
         raise ValueError(f"unknown event {data.get('event')!r}")
-    return kind.from_dict(data)
+    return kind.from_dict(data, lenient=lenient)
 
 
 def _matches(value: Any, hint: Any) -> bool:
@@ -395,7 +422,7 @@ def _matches(value: Any, hint: Any) -> bool:
 @functools.cache
 def _disk_hints(kind: type[Record]) -> dict[str, Any]:
     """Key on disk -> type hint of the field behind it."""
-    hints = get_type_hints(kind)
+    hints = _hints(kind)
     return {key: hints[name] for name, key in _disk_keys(kind).items()}
 
 
@@ -417,3 +444,24 @@ def validate_record(record: dict[str, Any]) -> list[str]:
         if name in hints and not _matches(value, hints[name]):
             problems.append(f"{event} record: {name}={value!r} is not {hints[name]}")
     return problems
+
+
+def contract_table() -> str:
+    """The README's table of every event's fields, generated from the dataclasses (a test keeps the
+    README equal to it): the keys always written, then those written when known.
+
+    Example:
+        >>> contract_table().splitlines()[2].startswith("| `snapshot` | `step`, `micro_step`, `phase`")
+        True
+    """
+    rows = ["| event | always written | written when known |", "|---|---|---|"]
+    kinds: list[tuple[str, type[Serial]]] = [(kind.EVENT, kind) for kind in RECORDS.values()]
+    kinds.append(("plan → sample", PlannedBatch))
+    for name, kind in kinds:
+        keys = _disk_keys(kind)
+        fields = [f for f in dataclasses.fields(kind) if f.name != "extra"]
+        always = [keys[f.name] for f in fields if not f.metadata.get("optional")]
+        known = [keys[f.name] for f in fields if f.metadata.get("optional")]
+        rows.append(f"| `{name}` | {', '.join(f'`{k}`' for k in always)} | "
+                    f"{', '.join(f'`{k}`' for k in known) or '—'} |")
+    return "\n".join(rows)

@@ -166,14 +166,6 @@ def micro_batch_fixed_reason(trainer: Any) -> str | None:
     return None
 
 
-def generation_kwargs(run: RunConfig) -> dict[str, Any]:
-    """``estimate_eval``'s generation keywords for ``run`` (empty without ``predict_with_generate``)."""
-    if not run.predict_with_generate:
-        return {}
-    return dict(predict_with_generate=True, generation_max_length=run.generation_max_length,
-                generation_num_beams=run.generation_num_beams)
-
-
 # -- readers (one definition each) -----------------------------------------------------------
 def _positive_int(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None

@@ -9,8 +9,11 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
+
+from .records import RECORDS, Record, validate_record
 
 TIMELINE_DIRNAME = "memwatch"
 
@@ -85,3 +88,54 @@ def read_timeline(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
                 yield json.loads(line)
             except json.JSONDecodeError:
                 continue
+
+
+@dataclass(frozen=True)
+class Unread:
+    """A timeline line :func:`read_records` left out: its ``number`` (1-based, among the file's JSON
+    lines), why, and ``event`` when it is an event this version does not define (not malformed)."""
+
+    number: int
+    why: str
+    event: str | None = None
+
+
+def read_records(path: str | os.PathLike[str], unread: list[Unread] | None = None) -> Iterator[Record]:
+    """The typed records of one timeline file: the one reader of the timeline (:mod:`.records`).
+
+    Every line is read into its event's dataclass leniently: a field an older version did not write
+    gets its type's absent value (:meth:`~hf_memwatch.core.records.Serial.from_dict`), a key this
+    version does not know stays in ``extra``. A line that is no JSON object or has a field of the
+    wrong type for its event is left out, and so is an event this version does not define: each is
+    appended to ``unread``.
+
+    Example:
+        >>> import tempfile
+        >>> path = Path(tempfile.mkdtemp()) / "timeline.jsonl"
+        >>> lines = ({"event": "leak", "class": "other", "bytes_per_step": 1, "since_step": 2, "step": 6},
+        ...          {"event": "step", "peak": "big"}, {"event": "later"}, [1])
+        >>> _ = path.write_text("".join(json.dumps(line) + "\\n" for line in lines))
+        >>> unread = []
+        >>> [(r.EVENT, r.klass, r.rank) for r in read_records(path, unread)]
+        [('leak', 'other', None)]
+        >>> [(u.number, u.event) for u in unread]
+        [(2, None), (3, 'later'), (4, None)]
+    """
+    for number, data in enumerate(read_timeline(path), start=1):
+        if not isinstance(data, dict):
+            _note(unread, Unread(number, "not a JSON object"))
+            continue
+        event = data.get("event")
+        if not isinstance(event, str) or event not in RECORDS:
+            _note(unread, Unread(number, f"unknown event {event!r}", event=str(event)))
+            continue
+        wrong = [problem for problem in validate_record(data) if ": missing " not in problem]
+        if wrong:
+            _note(unread, Unread(number, wrong[0]))
+            continue
+        yield RECORDS[event].from_dict(data, lenient=True)
+
+
+def _note(unread: list[Unread] | None, line: Unread) -> None:
+    if unread is not None:
+        unread.append(line)

@@ -44,6 +44,7 @@ from .request import (
     SHARDS,
     TASKS,
     EstimateRequest,
+    EvalRequest,
     check_choice,
     check_positive,
 )
@@ -366,24 +367,20 @@ def _estimate_eval_loop(model: torch.nn.Module, fake_mode: Any, request: Estimat
             ) from exc
 
 
-_EVAL_SETTINGS = ("task", "precision", "device", "eval_accumulation_steps", "prediction_loss_only",
-                  "seq2seq_target_len", "predict_with_generate", "generation_max_length", "generation_num_beams")
-
-
-def estimate_eval(model_or_config: Any, *, eval_batch_size: int, eval_samples: int, seq_len: int,
-                  optimizer_state_bytes: int = 0, preprocess_argmax: bool = False, **settings: Any) -> Any:
+def estimate_eval(model_or_config: Any, request: EvalRequest | None = None, /, **fields: Any) -> Any:
     """Predict one evaluation loop's peak (no training step simulated): for planners and remedies.
+
+    ``request``: an :class:`~hf_memwatch.estimation.request.EvalRequest`; or its ``fields`` as
+    keywords (a thin facade, as :func:`estimate` is over :class:`EstimateRequest`): ``eval_batch_size``,
+    ``eval_samples``, ``seq_len``, ``task``, ``precision`` (default ``fp32``), ``device`` (default
+    ``cpu``), ``eval_accumulation_steps``, ``prediction_loss_only``, ``seq2seq_target_len``,
+    ``predict_with_generate``, ``generation_max_length``, ``generation_num_beams``
+    (:mod:`hf_memwatch.estimation.generation`: every sequence generated to ``generation_max_length``,
+    the worst case), ``optimizer_state_bytes`` (optimizer state live beside the loop, e.g.
+    ``estimate(...).classes["optimizer_states"]``) and ``preprocess_argmax``.
 
     Returns an :class:`~hf_memwatch.estimation.eval_loop.EvalSimulation` (``peak_bytes``,
     ``peak_phase``, ``classes`` summing to the peak, ``host_bytes``, ``notes``).
-    ``optimizer_state_bytes``: optimizer state live beside the loop (an eval inside ``train()``;
-    e.g. ``estimate(...).classes["optimizer_states"]``). ``preprocess_argmax``: the loop keeps
-    ``logits.argmax(-1)`` (``preprocess_logits_for_metrics``) instead of the logits.
-    ``predict_with_generate``, ``generation_max_length``, ``generation_num_beams``: as the
-    ``Seq2SeqTrainingArguments`` of those names (:mod:`hf_memwatch.estimation.generation`: every
-    sequence generated to ``generation_max_length``, the worst case). The other ``settings``, as
-    :func:`estimate`'s keywords of those names: ``task``, ``precision`` (default ``fp32``), ``device``
-    (default ``cpu``), ``eval_accumulation_steps``, ``prediction_loss_only``, ``seq2seq_target_len``.
 
     Example:
         >>> estimate_eval(cfg, eval_batch_size=64, eval_samples=512, seq_len=32).peak_bytes   # doctest: +SKIP
@@ -391,21 +388,24 @@ def estimate_eval(model_or_config: Any, *, eval_batch_size: int, eval_samples: i
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._python_dispatch import _disable_current_modes
 
-    for name in settings:
-        if name not in _EVAL_SETTINGS:
-            raise TypeError(f"estimate_eval() got an unexpected keyword argument {name!r}")
-    request = EstimateRequest(**{"precision": "fp32", "device": "cpu", "predict_with_generate": False, **settings},
-                              seq_len=seq_len, eval_batch_size=eval_batch_size, eval_samples=eval_samples)
-    check_positive("seq_len", seq_len)
-    request.validate_eval()
-    check_choice("precision", request.precision, PRECISIONS)
-    check_choice("device", request.device, DEVICES)
+    if request is None:
+        try:
+            request = EvalRequest(**fields)
+        except TypeError as exc:
+            raise TypeError(f"estimate_eval(): {exc}") from None
+    elif fields:
+        raise TypeError("estimate_eval() takes an EvalRequest or its fields as keywords, not both")
+    run = request.estimate_request()
+    check_positive("seq_len", request.seq_len)
+    run.validate_eval()
+    check_choice("precision", run.precision, PRECISIONS)
+    check_choice("device", run.device, DEVICES)
     with _disable_current_modes():
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-        model, config, task = fake_model(model_or_config, request.task, fake_mode)
-    request.generation  # noqa: B018 - fail fast on generation settings that cannot work
-    return _estimate_eval_loop(model, fake_mode, request.replace(task=task), config, optimizer_state_bytes,
-                               preprocess_argmax)
+        model, config, task = fake_model(model_or_config, run.task, fake_mode)
+    run.generation  # noqa: B018 - fail fast on generation settings that cannot work
+    return _estimate_eval_loop(model, fake_mode, run.replace(task=task), config, request.optimizer_state_bytes,
+                               request.preprocess_argmax)
 
 
 def _on_target(nbytes: int, device: str) -> int:

@@ -31,7 +31,6 @@ same shapes: the same bytes).
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,18 +38,13 @@ import torch
 
 from ..core.categories import EVAL_ESTIMATE_CLASSES
 from ..measure.attribution import weight_tensors
-from ..measure.saved_tensors import SavedTensorRegistry
 from .classify import classify, refs
-from .fake_dispatch import CUDA_BLOCK, EstimateTracker
 from .generation import GenerationReplay, check_generation
+from .replay import GENERATION, REPLAY_DEVICE, mode_of, model_in_mode, new_tracker, tracked
 from .trainer_mirror import (
-    MIXED_DTYPES,
     accepts_loss_kwargs,
     loss_shifts_labels,
     make_batch,
-    real_batch_masks,
-    restore_forward,
-    wrap_autocast,
 )
 
 EVAL_CLASSES = EVAL_ESTIMATE_CLASSES  # core's one list
@@ -202,33 +196,19 @@ def simulate_eval(model: torch.nn.Module, fake_mode: Any, request: Any, inputs: 
     """Replay ``Trainer.evaluation_loop`` over ``request.eval_samples`` examples in batches of
     ``request.eval_batch_size``, at ``request.eval_len`` tokens (:class:`EvalInputs` for the rest).
 
-    ``request.generation``: ``Seq2SeqTrainer`` with ``predict_with_generate`` (None: without); the prediction
-    step is then :func:`~hf_memwatch.estimation.generation.generation_prediction_step` (unless
-    ``prediction_loss_only``, where the Trainer takes the plain step too).
+    ``request.generation``: ``Seq2SeqTrainer`` with ``predict_with_generate`` (None: without); the replay's
+    mode is then :data:`~hf_memwatch.estimation.replay.GENERATION` and the prediction step
+    :func:`~hf_memwatch.estimation.generation.generation_prediction_step` (unless
+    ``prediction_loss_only``, where the Trainer takes the plain step too: :func:`~.replay.mode_of`).
     """
-    was_training = model.training
-    model.eval()
-    model_config = getattr(model, "config", None)
-    saved_use_cache = getattr(model_config, "use_cache", None)
-    if model_config is not None and saved_use_cache is not None:
-        model_config.use_cache = inputs.use_cache
-    saved_forward = model.__dict__.get("forward")
-    if request.precision in MIXED_DTYPES:  # a CUDA target is simulated on fake CPU tensors (see step.py)
-        wrap_autocast(model, "cpu", request.precision)
-    generation = request.generation
-    replay = None if generation is None or request.prediction_loss_only else GenerationReplay(generation)
-    if replay is not None:
-        check_generation(model, replay.settings, request.eval_len)
-    run = _EvalRun(model, request, inputs, replay)
-    with warnings.catch_warnings(), real_batch_masks(), fake_mode, run.tracker:
-        warnings.simplefilter("ignore")
-        try:
+    mode = mode_of(request)
+    with model_in_mode(model, request, mode, use_cache=inputs.use_cache):
+        replay = GenerationReplay(request.generation) if mode is GENERATION else None
+        if replay is not None:
+            check_generation(model, replay.settings, request.eval_len)
+        run = _EvalRun(model, request, inputs, replay)
+        with tracked(fake_mode, run.tracker):
             run.replay_loop()
-        finally:
-            restore_forward(model, saved_forward)
-            model.train(was_training)
-            if model_config is not None and saved_use_cache is not None:
-                model_config.use_cache = saved_use_cache
     return run.simulation()
 
 
@@ -237,9 +217,8 @@ class _EvalRun:
 
     def __init__(self, model: torch.nn.Module, request: Any, inputs: EvalInputs, replay: Any) -> None:
         self.model, self.request, self.inputs, self.replay = model, request, inputs, replay
-        self.device = "cpu"
-        self.tracker = tracker = EstimateTracker(self.device, SavedTensorRegistry(),
-                                                 round_to=CUDA_BLOCK if request.device == "cuda" else 1)
+        self.device = REPLAY_DEVICE
+        self.tracker = tracker = new_tracker(request)
         weights_of_model = weight_tensors(model)  # quantization state included
         tracker.register(weights_of_model)
         self.weights = refs(tracker, weights_of_model)

@@ -177,6 +177,63 @@ class EstimateRequest:
             check_positive("eval_seq_len", self.eval_seq_len)
 
 
+@dataclass(frozen=True, kw_only=True)
+class EvalRequest:
+    """One evaluation loop's estimate (:func:`hf_memwatch.estimation.estimate.estimate_eval`), named as
+    :class:`RunConfig` and :class:`EstimateRequest` name things: no training step is replayed.
+
+    ``optimizer_state_bytes``: optimizer state live beside the loop (an eval inside ``train()``);
+    ``preprocess_argmax``: the loop keeps ``logits.argmax(-1)`` (``preprocess_logits_for_metrics``)
+    instead of the logits; ``predict_with_generate``, ``generation_max_length``,
+    ``generation_num_beams``: as the ``Seq2SeqTrainingArguments`` of those names.
+
+    Example:
+        >>> EvalRequest(eval_batch_size=8, eval_samples=64, seq_len=32).estimate_request().precision
+        'fp32'
+    """
+
+    eval_batch_size: int
+    eval_samples: int
+    seq_len: int
+    task: str | None = None
+    precision: str = "fp32"
+    device: str = "cpu"
+    eval_accumulation_steps: int | None = None
+    prediction_loss_only: bool = False
+    seq2seq_target_len: int | None = None
+    predict_with_generate: bool = False
+    generation_max_length: int | None = None
+    generation_num_beams: int | None = None
+    optimizer_state_bytes: int = 0
+    preprocess_argmax: bool = False
+
+    @classmethod
+    def of(cls, run: RunConfig, *, eval_samples: int, **loop: Any) -> EvalRequest:
+        """The loop ``run`` configures (its eval batch, accumulation, precision, generation); ``loop``:
+        this request's fields that differ (the eval batch planned, the states beside the loop, ...)."""
+        fields = dict(eval_batch_size=int(run.eval_batch_size or 8), seq_len=run.seq_len, precision=run.precision,
+                      device="cuda" if run.device == "cuda" else "cpu",
+                      eval_accumulation_steps=run.eval_accumulation_steps,
+                      prediction_loss_only=bool(run.prediction_loss_only))
+        if run.predict_with_generate:
+            fields.update(predict_with_generate=True, generation_max_length=run.generation_max_length,
+                          generation_num_beams=run.generation_num_beams)
+        return cls(**{**fields, **loop}, eval_samples=eval_samples)
+
+    def replace(self, **changes: Any) -> EvalRequest:
+        """A copy with ``changes`` applied."""
+        return dataclasses.replace(self, **changes)
+
+    def estimate_request(self) -> EstimateRequest:
+        """The :class:`EstimateRequest` the eval replay reads."""
+        return EstimateRequest(
+            task=self.task, precision=self.precision, device=self.device, seq_len=self.seq_len,
+            eval_batch_size=self.eval_batch_size, eval_samples=self.eval_samples,
+            eval_accumulation_steps=self.eval_accumulation_steps, prediction_loss_only=self.prediction_loss_only,
+            seq2seq_target_len=self.seq2seq_target_len, predict_with_generate=self.predict_with_generate,
+            generation_max_length=self.generation_max_length, generation_num_beams=self.generation_num_beams)
+
+
 def check_positive(name: str, value: Any) -> None:
     """Raise :class:`MemWatchConfigError` unless ``value`` is a positive integer."""
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,24 +42,20 @@ from ..measure.attribution import weight_tensors
 from ..measure.peak_tensors import PeakCensus, PeakTensors
 from ..measure.saved_tensors import SavedTensorRegistry
 from .classify import Phases, refs
-from .fake_dispatch import CUDA_BLOCK, LOGITS, LOGITS_FP32, EstimateTracker, name_frozen_weights
+from .fake_dispatch import CUDA_BLOCK, LOGITS, LOGITS_FP32, name_frozen_weights
 from .optim import BNB_OPTIMS, build_optimizer
 from .peak import PeakCensusWatch
+from .replay import REPLAY_DEVICE, TRAINING, model_in_mode, new_tracker, tracked
 from .trainer_mirror import (
     MIXED_DTYPES,
     accepts_loss_kwargs,
     disable_checkpointing,
-    disable_kv_cache,
     enable_checkpointing,
     forward_loss,
     loss_shifts_labels,
     make_batch,
     packed_rows,
     padded_rows,
-    real_batch_masks,
-    restore_forward,
-    restore_kv_cache,
-    wrap_autocast,
 )
 from .trainer_replay import batch_tensors, fake_batch
 
@@ -124,26 +119,20 @@ def simulate_step(model: torch.nn.Module, fake_mode: Any, request: Any, inputs: 
     models' forwards — and its first micro-steps replayed as they run where it asks
     (``replay.micro_steps()``).
     """
-    model.train()
-    enabled = bool(request.checkpointing) and enable_checkpointing(model, getattr(inputs.trainer, "args", None))
-    saved_forward = model.__dict__.get("forward")
-    saved_use_cache = disable_kv_cache(model)
-    if request.precision in MIXED_DTYPES:  # a CUDA target is simulated on fake CPU tensors (see module doc)
-        wrap_autocast(model, "cpu", request.precision)
-    run = _StepRun(model, request, inputs, build_optimizer(model, request.optim, request.device))
     sample = inputs.sample
-    with warnings.catch_warnings(), real_batch_masks(packed_rows(sample), padded_rows(sample)), fake_mode, \
-            run.tracker:
-        warnings.simplefilter("ignore")
-        run.saved.start()
+    with model_in_mode(model, request, TRAINING):
+        enabled = bool(request.checkpointing) and enable_checkpointing(model, getattr(inputs.trainer, "args", None))
+        run = _StepRun(model, request, inputs, build_optimizer(model, request.optim, request.device))
         try:
-            run.replay_step(steps)
+            with tracked(fake_mode, run.tracker, packed_rows(sample), padded_rows(sample)):
+                run.saved.start()
+                try:
+                    run.replay_step(steps)
+                finally:
+                    run.saved.stop()
+                    if run.phases.census is not None:
+                        run.phases.census.close()
         finally:
-            run.saved.stop()
-            if run.phases.census is not None:
-                run.phases.census.close()
-            restore_forward(model, saved_forward)
-            restore_kv_cache(model, saved_use_cache)
             if enabled:
                 disable_checkpointing(model)
     return run.simulation()
@@ -154,12 +143,10 @@ class _StepRun:
 
     def __init__(self, model: torch.nn.Module, request: Any, inputs: StepInputs, optimizer: Any) -> None:
         self.model, self.request, self.inputs, self.optimizer = model, request, inputs, optimizer
-        self.device = "cpu"  # every target simulated on fake CPU tensors
+        self.device = REPLAY_DEVICE  # every target simulated on fake CPU tensors
         self.saved = saved = SavedTensorRegistry()
-        self.tracker = tracker = EstimateTracker(
-            self.device, saved, round_to=CUDA_BLOCK if request.device == "cuda" else 1,
-            bnb_cpu_kernels=(request.device == "cpu" and request.optim in BNB_OPTIMS),
-        )
+        self.tracker = tracker = new_tracker(
+            request, saved, bnb_cpu_kernels=(request.device == "cpu" and request.optim in BNB_OPTIMS))
         weights_of_model = weight_tensors(model)  # quantization state included
         top = request.top_tensors
         if top > 0:

@@ -44,7 +44,7 @@ import torch
 
 from ..core.errors import MemWatchConfigError, PlanError, is_oom_error
 from ..core.records import OomRecoveredRecord, PlanRecord
-from ..core.run_config import RunConfig, generation_kwargs
+from ..core.run_config import RunConfig
 from ..core.units import format_bytes
 from ..estimation.trainer_replay import RngStates, is_one_pass
 from ..measure.attribution import weight_storages
@@ -60,9 +60,9 @@ from ..planning.budget import (
 )
 from ..planning.catalogue import advice, with_state_share
 from ..planning.chooser import no_fit_message, plan_run
-from ..planning.eval_plan import plan_eval
+from ..planning.eval_plan import eval_request, plan_eval
 from ..planning.lengths import worst_batch
-from ..planning.plan import Plan
+from ..planning.plan import EvalSetting, Plan
 from ..planning.predict import ESTIMATE_MARGIN, EstimatorPredictor
 from .apply import apply_eval_plan, apply_plan
 from .between_steps import CHECKPOINT_TRIGGER, MEASURED_STEPS, BetweenSteps, distributed
@@ -396,17 +396,13 @@ class AutoMode(BetweenSteps):
         # documentation proposes it for); its own code is not replayed.
         reduces = getattr(trainer, "preprocess_logits_for_metrics", None) is not None
 
-        def predict(batch: int, steps: int | None, argmax: bool = reduces) -> int:
-            loop = estimate_eval(
-                trainer.model, eval_batch_size=batch, eval_samples=len(dataset), seq_len=seq_len,
-                precision=run.precision, device="cuda" if run.device == "cuda" else "cpu",
-                eval_accumulation_steps=steps, prediction_loss_only=run.prediction_loss_only,
-                optimizer_state_bytes=states, preprocess_argmax=argmax, **generation_kwargs(run),
-            )
-            return int(math.ceil(loop.peak_bytes * (1.0 + ESTIMATE_MARGIN)))
+        def predict(setting: EvalSetting) -> int:
+            request = eval_request(eval_run, setting, eval_samples=len(dataset), optimizer_state_bytes=states)
+            return int(math.ceil(estimate_eval(trainer.model, request).peak_bytes * (1.0 + ESTIMATE_MARGIN)))
 
         try:
-            return eval_fields(plan_eval(eval_run, predict, budget.usable).record_fields())
+            given = EvalSetting.of(eval_run, preprocess_argmax=reduces)
+            return eval_fields(plan_eval(eval_run, predict, budget.usable, given).record_fields())
         except PlanError:
             raise  # only a change of the metrics code would fit: stop before training
         except Exception as exc:  # noqa: BLE001 - the training plan stands without an eval plan

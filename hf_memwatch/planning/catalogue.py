@@ -5,12 +5,15 @@ post-mortem) draws its options from :data:`REMEDIES`. A remedy that changes the 
 algorithm is not a memory remedy: 8-bit AdamW replaces AdamW variants only (same update rule, the
 states quantised), never SGD, Adafactor or another optimizer.
 
-Adding a remedy: one :class:`Remedy` entry in :data:`REMEDIES` with its ``unavailable`` rule, its
+Adding a remedy: one :class:`Remedy` entry in :data:`REMEDIES` (an evaluation loop's: in
+:data:`EVAL_REMEDIES`, a field of :class:`~hf_memwatch.planning.plan.EvalSetting`) with its ``unavailable`` rule, its
 ``options`` (the values it may give its plan field, a field of
 :class:`~hf_memwatch.planning.plan.Plan`), its ``step`` (the one-step change an OOM post-mortem
 names) and ``describe`` (that change in words), and its cost in
 :func:`hf_memwatch.planning.chooser.relative_throughput`. The chooser's candidates, the CLI's remedy
-table and the post-mortem's savings (:mod:`hf_memwatch.planning.remedies`) all follow from the entry.
+table and the post-mortem's savings (:mod:`hf_memwatch.planning.remedies`) all follow from the entry;
+for the evaluation loop, the eval planner's candidates (:func:`hf_memwatch.planning.eval_plan.eval_candidates`)
+and the eval post-mortem's savings (:func:`hf_memwatch.planning.remedies.eval_single_steps`).
 
 Example:
     >>> from hf_memwatch.core.run_config import RunConfig
@@ -88,7 +91,8 @@ class Remedy:
     ``unavailable(run)`` says why it cannot be used on ``run`` (None: it can); ``options(run)`` are
     the values of ``field`` it allows, the run's own value included; ``step(run, value, options)`` is
     the value of the remedy applied alone, one step from the run's ``value`` (None: no such step);
-    ``describe(run, plan)`` that step in words.
+    ``describe(run, plan)`` that step in words; ``note(run)`` what a post-mortem adds to it;
+    ``applied``: a planner may apply it (False: advice, it changes what the run computes).
     """
 
     name: str
@@ -97,6 +101,8 @@ class Remedy:
     options: Callable[[RunConfig], list[Any]]
     step: Callable[[RunConfig, Any, list[Any]], Any] = _first_other
     describe: Callable[[RunConfig, Any], str] = _says
+    note: Callable[[RunConfig], str] = lambda run: ""
+    applied: bool = True
 
 
 def _accumulation_options(run: RunConfig) -> list[int]:
@@ -162,6 +168,54 @@ EIGHT_BIT_ADAMW = Remedy("8-bit AdamW", "optim", _eight_bit_unavailable, _eight_
                          describe=lambda run, plan: f"8-bit AdamW (optim='{plan.optim}')")
 
 REMEDIES: tuple[Remedy, ...] = (ACCUMULATION, CHECKPOINTING, EIGHT_BIT_ADAMW)
+
+
+# -- the evaluation loop's remedies (fields of plan.EvalSetting) ------------------------------------
+EVAL_ACCUMULATION_OPTIONS = (1,)  # eval_accumulation_steps tried when outputs must leave the device
+
+
+def _available(run: RunConfig) -> str | None:
+    return None
+
+
+def _eval_batches(run: RunConfig) -> list[int]:
+    """The configured eval batch halved down to 1, largest first."""
+    given = int(run.eval_batch_size or 8)
+    return sorted({max(1, given >> shift) for shift in range(given.bit_length())}, reverse=True)
+
+
+def _eval_accumulations(run: RunConfig) -> list[int | None]:
+    """The run's own; on an accelerator, where outputs stay on the device, also moved off every batch
+    (on the CPU the device is the host: moving outputs "off" it saves nothing)."""
+    steps: list[int | None] = [run.eval_accumulation_steps]
+    if run.device != "cpu" and run.eval_accumulation_steps is None:
+        steps.extend(EVAL_ACCUMULATION_OPTIONS)
+    return steps
+
+
+def _cpu_accumulation_note(run: RunConfig) -> str:
+    return "on the CPU numpy holds the same bytes in host memory: no saving in RAM" if run.device == "cpu" else ""
+
+
+def _switched_on(run: RunConfig, on: bool, options: list[bool]) -> bool | None:
+    return True if not on else None
+
+
+EVAL_BATCH = Remedy(
+    "smaller eval batch", "eval_batch_size", _available, _eval_batches, _accumulation_step,
+    lambda run, s: f"per_device_eval_batch_size {int(run.eval_batch_size or 8)} → {s.eval_batch_size}")
+EVAL_ACCUMULATION = Remedy(
+    "eval accumulation", "eval_accumulation_steps", _available, _eval_accumulations,
+    lambda run, steps, options: 1 if steps != 1 else None,
+    lambda run, s: "eval_accumulation_steps=1 (outputs leave the device every batch)", _cpu_accumulation_note)
+EVAL_ARGMAX = Remedy(
+    "logits reduced for metrics", "preprocess_argmax", _available, lambda run: [False], _switched_on,
+    lambda run, s: "preprocess_logits_for_metrics = lambda logits, labels: logits.argmax(-1)", applied=False)
+EVAL_LOSS_ONLY = Remedy(
+    "loss only", "prediction_loss_only", _available, lambda run: [bool(run.prediction_loss_only)], _switched_on,
+    lambda run, s: "prediction_loss_only=True (no logits or labels kept; no metrics beyond the loss)", applied=False)
+
+EVAL_REMEDIES: tuple[Remedy, ...] = (EVAL_BATCH, EVAL_ACCUMULATION, EVAL_ARGMAX, EVAL_LOSS_ONLY)
 
 
 def unavailable_remedies(run: RunConfig) -> dict[str, str]:

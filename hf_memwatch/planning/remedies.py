@@ -9,7 +9,8 @@ the very figures the chooser (the auto mode's, ``hf-memwatch estimate --budget``
   prediction, whether it fits, and the largest micro-batch of that line that fits (same effective
   batch), found by the chooser's own bisection;
 - :func:`single_steps` (the OOM post-mortem): each remedy of the catalogue alone, one step from the
-  run (:attr:`~hf_memwatch.planning.catalogue.Remedy.step`), as the candidate it is.
+  run (:attr:`~hf_memwatch.planning.catalogue.Remedy.step`), as the candidate it is;
+  :func:`eval_single_steps` the same for the evaluation loop's remedies (the eval post-mortem).
 
 Example (a made-up predictor: 100 bytes + 10 a sample, 5 with checkpointing):
     >>> from hf_memwatch.core.run_config import RunConfig
@@ -30,9 +31,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from .catalogue import REMEDIES
+from ..core.run_config import RunConfig
+from .catalogue import EVAL_REMEDIES, REMEDIES
 from .chooser import PlanRequest
-from .plan import Plan
+from .plan import EvalSetting, Plan
 
 
 @dataclass
@@ -84,4 +86,24 @@ def single_steps(request: PlanRequest) -> list[tuple[str, Plan]]:
         plan = by_key.get(target.key())
         if plan is not None:
             steps.append((remedy.describe(run, plan), plan))
+    return steps
+
+
+def eval_single_steps(run: RunConfig, given: EvalSetting) -> list[tuple[str, EvalSetting, str]]:
+    """(description, setting, note) of each evaluation remedy of the catalogue
+    (:data:`~hf_memwatch.planning.catalogue.EVAL_REMEDIES`) applied alone, one step from ``given``:
+    what the eval loop's post-mortem predicts.
+
+    Example:
+        >>> run = RunConfig(4, eval_batch_size=16, device="cpu")
+        >>> [(setting.eval_batch_size, setting.eval_accumulation_steps, note[:10])
+        ...  for _, setting, note in eval_single_steps(run, EvalSetting.of(run))][:2]
+        [(8, None, ''), (16, 1, 'on the CPU')]
+    """
+    steps = []
+    for remedy in EVAL_REMEDIES:
+        value = remedy.step(run, getattr(given, remedy.field), remedy.options(run))
+        if value is not None:
+            setting = given.replace(**{remedy.field: value})
+            steps.append((remedy.describe(run, setting), setting, remedy.note(run)))
     return steps

@@ -3,7 +3,9 @@ outputs accumulated when it failed, and the eval remedies with their predicted s
 
 Written by the ``MemWatch`` callback when ``Trainer.evaluation_loop`` (``evaluate()``, ``predict()``,
 the eval inside ``train()``) raises an out-of-memory error; the error itself propagates unchanged
-(same object, same traceback). Remedies, each predicted by
+(same object, same traceback). Remedies — the catalogue's eval remedies
+(:data:`hf_memwatch.planning.catalogue.EVAL_REMEDIES`), each alone one step from the loop
+(:func:`hf_memwatch.planning.remedies.eval_single_steps`) — each predicted by
 :func:`hf_memwatch.estimation.estimate.estimate_eval` at the loop's configuration:
 
 * a smaller ``per_device_eval_batch_size`` (half);
@@ -32,8 +34,11 @@ from typing import Any
 
 from ..core.categories import EVAL_LIVE_CLASSES
 from ..core.records import OomRecord
-from ..core.run_config import RunConfig, generation_kwargs
+from ..core.run_config import RunConfig
 from ..core.units import format_bytes
+from ..planning.eval_plan import eval_request
+from ..planning.plan import EvalSetting
+from ..planning.remedies import eval_single_steps
 from .oom import REPORT_NAME, cpu_memory_exhausted, requested_bytes
 
 logger = logging.getLogger("hf_memwatch")
@@ -87,39 +92,23 @@ def eval_remedies(
     if run.seq_len is None or config.samples is None:
         return None, [], "the eval batch's sequence length or the dataset's size is unknown"
     subject = getattr(model, "config", None) or model
+    given = EvalSetting.of(run)
 
-    def peak_of(**changes: Any) -> tuple[int, int]:
-        fields = dict(batch_size=config.batch_size, accumulation_steps=run.eval_accumulation_steps)
-        extra = {k: changes.pop(k) for k in ("preprocess_argmax", "prediction_loss_only") if k in changes}
-        fields.update(changes)
-        sim = estimate_eval(
-            subject, eval_batch_size=fields["batch_size"], eval_samples=config.samples, seq_len=run.seq_len,
-            eval_accumulation_steps=fields["accumulation_steps"], precision=run.precision,
-            device=run.device, optimizer_state_bytes=config.optimizer_state_bytes, **generation_kwargs(run), **extra)
+    def peak_of(setting: EvalSetting) -> tuple[int, int]:
+        request = eval_request(run, setting, eval_samples=config.samples,
+                               optimizer_state_bytes=config.optimizer_state_bytes)
+        sim = estimate_eval(subject, request)
         return int(sim.peak_bytes), int(sim.host_bytes)
 
     try:
-        baseline, _ = peak_of()
+        baseline, _ = peak_of(given)
     except Exception as exc:  # noqa: BLE001 - report what we can
         return None, [], f"the estimator failed on this loop's configuration ({type(exc).__name__}: {exc})"
-    variants: list[tuple[str, dict[str, Any], str]] = []
-    if config.batch_size > 1:
-        variants.append((f"per_device_eval_batch_size {config.batch_size} → {config.batch_size // 2}",
-                         {"batch_size": config.batch_size // 2}, ""))
-    if run.eval_accumulation_steps != 1:
-        note = ("on the CPU numpy holds the same bytes in host memory: no saving in RAM"
-                if run.device == "cpu" else "")
-        variants.append(("eval_accumulation_steps=1 (outputs leave the device every batch)",
-                         {"accumulation_steps": 1}, note))
-    variants.append(("preprocess_logits_for_metrics = lambda logits, labels: logits.argmax(-1)",
-                     {"preprocess_argmax": True}, ""))
-    variants.append(("prediction_loss_only=True (no logits or labels kept; no metrics beyond the loss)",
-                     {"prediction_loss_only": True}, ""))
     rows: list[tuple[str, int | None, str]] = []
-    for description, changes, note in variants:
+    for description, setting, note in eval_single_steps(run, given):
         try:
-            peak, host = peak_of(**changes)
-            if run.device == "cpu" and "accumulation_steps" in changes:
+            peak, host = peak_of(setting)
+            if run.device == "cpu" and setting.eval_accumulation_steps != given.eval_accumulation_steps:
                 # The host *is* the device: numpy's copies count against the same RAM, and each
                 # np.concatenate holds the old and the new array at once.
                 peak += 2 * host

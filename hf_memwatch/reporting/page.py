@@ -24,9 +24,24 @@ import html
 import json
 from typing import Any
 
-from ..core.categories import LIVE_CLASSES, STEP_BEGIN
+from ..core.categories import LIVE_CLASSES
 from ..core.units import format_bytes
-from .report import COLOURS, LABELS, SPIKE, RankTimeline, budget_of, live_bands, title_of
+from .report import (
+    COLOURS,
+    LABELS,
+    SPIKE,
+    RankTimeline,
+    budget_of,
+    eval_position,
+    event_label,
+    event_step,
+    first_of_steps,
+    live_bands,
+    peak_index,
+    predicted_peak_of,
+    step_starts,
+    title_of,
+)
 
 CHART_ID = "memchart"
 
@@ -72,8 +87,8 @@ def _rank_traces(go: Any, run: RankTimeline, visible: bool) -> list[Any]:
     """The stacked classes, the spike and the step peaks of one rank (all carry [rank, step])."""
     snaps = run.snapshots
     xs = list(range(len(snaps)))
-    custom = [[run.rank, s["step"]] for s in snaps]
-    labels = [f"step {s['step']} · mb {s.get('micro_step', 0)} · {s['phase']}" for s in snaps]
+    custom = [[run.rank, s.step] for s in snaps]
+    labels = [f"step {s.step} · mb {s.micro_step or 0} · {s.phase}" for s in snaps]
     traces = []
     for band in live_bands(snaps):
         traces.append(go.Bar(
@@ -87,27 +102,24 @@ def _rank_traces(go: Any, run: RankTimeline, visible: bool) -> list[Any]:
     scustom: list[Any] = []
     stext: list[Any] = []
     for i, snap in enumerate(snaps):
-        if snap.get("spike"):
-            floor = snap["allocated"] if i == 0 else max(snaps[i - 1]["allocated"], snap["allocated"])
+        if snap.spike:
+            floor = snap.allocated if i == 0 else max(snaps[i - 1].allocated, snap.allocated)
             x = 0 if i == 0 else i - 0.5
             sx += [x, x, None]
-            sy += [floor, floor + snap["spike"], None]
+            sy += [floor, floor + snap.spike, None]
             scustom += [custom[i], custom[i], None]
-            text = f"{labels[i]}<br>spike: {format_bytes(snap['spike'])} (temporaries inside the phase)"
+            text = f"{labels[i]}<br>spike: {format_bytes(snap.spike)} (temporaries inside the phase)"
             stext += [text, text, None]
     traces.append(go.Scatter(
         x=sx, y=sy, mode="lines", name=f"{LABELS[SPIKE]} (rank {run.rank})", customdata=scustom, text=stext,
         line={"color": COLOURS[SPIKE], "width": 9}, visible=visible, hovertemplate="%{text}<extra></extra>"))
-    index = {(s["step"], s["phase"], s.get("micro_step", 0)): i for i, s in enumerate(snaps)}
     peak_x, peak_y, peak_custom, peak_text = [], [], [], []
-    for step in run.steps:
-        i = index.get((step["step"], step.get("peak_phase"), step.get("peak_micro_step", 0)))
-        if i is not None and step.get("peak") is not None:
-            peak_x.append(i - 0.5 if i else 0)
-            peak_y.append(step["peak"])
-            peak_custom.append([run.rank, step["step"]])
-            peak_text.append(f"step {step['step']} peak {format_bytes(step['peak'])} at {step.get('peak_phase')}"
-                             f" · dominant {step.get('dominant')} · click: its tensors")
+    for i, step in peak_index(run):
+        peak_x.append(i - 0.5 if i else 0)
+        peak_y.append(step.peak)
+        peak_custom.append([run.rank, step.step])
+        peak_text.append(f"step {step.step} peak {format_bytes(step.peak)} at {step.peak_phase}"
+                         f" · dominant {step.dominant} · click: its tensors")
     traces.append(go.Scatter(
         x=peak_x, y=peak_y, mode="markers", name=f"step peak (rank {run.rank})", customdata=peak_custom,
         marker={"symbol": "triangle-down", "size": 11, "color": "black"}, text=peak_text, visible=visible,
@@ -118,22 +130,18 @@ def _rank_traces(go: Any, run: RankTimeline, visible: bool) -> list[Any]:
 def _marks(run: RankTimeline) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Vertical lines and labels: eval/predict loops (after the step they followed), plan/remedy/oom."""
     snaps = run.snapshots
-    first = {}
-    for i, s in enumerate(snaps):
-        first.setdefault(s["step"], i)
+    first = first_of_steps(snaps)
     shapes, notes = [], []
     for loop in run.evals:
-        after = [i for i, s in enumerate(snaps) if s["step"] <= (loop.get("step") or 0)]
-        x = (after[-1] + 0.5) if after else -0.5
+        x = eval_position(loop, snaps)
         shapes.append({"type": "line", "x0": x, "x1": x, "yref": "paper", "y0": 0, "y1": 1,
                        "line": {"color": "darkorange", "dash": "dash"}})
-        notes.append({"x": x, "y": loop["peak"], "text": f"{loop.get('stage')} {format_bytes(loop['peak'])}",
+        notes.append({"x": x, "y": loop.peak, "text": f"{loop.stage} {format_bytes(loop.peak)}",
                       "showarrow": False, "font": {"color": "darkorange"}, "yshift": 10})
     for event in run.events:
-        x = first.get(event.get("step"), 0) if event.get("step") is not None else 0
-        label = str(event.get("event"))
-        if label == "plan" and event.get("micro_batch_size"):
-            label += f": micro-batch {event['micro_batch_size']} × accum {event.get('gradient_accumulation_steps', 1)}"
+        step = event_step(event)
+        x = first.get(step, 0) if step is not None else 0
+        label = event_label(event)
         shapes.append({"type": "line", "x0": x - 0.5, "x1": x - 0.5, "yref": "paper", "y0": 0, "y1": 1,
                        "line": {"color": "purple", "dash": "dot"}})
         notes.append({"x": x - 0.5, "yref": "paper", "y": 1.0, "text": label, "showarrow": False,
@@ -158,12 +166,12 @@ def build_figure(runs: list[RankTimeline], budget: int | None = None) -> Any:
                        "line": {"color": "black", "dash": "dash"}})
         notes.append({"xref": "paper", "x": 1, "y": budget, "text": f"budget {format_bytes(budget)}",
                       "showarrow": False, "xanchor": "right", "yshift": 8})
-    predicted = next((e.get("predicted_peak") for e in reversed(runs[0].events) if e.get("event") == "plan"), None)
+    predicted = predicted_peak_of(runs[0])
     if predicted:
         shapes.append({"type": "line", "xref": "paper", "x0": 0, "x1": 1, "y0": predicted, "y1": predicted,
                        "line": {"color": "purple", "dash": "dashdot"}})
     snaps = runs[0].snapshots
-    starts = [(i, s["step"]) for i, s in enumerate(snaps) if s["phase"] == STEP_BEGIN]
+    starts = step_starts(snaps)
     every = max(1, len(starts) // 20)
     buttons = []
     for n, run in enumerate(runs):
@@ -184,7 +192,7 @@ def build_figure(runs: list[RankTimeline], budget: int | None = None) -> Any:
 
 def peak_data(runs: list[RankTimeline]) -> dict[str, Any]:
     """``"rank:step"`` -> the step's ``peak_tensors`` record (what a click shows)."""
-    return {f"{run.rank}:{step}": record for run in runs for step, record in run.peak_tensors.items()}
+    return {f"{run.rank}:{step}": record.to_dict() for run in runs for step, record in run.peak_tensors.items()}
 
 
 def render_page(runs: list[RankTimeline], png_base64: str, steps_tables: list[str], budget: int | None = None) -> str:

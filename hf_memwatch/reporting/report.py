@@ -22,9 +22,17 @@ from typing import Any
 
 from ..core.categories import LIVE_CLASSES, PHASES, STEP_BEGIN
 from ..core.errors import MemWatchConfigError
-from ..core.records import RECORDS, MetaRecord, validate_record
+from ..core.records import (
+    EvalRecord,
+    MetaRecord,
+    OomRecord,
+    PeakTensorsRecord,
+    PlanRecord,
+    Snapshot,
+    StepRecord,
+)
 from ..core.run_config import RunConfig
-from ..core.timeline import _rank_of, find_timelines, read_timeline
+from ..core.timeline import Unread, _rank_of, find_timelines, read_records
 from ..core.units import format_bytes
 
 SPIKE = "spike"
@@ -49,33 +57,17 @@ PHASE_LETTERS = dict(zip(PHASES, "bFBOe", strict=True))
 
 @dataclass
 class RankTimeline:
-    """The records of one rank's timeline, split by kind."""
+    """The typed records of one rank's timeline (:func:`~hf_memwatch.core.timeline.read_records`), by kind."""
 
     rank: int
-    snapshots: list[dict[str, Any]] = field(default_factory=list)
-    steps: list[dict[str, Any]] = field(default_factory=list)
-    events: list[dict[str, Any]] = field(default_factory=list)  # plan, remedy, oom
-    evals: list[dict[str, Any]] = field(default_factory=list)  # one ``eval`` record per eval/predict loop
-    meta: dict[str, Any] = field(default_factory=dict)
-    peak_tensors: dict[int, dict[str, Any]] = field(default_factory=dict)  # step -> its ``peak_tensors`` record
-    skipped: list[str] = field(default_factory=list)  # "line N: why" of each malformed record left out
-
-
-def record_problem(record: Any) -> str | None:
-    """Why ``record`` (a parsed timeline line) cannot be drawn, or None: not an object, or a field
-    whose value has the wrong type for its event (``core/records.py``). Fields an older version did
-    not write and events this version does not know are no problem (they are read as absent/ignored).
-
-    Example:
-        >>> record_problem([1, 2]), record_problem({"event": "step", "peak": "big"})[:30]
-        ('not a JSON object', "step record: peak='big' is not")
-    """
-    if not isinstance(record, dict):
-        return "not a JSON object"
-    if record.get("event") not in RECORDS:
-        return None
-    wrong = [problem for problem in validate_record(record) if ": missing " not in problem]
-    return wrong[0] if wrong else None
+    snapshots: list[Snapshot] = field(default_factory=list)  # training snapshots with allocator figures
+    steps: list[StepRecord] = field(default_factory=list)
+    events: list[PlanRecord | OomRecord] = field(default_factory=list)  # plan, oom
+    evals: list[EvalRecord] = field(default_factory=list)  # one ``eval`` record per eval/predict loop
+    meta: MetaRecord | None = None
+    peak_tensors: dict[int, PeakTensorsRecord] = field(default_factory=dict)  # step -> its ``peak_tensors``
+    skipped: list[str] = field(default_factory=list)  # "<file> record N: why" of each malformed record left out
+    unknown: list[str] = field(default_factory=list)  # "<file> record N: unknown event ..." (a newer version's)
 
 
 def load_run(path: str | os.PathLike[str]) -> list[RankTimeline]:
@@ -85,29 +77,34 @@ def load_run(path: str | os.PathLike[str]) -> list[RankTimeline]:
         raise FileNotFoundError(f"no timeline*.jsonl under {path}")
     runs = []
     for file in files:
-        run = RankTimeline(rank=_rank_of(file))
-        for number, record in enumerate(read_timeline(file), start=1):
-            problem = record_problem(record)
-            if problem is not None:
-                run.skipped.append(f"{file.name} record {number}: {problem}")
-                continue
-            kind = record.get("event")
-            if kind == "snapshot" and record.get("allocated") is not None and "stage" not in record:
-                run.snapshots.append(record)  # eval loops are drawn from their ``eval`` records
-            elif kind == "eval" and record.get("peak") is not None:
-                run.evals.append(record)
-            elif kind == "step":
-                run.steps.append(record)
-            elif kind == "meta":
-                run.meta.update(record)
-            elif kind in ("plan", "remedy", "oom"):
-                run.events.append(record)
-            elif kind == "peak_tensors":
-                run.peak_tensors[int(record["step"])] = record
+        run, unread = RankTimeline(rank=_rank_of(file)), list[Unread]()
+        for record in read_records(file, unread):
+            _file(run, record)
+        for line in unread:
+            (run.unknown if line.event is not None else run.skipped).append(f"{file.name} record {line.number}: "
+                                                                             f"{line.why}")
         runs.append(run)
     if not any(run.snapshots for run in runs):
         raise MemWatchConfigError(f"the timeline under {path} has no snapshot with allocator figures to draw")
     return runs
+
+
+def _file(run: RankTimeline, record: Any) -> None:
+    """Put ``record`` where the picture reads it (eval loops are drawn from their ``eval`` records)."""
+    if isinstance(record, Snapshot):
+        if record.allocated is not None and record.stage is None:
+            run.snapshots.append(record)
+    elif isinstance(record, EvalRecord):
+        if record.peak is not None:
+            run.evals.append(record)
+    elif isinstance(record, StepRecord):
+        run.steps.append(record)
+    elif isinstance(record, MetaRecord):
+        run.meta = record
+    elif isinstance(record, (PlanRecord, OomRecord)):
+        run.events.append(record)
+    elif isinstance(record, PeakTensorsRecord) and record.step is not None:
+        run.peak_tensors[record.step] = record
 
 
 def run_meta(model: Any, run: RunConfig) -> dict[str, Any]:
@@ -130,9 +127,27 @@ def budget_of(runs: list[RankTimeline]) -> int | None:
     """The budget recorded by the last plan event, if any."""
     for run in runs:
         for event in reversed(run.events):
-            if event.get("event") == "plan" and event.get("budget"):
-                return int(event["budget"])
+            if isinstance(event, PlanRecord) and event.budget:
+                return int(event.budget)
     return None
+
+
+def predicted_peak_of(run: RankTimeline) -> int | None:
+    """The predicted peak of the rank's last plan event, if any."""
+    return next((e.predicted_peak for e in reversed(run.events) if isinstance(e, PlanRecord)), None)
+
+
+def event_label(event: PlanRecord | OomRecord) -> str:
+    """``plan: micro-batch 2 × accum 4`` (a plan), ``oom``: what the picture writes at an event."""
+    label = event.EVENT
+    if isinstance(event, PlanRecord) and event.micro_batch_size:
+        label += f": micro-batch {event.micro_batch_size} × accum {event.gradient_accumulation_steps or 1}"
+    return label
+
+
+def event_step(event: PlanRecord | OomRecord) -> int | None:
+    """The step an event happened at (a plan is made before any: None)."""
+    return getattr(event, "step", None)
 
 
 def choose_unit(peak: float) -> tuple[str, int]:
@@ -151,18 +166,17 @@ def choose_unit(peak: float) -> tuple[str, int]:
 
 def title_of(runs: list[RankTimeline]) -> str:
     """``Memory per phase — GPT2LMHeadModel (1.2M params), batch 8 × accum 1, fp32`` and the peak."""
-    meta = next((run.meta for run in runs if run.meta), {})
+    meta = next((run.meta for run in runs if run.meta), None)
     parts = []
-    if meta.get("model"):
-        params = meta.get("params")
-        parts.append(f"{meta['model']}" + (f" ({_count(params)} params)" if params else ""))
-    if meta.get("batch_size"):
-        parts.append(f"batch {meta['batch_size']} × accum {meta.get('gradient_accumulation_steps', 1)}")
-    if meta.get("precision"):
-        parts.append(str(meta["precision"]))
+    if meta is not None and meta.model:
+        parts.append(f"{meta.model}" + (f" ({_count(meta.params)} params)" if meta.params else ""))
+    if meta is not None and meta.batch_size:
+        parts.append(f"batch {meta.batch_size} × accum {meta.gradient_accumulation_steps or 1}")
+    if meta is not None and meta.precision:
+        parts.append(str(meta.precision))
     if len(runs) > 1:
         parts.append(f"{len(runs)} ranks")
-    peak = max((s["peak"] for run in runs for s in run.steps if s.get("peak") is not None), default=None)
+    peak = max((s.peak for run in runs for s in run.steps if s.peak is not None), default=None)
     head = "Memory per phase of each step"
     if peak is not None:
         head += f" — peak {format_bytes(peak)}"
@@ -185,8 +199,8 @@ def draw(runs: list[RankTimeline], budget: int | None = None) -> Any:
 
     budget = budget if budget is not None else budget_of(runs)
     highest = max(
-        [max((s.get("peak") or 0), s["allocated"] + (s.get("spike") or 0)) for r in runs for s in r.snapshots]
-        + [e["peak"] for r in runs for e in r.evals] + [budget or 0]
+        [max((s.peak or 0), s.allocated + (s.spike or 0)) for r in runs for s in r.snapshots]
+        + [e.peak for r in runs for e in r.evals] + [budget or 0]
     )
     unit, scale = choose_unit(highest)
     panels = [run for run in runs if run.snapshots] or runs
@@ -217,7 +231,7 @@ def _draw_rank(ax: Any, run: RankTimeline, unit: str, scale: int, budget: int | 
     _mark_peaks(ax, run, snaps, scale, unit)
     if budget:
         ax.axhline(budget / scale, color="black", linestyle="--", linewidth=1.2, label=f"budget {format_bytes(budget)}")
-    predicted = next((e.get("predicted_peak") for e in reversed(run.events) if e.get("event") == "plan"), None)
+    predicted = predicted_peak_of(run)
     if predicted:
         ax.axhline(predicted / scale, color="purple", linestyle="-.", linewidth=1.0,
                    label=f"predicted peak {format_bytes(predicted)}")
@@ -247,50 +261,56 @@ FROZEN = "frozen_models"
 FROZEN_COLOUR = "#9DB4D8"
 
 
-def live_bands(snaps: list[dict[str, Any]]) -> list[Band]:
+def live_bands(snaps: list[Snapshot]) -> list[Band]:
     """The stacked bands of the live classes, bottom first. When the Trainer holds frozen models (TRL's
     ``ref_model``, a teacher; the snapshots' ``frozen_models``), the weights are split: the frozen
     models' part (hatched) below the trained model's own."""
-    live = {name: [int(s["live"].get(name) or 0) for s in snaps] for name in LIVE_CLASSES}
-    frozen = [sum((s.get(FROZEN) or {}).values()) for s in snaps]
+    live = {name: [int(s.live.get(name) or 0) for s in snaps] for name in LIVE_CLASSES}
+    frozen = [sum((s.frozen_models or {}).values()) for s in snaps]
     bands = [Band(name, LABELS[name], COLOURS[name], live[name]) for name in LIVE_CLASSES]
     if not any(frozen):
         return bands
-    names = sorted({name for s in snaps for name in (s.get(FROZEN) or {})})
+    names = sorted({name for s in snaps for name in (s.frozen_models or {})})
     trained = Band("weights", "weights (trained model)", COLOURS["weights"],
                    [max(0, w - f) for w, f in zip(live["weights"], frozen, strict=True)])
     held = Band(FROZEN, f"weights: frozen models held ({', '.join(names)})", FROZEN_COLOUR, frozen, hatch="//")
     return [held, trained, *bands[1:]]
 
 
-def _phase_span(snaps: list[dict[str, Any]], i: int) -> tuple[float, float]:
+def _phase_span(snaps: list[Snapshot], i: int) -> tuple[float, float]:
     """(x, floor) of the phase that ends at snapshot ``i``: its middle and the higher live end."""
     if i == 0:
-        return 0.0, snaps[0]["allocated"]
-    return i - 0.5, max(snaps[i - 1]["allocated"], snaps[i]["allocated"])
+        return 0.0, snaps[0].allocated
+    return i - 0.5, max(snaps[i - 1].allocated, snaps[i].allocated)
 
 
-def _draw_spikes(ax: Any, snaps: list[dict[str, Any]], scale: int) -> None:
+def _draw_spikes(ax: Any, snaps: list[Snapshot], scale: int) -> None:
     """The spike of each phase: a block from the higher live end of the phase up to the phase's peak."""
     xs, bottoms, heights = [], [], []
     for i, snap in enumerate(snaps):
-        if snap.get("spike"):
+        if snap.spike:
             x, floor = _phase_span(snaps, i)
             xs.append(x)
             bottoms.append(floor / scale)
-            heights.append(snap["spike"] / scale)
+            heights.append(snap.spike / scale)
     ax.bar(xs, heights, bottom=bottoms, width=1.0 if len(snaps) > 1 else 0.6, color=COLOURS[SPIKE], alpha=0.85,
            label=LABELS[SPIKE], linewidth=0)
 
 
-def _mark_peaks(ax: Any, run: RankTimeline, snaps: list[dict[str, Any]], scale: int, unit: str) -> None:
-    index = {(s["step"], s["phase"], s.get("micro_step", 0)): i for i, s in enumerate(snaps)}
+def peak_index(run: RankTimeline) -> list[tuple[int, StepRecord]]:
+    """(the index of the snapshot that closes the phase of the step's peak, the step) of each
+    measured step whose snapshot is drawn."""
+    snaps = run.snapshots
+    index = {(s.step, s.phase, s.micro_step or 0): i for i, s in enumerate(snaps)}
+    found = ((index.get((step.step, step.peak_phase, step.peak_micro_step or 0)), step) for step in run.steps)
+    return [(i, step) for i, step in found if i is not None and step.peak is not None]
+
+
+def _mark_peaks(ax: Any, run: RankTimeline, snaps: list[Snapshot], scale: int, unit: str) -> None:
     xs, ys = [], []
-    for step in run.steps:
-        i = index.get((step["step"], step.get("peak_phase"), step.get("peak_micro_step", 0)))
-        if i is not None and step.get("peak") is not None:
-            xs.append(_phase_span(snaps, i)[0])
-            ys.append(step["peak"] / scale)
+    for i, step in peak_index(run):
+        xs.append(_phase_span(snaps, i)[0])
+        ys.append(step.peak / scale)
     if xs:
         size = 6 if len(xs) <= 40 else 3
         ax.plot(xs, ys, linestyle="none", marker="v", color="black", markersize=size, label="step peak")
@@ -299,46 +319,60 @@ def _mark_peaks(ax: Any, run: RankTimeline, snaps: list[dict[str, Any]], scale: 
                     fontsize=9)
 
 
-def _mark_events(ax: Any, run: RankTimeline, snaps: list[dict[str, Any]]) -> None:
-    first_of_step = {}
+def first_of_steps(snaps: list[Snapshot]) -> dict[int, int]:
+    """Step -> the index of its first snapshot."""
+    first: dict[int, int] = {}
     for i, s in enumerate(snaps):
-        first_of_step.setdefault(s["step"], i)
+        first.setdefault(s.step, i)
+    return first
+
+
+def eval_position(loop: EvalRecord, snaps: list[Snapshot]) -> float:
+    """Where an eval/predict loop is drawn: just after the last snapshot of the step it followed."""
+    after = [i for i, s in enumerate(snaps) if s.step <= (loop.step or 0)]
+    return (after[-1] + 0.5) if after else -0.5
+
+
+def _mark_events(ax: Any, run: RankTimeline, snaps: list[Snapshot]) -> None:
+    first_of_step = first_of_steps(snaps)
     labelled = False
     for event in run.events:
-        step = event.get("step")
+        step = event_step(event)
         x = first_of_step.get(step, 0) if step is not None else 0
-        label = str(event.get("event", "event"))
-        if label == "plan" and event.get("micro_batch_size"):
-            label += f": micro-batch {event['micro_batch_size']} × accum {event.get('gradient_accumulation_steps', 1)}"
+        label = event_label(event)
         ax.axvline(x, color="purple", linestyle=":", linewidth=1.4, label=None if labelled else "plan / remedy / oom")
         ax.annotate(label, (x, 1.0), xycoords=("data", "axes fraction"), xytext=(3, -12),
                     textcoords="offset points", fontsize=8, color="purple")
         labelled = True
 
 
-def _mark_evals(ax: Any, run: RankTimeline, snaps: list[dict[str, Any]], scale: int) -> None:
+def _mark_evals(ax: Any, run: RankTimeline, snaps: list[Snapshot], scale: int) -> None:
     """Each eval/predict loop: a dashed line after the step it followed, its peak as a diamond."""
     labelled = False
     for loop in run.evals:
-        after = [i for i, s in enumerate(snaps) if s["step"] <= (loop.get("step") or 0)]
-        x = (after[-1] + 0.5) if after else -0.5
+        x = eval_position(loop, snaps)
         label = None if labelled else "eval / predict loop (its peak)"
         ax.axvline(x, color="darkorange", linestyle="--", linewidth=1.2, label=label)
-        ax.plot([x], [loop["peak"] / scale], linestyle="none", marker="D", color="darkorange", markersize=6)
-        ax.annotate(f"{loop.get('stage')} {format_bytes(loop['peak'])}", (x, loop["peak"] / scale),
+        ax.plot([x], [loop.peak / scale], linestyle="none", marker="D", color="darkorange", markersize=6)
+        ax.annotate(f"{loop.stage} {format_bytes(loop.peak)}", (x, loop.peak / scale),
                     textcoords="offset points", xytext=(4, 4), fontsize=8, color="darkorange")
         labelled = True
 
 
-def _step_ticks(ax: Any, snaps: list[dict[str, Any]]) -> None:
-    starts = [(i, s["step"]) for i, s in enumerate(snaps) if s["phase"] == STEP_BEGIN]
+def step_starts(snaps: list[Snapshot]) -> list[tuple[int, int]]:
+    """(index, step) of each step's ``step_begin`` snapshot."""
+    return [(i, s.step) for i, s in enumerate(snaps) if s.phase == STEP_BEGIN]
+
+
+def _step_ticks(ax: Any, snaps: list[Snapshot]) -> None:
+    starts = step_starts(snaps)
     if not starts:
         return
     every = max(1, len(starts) // 12)  # at most ~12 labelled steps, readable for long runs
     ax.set_xticks([i for i, _ in starts[::every]], [str(step) for _, step in starts[::every]])
     if len(starts) <= 6:  # few steps: name the phases as well
         ax.set_xticks(range(len(snaps)), minor=True)
-        ax.set_xticklabels([PHASE_LETTERS.get(s["phase"], "") for s in snaps], minor=True, fontsize=7)
+        ax.set_xticklabels([PHASE_LETTERS.get(s.phase, "") for s in snaps], minor=True, fontsize=7)
         ax.tick_params(axis="x", which="major", pad=12)
     if len(starts) <= 40:  # step separators only while they do not blur into a grey band
         for i, _ in starts:
@@ -396,7 +430,7 @@ def _rank_section(run: RankTimeline) -> str:
     parts = [f"<h2>rank {run.rank}: steps</h2>", _steps_table(run)]
     if run.events:
         parts.append("<h3>events</h3><ul>")
-        parts += [f"<li>{html.escape(str(e))}</li>" for e in run.events]
+        parts += [f"<li>{html.escape(str(e.to_dict()))}</li>" for e in run.events]
         parts.append("</ul>")
     return "\n".join(parts)
 
@@ -405,11 +439,10 @@ def _steps_table(run: RankTimeline) -> str:
     head = ["step", "peak", "peak phase", "dominant", *LIVE_CLASSES, SPIKE]
     rows = ["<table><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in head) + "</tr>"]
     for step in run.steps:
-        live: Mapping[str, Any] = step.get("live_at_peak") or {}
-        cells = [str(step.get("step")), format_bytes(step.get("peak")), str(step.get("peak_phase")),
-                 str(step.get("dominant"))]
+        live: Mapping[str, Any] = step.live_at_peak or {}
+        cells = [str(step.step), format_bytes(step.peak), str(step.peak_phase), str(step.dominant)]
         cells += [format_bytes(live.get(name)) for name in LIVE_CLASSES]
-        cells.append(format_bytes(step.get("spike_at_peak")))
+        cells.append(format_bytes(step.spike_at_peak))
         rows.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>")
     rows.append("</table>")
     return "\n".join(rows)

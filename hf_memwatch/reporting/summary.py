@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core.categories import LIVE_CLASSES
+from ..core.records import EvalRecord, FootprintRecord, MetaRecord, PlanRecord, Record, Snapshot, StepRecord
 from ..core.units import format_bytes
 from ..measure.footprint import allocator_settings, expandable_segments_advice
 from .sinks import composition_at_peak
@@ -48,30 +49,31 @@ def rule_of_thumb(name: str, precision: str | None, optim: str | None) -> float 
     return None
 
 
-def peak_step(steps: list[Mapping[str, Any]]) -> Mapping[str, Any] | None:
+def peak_step(steps: list[StepRecord]) -> StepRecord | None:
     """The step record with the highest peak."""
-    measured = [s for s in steps if s.get("peak") is not None]
-    return max(measured, key=lambda s: s["peak"]) if measured else None
+    measured = [s for s in steps if s.peak is not None]
+    return max(measured, key=lambda s: s.peak) if measured else None
 
 
 def summary_rows(
-    step: Mapping[str, Any], meta: Mapping[str, Any], snapshots: list[Mapping[str, Any]] | None = None
+    step: StepRecord, meta: MetaRecord | None, snapshots: list[Snapshot] | None = None
 ) -> list[dict[str, Any]]:
     """One row per class at ``step``'s peak: bytes, share of the peak, B/param and the guide's rule.
 
     ``snapshots`` are the step's snapshots (for the classes live at the peak moment, see
     :func:`~hf_memwatch.reporting.sinks.composition_at_peak`); shares are of live bytes plus the spike.
     """
-    live, _ = composition_at_peak(step, list(snapshots or []))
+    live, _ = composition_at_peak(step.to_dict(), [s.to_dict() for s in snapshots or []])  # sinks: the live dicts
     figures = {name: live.get(name) for name in LIVE_CLASSES}
-    figures["temporaries"] = step.get("spike_at_peak")
+    figures["temporaries"] = step.spike_at_peak
     total = sum(v or 0 for v in figures.values())
-    params, trainable = meta.get("params"), meta.get("trainable_params") or meta.get("params")
+    params = meta.params if meta is not None else None
+    trainable = (meta.trainable_params if meta is not None else None) or params
     rows = []
     for name, value in figures.items():
         # B/param of the class at its largest in the step: the guide's rules are about full sizes,
         # and gradients, for one, are still being built at a backward-pass peak.
-        largest = max([value or 0] + [(s.get("live") or {}).get(name) or 0 for s in snapshots or []])
+        largest = max([value or 0] + [(s.live or {}).get(name) or 0 for s in snapshots or []])
         per = trainable if name in ("gradients", "optimizer_states") else params
         rows.append({
             "class": name,
@@ -79,16 +81,16 @@ def summary_rows(
             "share": (value or 0) / total if total else None,
             "largest": largest if name != "temporaries" else None,
             "bytes_per_param": largest / per if per and name != "temporaries" else None,
-            "rule": rule_of_thumb(name, meta.get("precision"), meta.get("optim")),
+            "rule": rule_of_thumb(name, meta.precision if meta else None, meta.optim if meta else None),
         })
     return rows
 
 
 def build_table(
-    steps: list[Mapping[str, Any]],
-    meta: Mapping[str, Any],
-    plan: Mapping[str, Any] | None,
-    snapshots: list[Mapping[str, Any]] | None = None,
+    steps: list[StepRecord],
+    meta: MetaRecord | None,
+    plan: PlanRecord | Mapping[str, Any] | None,
+    snapshots: list[Snapshot] | None = None,
 ) -> Any:
     """The rich ``Table`` of the peak step (None when no step was measured)."""
     from rich.table import Table
@@ -96,10 +98,10 @@ def build_table(
     step = peak_step(steps)
     if step is None:
         return None
-    step_snaps = [s for s in snapshots or [] if s.get("step") == step["step"]]
-    frozen = next((s["frozen_models"] for s in step_snaps if s.get("frozen_models")), None)
+    step_snaps = [s for s in snapshots or [] if s.step == step.step]
+    frozen = next((s.frozen_models for s in step_snaps if s.frozen_models), None)
     table = Table(
-        title=f"hf-memwatch: peak step {step['step']} — {format_bytes(step['peak'])} at {step.get('peak_phase')}",
+        title=f"hf-memwatch: peak step {step.step} — {format_bytes(step.peak)} at {step.peak_phase}",
         caption=_caption(meta, plan, frozen),
     )
     for header, justify in (("class", "left"), ("at peak", "right"), ("share", "right"),
@@ -117,12 +119,12 @@ def build_table(
     return table
 
 
-def _caption(meta: Mapping[str, Any], plan: Mapping[str, Any] | None,
+def _caption(meta: MetaRecord | None, plan: PlanRecord | Mapping[str, Any] | None,
              frozen_models: Mapping[str, int] | None = None) -> str:
     parts = []
-    if meta.get("model"):
-        parts.append(f"{meta['model']}, {meta.get('params', 0):,} params, batch {meta.get('batch_size')} × "
-                     f"accum {meta.get('gradient_accumulation_steps')}, {meta.get('precision')}, {meta.get('optim')}")
+    if meta is not None and meta.model:
+        parts.append(f"{meta.model}, {meta.params or 0:,} params, batch {meta.batch_size} × "
+                     f"accum {meta.gradient_accumulation_steps}, {meta.precision}, {meta.optim}")
     if frozen_models:  # models the Trainer holds beside the trained one (TRL's ref_model): in weights
         parts.append("weights include frozen models the Trainer holds: " + ", ".join(
             f"{name} {format_bytes(nbytes)}" for name, nbytes in frozen_models.items()))
@@ -130,8 +132,9 @@ def _caption(meta: Mapping[str, Any], plan: Mapping[str, Any] | None,
     return "\n".join(parts)
 
 
-def describe_plan(plan: Mapping[str, Any] | None) -> str:
-    """One line for a ``plan`` record of the auto mode.
+def describe_plan(plan: PlanRecord | Mapping[str, Any] | None) -> str:
+    """One line for a ``plan`` record of the auto mode (a plain dict, as the callback saves it, is
+    read as its :class:`~hf_memwatch.core.records.PlanRecord`).
 
     Example:
         >>> describe_plan({"micro_batch_size": 8, "gradient_accumulation_steps": 2, "optim": "adamw_torch",
@@ -140,60 +143,51 @@ def describe_plan(plan: Mapping[str, Any] | None) -> str:
     """
     if not plan:
         return "none (auto mode off)"
-    if plan.get("status") == "failed":
+    if isinstance(plan, Mapping):
+        plan = PlanRecord.from_dict(dict(plan), lenient=True)
+    if plan.status == "failed":
         return "none (planning failed: trained as configured)"
     parts = []
-    if "micro_batch_size" in plan:
-        parts.append(f"micro-batch {plan['micro_batch_size']} × accum {plan.get('gradient_accumulation_steps', 1)}")
-    if "activation_checkpointing" in plan:
-        parts.append(f"checkpointing {'on' if plan['activation_checkpointing'] else 'off'}")
-    if plan.get("optim"):
-        parts.append(str(plan["optim"]))
-    for key in ("predicted_peak", "budget"):
-        if plan.get(key):
-            parts.append(f"{key.replace('_', ' ')} {format_bytes(plan[key])}")
-    return ", ".join(parts) or str(dict(plan))
+    if plan.micro_batch_size is not None:
+        parts.append(f"micro-batch {plan.micro_batch_size} × accum {plan.gradient_accumulation_steps or 1}")
+    if plan.activation_checkpointing is not None:
+        parts.append(f"checkpointing {'on' if plan.activation_checkpointing else 'off'}")
+    if plan.optim:
+        parts.append(str(plan.optim))
+    for key, value in (("predicted peak", plan.predicted_peak), ("budget", plan.budget)):
+        if value:
+            parts.append(f"{key} {format_bytes(value)}")
+    return ", ".join(parts) or str(plan.to_dict())
 
 
 def load_summary_inputs(
     path: str | os.PathLike[str],
-) -> tuple[list[dict[str, Any]], dict[str, Any], dict | None, list[dict[str, Any]]]:
-    """(step records, meta, last plan record, snapshots) of rank 0's timeline under ``path``."""
-    from ..core.timeline import find_timelines, read_timeline
-
-    files = find_timelines(path)
-    steps: list[dict[str, Any]] = []
-    meta: dict[str, Any] = {}
-    plan = None
-    snapshots: list[dict[str, Any]] = []
-    for record in read_timeline(files[0]) if files else []:
-        kind = record.get("event")
-        if kind == "snapshot" and "stage" not in record:  # eval loops' snapshots: load_eval_records
-            snapshots.append(record)
-        elif kind == "step":
-            steps.append(record)
-        elif kind == "meta":
-            meta.update(record)
-        elif kind == "plan":
-            plan = record
+) -> tuple[list[StepRecord], MetaRecord | None, PlanRecord | None, list[Snapshot]]:
+    """(step records, meta, last plan record, training snapshots) of rank 0's timeline under ``path``."""
+    records = load_records(path)
+    steps = [r for r in records if isinstance(r, StepRecord)]
+    meta = next((r for r in reversed(records) if isinstance(r, MetaRecord)), None)
+    plan = next((r for r in reversed(records) if isinstance(r, PlanRecord)), None)
+    snapshots = [r for r in records if isinstance(r, Snapshot) and r.stage is None]  # eval loops': their records
     return steps, meta, plan, snapshots
 
 
-def load_records(path: str | os.PathLike[str], event: str) -> list[dict[str, Any]]:
-    """The ``event`` records of rank 0's timeline under ``path``."""
-    from ..core.timeline import find_timelines, read_timeline
+def load_records(path: str | os.PathLike[str], event: str | None = None) -> list[Record]:
+    """The typed records (the ``event`` ones, or all) of rank 0's timeline under ``path``
+    (:func:`~hf_memwatch.core.timeline.read_records`: malformed lines and unknown events left out)."""
+    from ..core.timeline import find_timelines, read_records
 
     files = find_timelines(path)
-    return [r for r in (read_timeline(files[0]) if files else []) if r.get("event") == event]
+    return [r for r in (read_records(files[0]) if files else []) if event is None or r.EVENT == event]
 
 
-def load_eval_records(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+def load_eval_records(path: str | os.PathLike[str]) -> list[EvalRecord]:
     """The ``eval`` records (one per evaluation/prediction loop) of rank 0's timeline under ``path``."""
-    return load_records(path, "eval")
+    return [r for r in load_records(path, "eval") if isinstance(r, EvalRecord)]
 
 
-def footprint_lines(footprints: list[Mapping[str, Any]], steps: list[Mapping[str, Any]],
-                    snapshots: list[Mapping[str, Any]], settings: str | None) -> list[str]:
+def footprint_lines(footprints: list[FootprintRecord], steps: list[StepRecord],
+                    snapshots: list[Snapshot], settings: str | None) -> list[str]:
     """What the limit counted beyond the allocated bytes, and the expandable-segments advice.
 
     ``footprints``: the auto mode's ``footprint`` records (their margin and advice, as measured in the
@@ -201,8 +195,8 @@ def footprint_lines(footprints: list[Mapping[str, Any]], steps: list[Mapping[str
     allocator ``settings`` of the run are known (at train end; ``None`` for a stored timeline).
 
     Example:
-        >>> step = {"step": 2, "peak": 700 << 20}
-        >>> snaps = [{"step": 2, "reserved": 1 << 30, "num_alloc_retries": 0}]
+        >>> step = StepRecord.from_dict({"step": 2, "peak": 700 << 20}, lenient=True)
+        >>> snaps = [Snapshot.from_dict({"step": 2, "reserved": 1 << 30, "num_alloc_retries": 0}, lenient=True)]
         >>> footprint_lines([], [step], snaps, "")[0][:62]
         'set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before th'
         >>> footprint_lines([], [step], snaps, "expandable_segments:True")
@@ -211,49 +205,51 @@ def footprint_lines(footprints: list[Mapping[str, Any]], steps: list[Mapping[str
     lines = []
     if footprints:
         last = footprints[-1]
-        if last["kind"] != "allocated":  # a byte budget on the CPU: nothing lies beyond the tensors
-            lines.append(f"footprint measured in steps {', '.join(str(f['step']) for f in footprints)}: "
-                         f"up to {format_bytes(max(f['footprint_gap'] for f in footprints))} {last['kind']} "
+        if last.kind != "allocated":  # a byte budget on the CPU: nothing lies beyond the tensors
+            lines.append(f"footprint measured in steps {', '.join(str(f.step) for f in footprints)}: "
+                         f"up to {format_bytes(max(f.footprint_gap for f in footprints))} {last.kind} "
                          "beyond the allocated bytes, "
-                         f"planning margin {last['margin']:.1%}")
-        advice = next((f["advice"] for f in footprints if f.get("advice")), None)
+                         f"planning margin {last.margin:.1%}")
+        advice = next((f.advice for f in footprints if f.advice), None)
     else:
         advice = None
         top = peak_step(list(steps))
         if top is not None and settings is not None:
-            own = [s for s in snapshots if s.get("step") == top["step"] and s.get("reserved") is not None]
+            own = [s for s in snapshots if s.step == top.step and s.reserved is not None]
             if own:
-                retries = max(int(s.get("num_alloc_retries") or 0) for s in own)
-                advice = expandable_segments_advice(max(int(s["reserved"]) for s in own), int(top["peak"]),
+                retries = max(int(s.num_alloc_retries or 0) for s in own)
+                advice = expandable_segments_advice(max(int(s.reserved) for s in own), int(top.peak),
                                                     retries, settings)
     if advice:
         lines.append(advice)
     return lines
 
 
-def highest_moment(steps: list[Mapping[str, Any]], evals: list[Mapping[str, Any]]) -> str | None:
+def highest_moment(steps: list[StepRecord], evals: list[EvalRecord]) -> str | None:
     """One line naming the run's highest moment, a training step or an eval loop.
 
     Example:
-        >>> highest_moment([{"step": 3, "peak": 10 * 2**20, "peak_phase": "after_backward"}],
-        ...                [{"stage": "eval", "step": 2, "peak": 40 * 2**20, "peak_batch": 7, "live": {"outputs": 2**25}}])
+        >>> step = StepRecord.from_dict({"step": 3, "peak": 10 * 2**20, "peak_phase": "after_backward"}, lenient=True)
+        >>> loop = EvalRecord.from_dict({"stage": "eval", "step": 2, "peak": 40 * 2**20, "peak_batch": 7,
+        ...                              "live": {"outputs": 2**25}}, lenient=True)
+        >>> highest_moment([step], [loop])
         'highest moment of the run: the eval loop after step 2, batch 7 — 40.00 MiB (accumulated outputs 32.00 MiB), above the highest training step (step 3, 10.00 MiB)'
     """
     step = peak_step(list(steps))
-    loops = [e for e in evals if e.get("peak") is not None]
-    loop = max(loops, key=lambda e: e["peak"]) if loops else None
-    if loop is not None and (step is None or loop["peak"] > step["peak"]):
-        outputs = (loop.get("live") or {}).get("outputs")
-        text = (f"highest moment of the run: the {loop.get('stage')} loop after step {loop.get('step')}, batch "
-                f"{loop.get('peak_batch')} — {format_bytes(loop['peak'])} (accumulated outputs {format_bytes(outputs)})")
+    loops = [e for e in evals if e.peak is not None]
+    loop = max(loops, key=lambda e: e.peak) if loops else None
+    if loop is not None and (step is None or loop.peak > step.peak):
+        outputs = (loop.live or {}).get("outputs")
+        text = (f"highest moment of the run: the {loop.stage} loop after step {loop.step}, batch "
+                f"{loop.peak_batch} — {format_bytes(loop.peak)} (accumulated outputs {format_bytes(outputs)})")
         if step is not None:
-            text += f", above the highest training step (step {step['step']}, {format_bytes(step['peak'])})"
+            text += f", above the highest training step (step {step.step}, {format_bytes(step.peak)})"
         return text
     if step is None:
         return None
-    text = f"highest moment of the run: training step {step['step']} at {step.get('peak_phase')} — {format_bytes(step['peak'])}"
+    text = f"highest moment of the run: training step {step.step} at {step.peak_phase} — {format_bytes(step.peak)}"
     if loop is not None:
-        text += f"; eval loops peaked at {format_bytes(loop['peak'])}"
+        text += f"; eval loops peaked at {format_bytes(loop.peak)}"
     return text
 
 
@@ -267,7 +263,8 @@ def print_summary(path: str | os.PathLike[str], plan: Mapping[str, Any] | None =
     steps, meta, recorded_plan, snapshots = load_summary_inputs(path)
     table = build_table(steps, meta, plan or recorded_plan, snapshots)
     moment = highest_moment(steps, load_eval_records(path))
-    notes = footprint_lines(load_records(path, "footprint"), steps, snapshots, settings)
+    footprints = [r for r in load_records(path, "footprint") if isinstance(r, FootprintRecord)]
+    notes = footprint_lines(footprints, steps, snapshots, settings)
     if table is not None or moment or notes:
         console = console or Console()
         console.print()  # the progress bar may still hold the current line

@@ -13,7 +13,6 @@ Usage:
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 import warnings
@@ -24,6 +23,8 @@ from typing import Any
 
 import torch
 
+from ..core.records import StepRecord
+from ..core.timeline import read_records
 from ..measure.attribution import weight_storages
 from .estimate_truth import ListDataset, synthetic_dataset
 from .families import FAMILIES, build_family_model
@@ -94,8 +95,8 @@ def compare(build: Builder, name: str = "", *, unwatched: bool = True, with_esti
 
             predicted = estimate(trainer).peak_bytes
         watched, truth, losses = _profiled(trainer)
-        lines = (Path(watched_dir) / "memwatch" / "timeline.jsonl").read_text().splitlines()
-        live = [r["peak"] for r in map(json.loads, filter(str.strip, lines)) if r["event"] == "step"]
+        records = read_records(Path(watched_dir) / "memwatch" / "timeline.jsonl")
+        live = [r.peak for r in records if isinstance(r, StepRecord)]
     return Comparison(name, without, watched, truth, live, predicted, (plain_losses, losses))
 
 
