@@ -87,8 +87,9 @@ def gemm_cpu_workspace(func: Any, args: tuple, kwargs: dict[str, Any]) -> int:
 
     Where ATen does not send the dtype to oneDNN (:func:`onednn_gemm`: a CPU without AVX-512 or
     AVX-NE-CONVERT) and both matrices are row- or column-major (:func:`blas_ready`), nothing is
-    probed: the fallback kernel allocates nothing through the allocator (measured 0 bytes on 140 bf16
-    and fp16 ``mm``/``addmm`` products from 16^3 to 4096 x 2560 x 64, all four transpositions, and on
+    probed: the fallback kernel allocates nothing through the allocator (measured 0 bytes on 172 bf16
+    and fp16 ``mm``/``addmm`` products, 16 to 9728 a side, up to 2.6e9 multiply-adds, all four
+    transpositions, and on
     a Qwen3-4B layer's products at 512-4096 tokens: ``benchmarks/results/gemm_workspace_rule.md``;
     seven bf16 estimates unchanged to the byte), while each probe ran the full product: a 2-layer
     Qwen3-4B estimate at 1 x 64 tokens took 216 s with its 18 probes, 7 s without.
