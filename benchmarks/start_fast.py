@@ -1,20 +1,23 @@
 """How fast ``hf-memwatch estimate CONFIG`` starts: cold (a fresh process) and warm (a second call).
 
 A Qwen3-4B-shaped ``config.json`` (36 layers, hidden 2560, vocabulary 151936; no weights, no hub) is
-written to a temporary folder and estimated at micro-batch 1 x 512 tokens, fp32, as
-``hf-memwatch estimate CONFIG`` does. Three figures, wall-clock seconds, each the median of
-``--rounds`` fresh processes:
+written to a temporary folder twice, as Qwen3-4B's own says (``torch_dtype: bfloat16``: the model
+built in bf16, its matrix products bf16 CPU GEMMs) and without a dtype (fp32), and estimated at
+micro-batch 1 x 512 tokens as ``hf-memwatch estimate CONFIG`` does. Wall-clock seconds, each the
+median of ``--rounds`` fresh processes:
 
-* ``cli``: the CLI end to end in a fresh subprocess (interpreter start, imports, the estimate, output);
-* ``first estimate()``: in a fresh process, ``import hf_memwatch`` then the first ``estimate()``;
+* ``cli``: the CLI end to end in a fresh subprocess (interpreter start, imports, the estimate, output),
+  on each config;
+* ``first estimate()``: in a fresh process, ``import hf_memwatch`` then the first ``estimate()`` (bf16
+  config);
 * ``warm estimate()``: the second ``estimate()`` of the same config in that process;
 
-and the CPU seconds (user + system) of each fresh process, less sensitive than wall time to a machine
-shared with other work (the load average is printed).
-
-Also printed: the import of ``torch`` alone in a fresh process, a floor under every cold figure, and
-the heavy optional modules loaded by the first estimate (peft, bitsandbytes, transformers.trainer,
-torch.distributed.tensor, torch._dynamo), to show which paths the request pulled in.
+and the CPU seconds (user + system) of each, less sensitive than wall time to a machine shared with
+other work (the load average is printed at the start and the end). ``import torch`` alone in a fresh
+process, measured in the same rounds, is the floor under every cold figure; so is
+``import transformers.modeling_utils`` after it (every model class needs it), measured in the same
+process. Also printed: the heavy optional modules loaded by the first estimate, and the bf16 GEMM
+workspace probes it ran (``kernel_workspaces``: a real product under the profiler each).
 
 Usage: ``python benchmarks/start_fast.py [--rounds 3] [--out benchmarks/results/start_fast.md]``.
 """
@@ -37,20 +40,37 @@ QWEN3_4B = {
     "vocab_size": 151936, "max_position_embeddings": 40960, "rms_norm_eps": 1e-06, "rope_theta": 1000000,
     "tie_word_embeddings": True, "hidden_act": "silu", "attention_bias": False,
 }
-HEAVY = ("peft", "bitsandbytes", "transformers.trainer", "torch.distributed.tensor", "torch._dynamo")
+HEAVY = ("peft", "bitsandbytes", "transformers.trainer", "torch.distributed.tensor", "torch._dynamo", "scipy")
 
 IN_PROCESS = r"""
-import json, sys, time, warnings
+import json, resource, sys, time, warnings
 warnings.simplefilter("ignore")
-start = time.perf_counter()
+def clock():
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return time.perf_counter(), usage.ru_utime + usage.ru_stime
+start = clock()
 from hf_memwatch import estimate
 est = estimate(sys.argv[1], batch_size=1, seq_len=512)
-first = time.perf_counter() - start
-start = time.perf_counter()
+first = clock()
 estimate(sys.argv[1], batch_size=1, seq_len=512)
-warm = time.perf_counter() - start
+warm = clock()
+from hf_memwatch.estimation import kernel_workspaces
 heavy = [name for name in json.loads(sys.argv[2]) if name in sys.modules]
-print(json.dumps({"first": first, "warm": warm, "peak": est.peak_bytes, "heavy": heavy}))
+print(json.dumps({"first": first[0] - start[0], "first_cpu": first[1] - start[1], "warm": warm[0] - first[0],
+                  "warm_cpu": warm[1] - first[1], "peak": est.peak_bytes, "heavy": heavy,
+                  "probes": len(kernel_workspaces._GEMM_WORKSPACES)}))
+"""
+FLOORS = r"""
+import json, resource, time
+def clock():
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return time.perf_counter(), usage.ru_utime + usage.ru_stime
+start = clock()
+import torch
+middle = clock()
+import transformers.modeling_utils
+end = clock()
+print(json.dumps({"modeling_utils": end[0] - middle[0], "modeling_utils_cpu": end[1] - middle[1]}))
 """
 
 
@@ -65,55 +85,75 @@ def _wall(command: list[str]) -> tuple[float, float, str]:
     return wall, cpu, done.stdout
 
 
+def _round(configs: dict[str, str], samples: dict[str, list[float]]) -> dict:
+    """One round of fresh processes; appends (wall, CPU) samples by row name, returns the in-process result."""
+    def add(name: str, wall: float, cpu: float | None) -> None:
+        samples.setdefault(name, []).append(wall)
+        if cpu is not None:
+            samples.setdefault(name + " cpu", []).append(cpu)
+
+    wall, used, out = _wall([sys.executable, "-c", "import torch"])
+    add("torch", wall, used)
+    _, _, out = _wall([sys.executable, "-c", FLOORS])
+    floors = json.loads(out.strip().splitlines()[-1])
+    add("modeling_utils", floors["modeling_utils"], floors["modeling_utils_cpu"])
+    for kind, config in configs.items():
+        wall, used, _ = _wall([sys.executable, "-m", "hf_memwatch.cli.main", "estimate", config,
+                               "--batch-size", "1", "--seq-len", "512"])
+        add(f"cli {kind}", wall, used)
+    _, used, out = _wall([sys.executable, "-c", IN_PROCESS, configs["bf16"], json.dumps(HEAVY)])
+    result = json.loads(out.strip().splitlines()[-1])
+    add("first", result["first"], result["first_cpu"])
+    add("warm", result["warm"], result["warm_cpu"])
+    samples.setdefault("process cpu", []).append(used)
+    return result
+
+
+ROWS = [("import torch (fresh process, a floor)", "torch"),
+        ("import transformers.modeling_utils after torch (a floor: every model class needs it)", "modeling_utils"),
+        ("cli: hf-memwatch estimate CONFIG (cold), bf16 config.json (as Qwen3-4B's)", "cli bf16"),
+        ("cli: hf-memwatch estimate CONFIG (cold), config.json without a dtype (fp32)", "cli fp32"),
+        ("first estimate() in a fresh process (cold, imports included), bf16 config", "first"),
+        ("second estimate() in that process (warm)", "warm"),
+        ("that whole process (interpreter, imports, two estimates)", "process")]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default=None, help="also write the table (markdown) here")
     args = parser.parse_args()
+    load_start = os.getloadavg()[0]
+    samples: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        config = os.path.join(tmp, "config.json")
-        with open(config, "w", encoding="utf-8") as handle:
-            json.dump(QWEN3_4B, handle)
-        torch_only, cli, first, warm = [], [], [], []
-        cpu: dict[str, list[float]] = {"torch": [], "cli": [], "process": []}
-        heavy: list[str] = []
+        configs = {}
+        for kind, extra in (("bf16", {"torch_dtype": "bfloat16"}), ("fp32", {})):
+            configs[kind] = os.path.join(tmp, kind, "config.json")
+            os.makedirs(os.path.dirname(configs[kind]))
+            with open(configs[kind], "w", encoding="utf-8") as handle:
+                json.dump({**QWEN3_4B, **extra}, handle)
         for _ in range(args.rounds):
-            wall, used, _ = _wall([sys.executable, "-c", "import torch"])
-            torch_only.append(wall)
-            cpu["torch"].append(used)
-            wall, used, _ = _wall([sys.executable, "-m", "hf_memwatch.cli.main", "estimate", config,
-                                   "--batch-size", "1", "--seq-len", "512"])
-            cli.append(wall)
-            cpu["cli"].append(used)
-            _, used, out = _wall([sys.executable, "-c", IN_PROCESS, config, json.dumps(HEAVY)])
-            cpu["process"].append(used)
-            result = json.loads(out.strip().splitlines()[-1])
-            first.append(result["first"])
-            warm.append(result["warm"])
-            heavy = result["heavy"]
-    rows = [("import torch (fresh process, a floor)", torch_only, cpu["torch"]),
-            ("cli: hf-memwatch estimate CONFIG (cold)", cli, cpu["cli"]),
-            ("first estimate() in a fresh process (cold, imports included)", first, None),
-            ("second estimate() in that process (warm)", warm, None),
-            ("that whole process (two estimates)", None, cpu["process"])]
+            result = _round(configs, samples)
     lines = [
         "# Start fast: `hf-memwatch estimate CONFIG`",
         "",
-        f"Qwen3-4B-shaped config.json, micro-batch 1 x 512 tokens, fp32; median of {args.rounds} fresh processes "
-        f"(`python benchmarks/start_fast.py --rounds {args.rounds}`), {os.cpu_count()} CPUs, load average "
-        f"{os.getloadavg()[0]:.1f} when it ended.",
+        f"Qwen3-4B-shaped config.json, micro-batch 1 x 512 tokens; median of {args.rounds} fresh processes "
+        f"(`python benchmarks/start_fast.py --rounds {args.rounds}`), {os.cpu_count()} CPUs shared with other "
+        f"work, load average {load_start:.1f} at the start and {os.getloadavg()[0]:.1f} at the end.",
         "",
-        "| what | wall s (median) | min | max | CPU s of the process (median) |",
+        "| what | wall s (median) | min | max | CPU s (median) |",
         "|---|---:|---:|---:|---:|",
     ]
 
     def cell(values: list[float] | None) -> str:
-        return "" if values is None else f"{statistics.median(values):.2f}"
+        return "" if not values else f"{statistics.median(values):.2f}"
 
-    for name, walls, cpus in rows:
-        span = ("| | " if walls is None else f"| {min(walls):.2f} | {max(walls):.2f} ")
+    for name, key in ROWS:
+        walls, cpus = samples.get(key), samples.get(key + " cpu")
+        span = ("| | " if not walls else f"| {min(walls):.2f} | {max(walls):.2f} ")
         lines.append(f"| {name} | {cell(walls)} {span}| {cell(cpus)} |")
-    lines += ["", "Heavy optional modules loaded by the first estimate: " + (", ".join(heavy) or "none") + "."]
+    lines += ["", "Heavy optional modules loaded by the first estimate: " + (", ".join(result["heavy"]) or "none")
+              + f". bf16 GEMM workspace probes it ran: {result['probes']}."]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
