@@ -1,7 +1,7 @@
 """Start fast: ``hf-memwatch estimate CONFIG`` imports only what the request needs, probes no GEMM it can rule.
 
 One fresh process runs the CLI on a bf16 ``config.json`` (a tiny Qwen3, as Qwen3-4B's says
-``torch_dtype: bfloat16``) and reports which optional heavy modules it loaded and how many bf16 GEMM
+``torch_dtype: bfloat16``), then ``estimate()`` on a config object, and reports which optional heavy modules it loaded and how many bf16 GEMM
 workspace probes it ran. No timing: the figures are in ``benchmarks/results/start_fast.md``.
 
 Not asserted, because torch or transformers import them for every estimate (measured, see the
@@ -25,8 +25,11 @@ import contextlib, io, json, sys
 from hf_memwatch.cli.main import main
 from hf_memwatch.estimation import kernel_workspaces as kw
 import torch
+from transformers import GPT2Config
+from hf_memwatch import estimate
 with contextlib.redirect_stdout(io.StringIO()):
     status = main(["estimate", sys.argv[1], "--batch-size", "2", "--seq-len", "64"])
+estimate(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100), batch_size=1, seq_len=8)  # the Python API
 print(json.dumps({"status": status, "heavy": [m for m in json.loads(sys.argv[2]) if m in sys.modules],
                   "probes": len(kw._GEMM_WORKSPACES), "onednn": kw.onednn_gemm(torch.bfloat16)}))
 """
