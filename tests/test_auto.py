@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import gpt2_model, loss_history, read_records, token_dataset, training_args
+from conftest import gpt2_model, hand_configured, loss_history, read_records, token_dataset, training_args
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import Trainer, TrainerCallback
@@ -64,11 +64,7 @@ def test_over_budget_run_fits_and_equals_the_hand_configured_plan(tmp_path: Path
     assert (plan["micro_batch_size"], plan["activation_checkpointing"]) != (8, False)  # a remedy was needed
     assert auto.state.stateful_callbacks["MemWatch"]["attributes"]["auto_plan"] == plan
 
-    hand, _ = run(
-        tmp_path / "hand", [], profiled=False, max_steps=2, per_device_train_batch_size=plan["micro_batch_size"],
-        gradient_accumulation_steps=plan["gradient_accumulation_steps"],
-        activation_checkpointing=plan["activation_checkpointing"], optim=plan["optim"],
-    )
+    hand, _ = run(tmp_path / "hand", [], profiled=False, max_steps=2, **hand_configured(plan))
     assert loss_history(auto) == pytest.approx(loss_history(hand), abs=1e-6)
     assert auto.state.global_step == hand.state.global_step == 2
     lr = [[e["learning_rate"] for e in t.state.log_history if "learning_rate" in e] for t in (auto, hand)]
@@ -135,12 +131,23 @@ def trainer_state(checkpoint: Path) -> dict[str, Any]:
     return state
 
 
+RESUMED = {"per_device_train_batch_size": 8, "save_strategy": "steps", "save_steps": 1, "max_steps": 2,
+           "auto_find_batch_size": True}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The auto run that the resumed runs must equal, run once (the flag below acts only on a resume)."""
+    whole = tmp_path_factory.mktemp("whole")
+    run(whole, [MemWatch(auto=True, budget="12MiB", **LIGHT)], profiled=False, **RESUMED)
+    return whole
+
+
 @pytest.mark.parametrize("restore_callback", [False, True])
-def test_resume_keeps_the_plan_and_the_trainer_state(tmp_path: Path, caplog: Any, restore_callback: bool) -> None:
-    config = {"per_device_train_batch_size": 8, "save_strategy": "steps", "save_steps": 1, "max_steps": 2,
-              "auto_find_batch_size": True, "restore_callback_states_from_checkpoint": restore_callback}
-    whole = tmp_path / "whole"
-    run(whole, [MemWatch(auto=True, budget="12MiB", **LIGHT)], profiled=False, **config)
+def test_resume_keeps_the_plan_and_the_trainer_state(tmp_path: Path, caplog: Any, restore_callback: bool,
+                                                     uninterrupted: Path) -> None:
+    config = {**RESUMED, "restore_callback_states_from_checkpoint": restore_callback}
+    whole = uninterrupted
     [plan] = plan_records(whole)
     assert plan["micro_batch_size"] < 8 and plan["configured"]["micro_batch_size"] == 8
 
