@@ -22,9 +22,22 @@ not exist yet. Which of the two a step meets depends on the order gradients arri
 flow is replayed, not added: :class:`ZeroGradientFlow` hooks the fake model's parameters and does
 what DeepSpeed does, on fake tensors the estimate's tracker counts.
 
+ZeRO-1 sets up the bucket at every backward's first gradient too (``process_gradients``; measured:
+gradients 2,761,344 B after the first micro-step = the whole ``.grad`` + the 400,000 B bucket) but
+keeps whole ``.grad`` between micro-steps and reduces them only at the boundary, after the
+backward (``reduce_gradients``), through the same bucket into the same buffer.
+
 The replay's micro-step after the first starts with every ``.grad`` resident (the earlier
 micro-steps'); at the model's forward the flow turns them into what ZeRO keeps: ZeRO-2 the kept
-partition (the widest rank's), ZeRO-1 the whole ``.grad`` (it reduces only at the boundary).
+partition (the widest rank's: every rank plans for the one that keeps most, 329,472 elements on
+rank 1 of the run above), ZeRO-1 the whole ``.grad`` and the earlier backward's bucket. The
+replayed micro-step is the step's last (the boundary). With the flow, the estimate divides no
+gradient class and adds no bucket (:func:`~hf_memwatch.estimation.shard.engine_classes`); the
+optimizer step holds the kept partition and its flat fp32 copy (:mod:`~hf_memwatch.estimation.zero_step`).
+Measured against MemWatch on the 2-rank runs: ZeRO-1 4 x 2 predicted 14,734,232 B, measured
+14,735,268; ZeRO-2 4 x 2 13,290,776 vs 13,279,524 / 13,291,812 (ranks 0 / 1); 1 x 8 + checkpointing
+10,741,772 vs 10,734,116 / 10,746,404. Not modelled: ``overlap_comm`` (a second bucket),
+``contiguous_gradients: false``, ``round_robin_gradients``, 16-bit ZeRO and offload (other paths).
 """
 
 from __future__ import annotations
