@@ -35,7 +35,13 @@ from transformers import Trainer, TrainerCallback  # noqa: E402
 
 from hf_memwatch import MemWatch, estimate  # noqa: E402
 from hf_memwatch.core.run_config import RunConfig  # noqa: E402
-from hf_memwatch.testing.truth import StepMarker, cpu_memory_deltas, cpu_memory_profile, step_peaks  # noqa: E402
+from hf_memwatch.testing.truth import (  # noqa: E402
+    StepMarker,
+    alive_storages,
+    cpu_memory_deltas,
+    cpu_memory_profile,
+    step_peaks,
+)
 
 # Small buckets: DeepSpeed's default reduce bucket (5e8 elements) would allocate 2 GB per rank.
 BUCKET = 100_000
@@ -175,16 +181,18 @@ def run(out: Path, name: str, stage: int, offload: bool = False) -> dict:
     run_config = RunConfig.from_trainer(trainer)  # before train(): no DeepSpeed engine yet
     with torch.profiler.record_function(ESTIMATE_MARK):  # its leftovers (caches) are no training bytes
         predicted = estimate(trainer).peak_bytes
+    alive = None
     try:
         trainer.train()
     finally:
         if profiler is not None:
             profiler.stop()
+            alive = alive_storages()  # what still holds a block when the window closes (truth.py)
     model = trainer.model
     left = 0 if profiler is None else left_by(profiler, ESTIMATE_MARK)
     return {"losses": loss_history(trainer), "deepspeed": holdings.records,
             # frees on gloo's threads reconciled (testing/truth.py); the raw sum for the benchmark's table
-            "truth_step_peaks": None if profiler is None else step_peaks(profiler, -left, reconcile=True),
+            "truth_step_peaks": None if profiler is None else step_peaks(profiler, -left, reconcile=True, alive=alive),
             "truth_raw_step_peaks": None if profiler is None else step_peaks(profiler, -left),
             "full_param_numel": sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters()),
             "engine": run_config.engine.describe(), "shard": run_config.shard, "offload": run_config.engine.offload,
