@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from hf_memwatch.testing.truth import cpu_memory_deltas, cpu_memory_profile
+from hf_memwatch.testing.truth import alive_storages, cpu_memory_deltas, cpu_memory_profile
 
 NBYTES = 65536  # above the allocator's per-thread cache, below its mmap threshold: the address is reused
 
@@ -35,3 +35,24 @@ def test_a_free_on_another_thread_is_reconciled_at_the_blocks_last_reader():
     reconciled = sum(d for _, d in cpu_memory_deltas(prof, reconcile=True) if abs(d) == NBYTES)
     assert raw == trials * NBYTES  # no free of the other thread is reported: every block counted for good
     assert 0 <= reconciled <= (trials - reused) * NBYTES, (reconciled, reused)
+
+
+def test_a_block_freed_on_another_thread_and_never_reused_is_found_by_what_is_alive_at_the_end():
+    """A 1 MiB block (its own mapping: its address is not reused) read here and freed on another thread:
+    only the storages alive when the window closes tell it was freed; a block still held is kept."""
+    held: dict[str, torch.Tensor] = {}
+    with cpu_memory_profile(record_shapes=True) as prof:
+        kept = torch.ones(1 << 20, dtype=torch.uint8)
+        held["block"] = torch.ones(1 << 20, dtype=torch.uint8)
+        held["block"].sum()
+        freer = threading.Thread(target=lambda: held.pop("block"))
+        freer.start()
+        freer.join()
+    alive = alive_storages()
+    sizes = (1 << 20,)
+    raw = sum(d for _, d in cpu_memory_deltas(prof) if abs(d) in sizes)
+    without = sum(d for _, d in cpu_memory_deltas(prof, reconcile=True) if abs(d) in sizes)
+    reconciled = sum(d for _, d in cpu_memory_deltas(prof, reconcile=True, alive=alive) if abs(d) in sizes)
+    assert raw == without == 2 << 20  # the free on the other thread is not reported
+    assert reconciled == 1 << 20  # `kept` alone
+    assert kept.untyped_storage().data_ptr() in alive
