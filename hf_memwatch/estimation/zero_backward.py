@@ -69,9 +69,9 @@ def rank_partition(groups: list[list[torch.nn.Parameter]], world_size: int, rank
     multiple of 2 x world size, cut in equal partitions; a parameter overlapping the rank's range is kept whole.
 
     Example:
-        >>> a, b = torch.nn.Parameter(torch.zeros(6)), torch.nn.Parameter(torch.zeros(4))
-        >>> rank_partition([[a, b]], 2, 0).numel, rank_partition([[a, b]], 2, 1).numel  # partitions of 6
-        (6, 10)
+        >>> a, b = torch.nn.Parameter(torch.zeros(5)), torch.nn.Parameter(torch.zeros(5))
+        >>> rank_partition([[a, b]], 2, 0).numel, rank_partition([[a, b]], 2, 1).numel  # partitions of 6: b straddles
+        (10, 5)
     """
     kept: list[torch.nn.Parameter] = []
     for group in groups:
