@@ -47,6 +47,8 @@ def test_second_micro_step_backward_holds_two_gradient_partitions_and_the_bucket
     assert result.peak_phase == "after_backward"
     shapes = [t.shape for t in result.peak_tensors.tensors]
     assert shapes.count([kept]) == 2 and [BUCKET] in shapes, shapes
+    # ... counted as gradients (the engine holds them outside .grad), never divided again by the ranks
+    assert result.classes["gradients"] == 4 * (2 * kept + BUCKET), result.classes
     # ZeRO-1 keeps the whole .grad between micro-steps: no partition before the boundary's reduction.
     zero1 = estimate(model.config, batch_size=4, accum=2, seq_len=32, checkpointing=True, optim="adamw_torch",
                      world_size=2, shard="zero1", engine=engine.replace(zero_stage=1), top_tensors=12)

@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 
+from .classify import refs
 from .fake_dispatch import EstimateTracker
 from .optim import param_groups
 
@@ -142,12 +143,12 @@ class ZeroGradientFlow:
         ref = self.params[0]
         if self.stage == 1:
             if self.bucket is None:
-                self.bucket = torch.empty(self.bucket_numel, dtype=ref.dtype, device=ref.device)
+                self.bucket = _held(torch.empty(self.bucket_numel, dtype=ref.dtype, device=ref.device))
             return
         if self.accumulated is None:
             for param in self.params:
                 param.grad = None
-            self.accumulated = torch.empty(self.partition.numel, dtype=ref.dtype, device=ref.device)
+            self.accumulated = _held(torch.empty(self.partition.numel, dtype=ref.dtype, device=ref.device))
             _restart_high()  # the whole .grad resident a moment ago never coexisted with the partition
 
     def _on_gradient(self, param: torch.nn.Parameter) -> None:
@@ -156,7 +157,7 @@ class ZeroGradientFlow:
         if not self.started:
             self.started = True
             self.bucket = None  # bucket.buffer.clear(), then a new one
-            self.bucket = torch.empty(self.bucket_numel, dtype=param.dtype, device=param.device)
+            self.bucket = _held(torch.empty(self.bucket_numel, dtype=param.dtype, device=param.device))
             torch.autograd.Variable._execution_engine.queue_callback(self._epilogue)
         if self.stage == 2:
             self._into_bucket(param)
@@ -179,7 +180,7 @@ class ZeroGradientFlow:
                 continue
             if id(param) in self.keep:
                 if self.buffer is None:
-                    self.buffer = torch.empty(self.partition.numel, dtype=param.dtype, device=param.device)
+                    self.buffer = _held(torch.empty(self.partition.numel, dtype=param.dtype, device=param.device))
                     self.offset = 0
                 view = self.buffer.narrow(0, self.offset, param.numel())
                 view.copy_(param.grad.reshape(-1))
@@ -211,13 +212,23 @@ class ZeroGradientFlow:
         self.accumulated = None
 
 
-def _restart_high() -> None:
-    """Restart the estimate tracker's phase high at the live set now."""
+def _trackers() -> list[EstimateTracker]:
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-    for mode in _get_current_dispatch_mode_stack():
-        if isinstance(mode, EstimateTracker):
-            mode.reset_peak()
+    return [mode for mode in _get_current_dispatch_mode_stack() if isinstance(mode, EstimateTracker)]
+
+
+def _restart_high() -> None:
+    """Restart the estimate tracker's phase high at the live set now."""
+    for tracker in _trackers():
+        tracker.reset_peak()
+
+
+def _held(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, counted as gradients while it lives (the estimate tracker's ``engine_gradients``)."""
+    for tracker in _trackers():
+        tracker.engine_gradients.update(refs(tracker, [tensor]))
+    return tensor
 
 
 def zero_gradient_flow(model: torch.nn.Module, engine: Any, precision: str = "fp32") -> Any:
