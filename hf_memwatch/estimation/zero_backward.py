@@ -142,6 +142,9 @@ class ZeroGradientFlow:
             return
         ref = self.params[0]
         if self.stage == 1:
+            for param in self.params:  # gradients while they live, though not .grad when the phase closes
+                if param.grad is not None:
+                    _held(param.grad)
             if self.bucket is None:
                 self.bucket = _held(torch.empty(self.bucket_numel, dtype=ref.dtype, device=ref.device))
             return
