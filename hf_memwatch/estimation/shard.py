@@ -158,8 +158,9 @@ def engine_classes(classes: dict[str, int], model: torch.nn.Module, engine: Any,
         # ZeRO-3 reduces every gradient into its flat partition (``grad_partitions_flat_buffer``,
         # each parameter's ceil(numel / N) elements), allocated with the engine and resident at every
         # phase with the reduce bucket; a ``.grad`` lives only until its hook copies it into the bucket.
+        # The bucket is ``torch.empty(reduce_bucket_size)`` (stage3.py, contiguous gradients), whatever the model.
         partition = sum(_ceil_div(p.numel(), world) for p in trainable) * size
-        bucket = min(int(engine.reduce_bucket_size or numel), numel) * size
+        bucket = int(engine.reduce_bucket_size or numel) * size
         out["gradients"] = partition + bucket
         _note(notes, f"zero3: the gradient partition ({partition} bytes) + the reduce bucket ({bucket} bytes), resident")
     elif stage >= 2 and not flowed:
