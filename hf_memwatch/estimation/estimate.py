@@ -58,6 +58,7 @@ from .trainer_replay import (
     worst_case_batch,
 )
 from .trl_replay import TrainerReplay, dataloader_batch_size
+from .zero_backward import flow_applies, zero_gradient_flow
 from .zero_step import zero_optimizer_step
 
 # Names other packages import from here (cli/estimate.py); the model builder, request: fake_model, request.
@@ -234,8 +235,9 @@ def _replay_step(model: torch.nn.Module, fake_mode: Any, request: EstimateReques
     guard = TrainerStateGuard(trainer, request.gradient_accumulation_steps) if trainer is not None \
         else contextlib.nullcontext()
     recording = recording_allocations() if request.device == "cuda" else contextlib.nullcontext([])
+    flow = zero_gradient_flow(model, _engine_of(request, trainer), request.precision)  # ZeRO-1/2's buckets and partitions
     try:
-        with guard, recording as traces:
+        with guard, recording as traces, flow:
             simulation = _simulate(model, fake_mode, request, inputs, notes)
     except (MemWatchConfigError, KeyboardInterrupt):
         raise
@@ -294,8 +296,10 @@ def _result(model: torch.nn.Module, fake_mode: Any, request: EstimateRequest, in
                      "a floor under the step's peak")
     engine = _engine_of(request, inputs.trainer)
     shard, world_size, precision, device = request.shard, request.world_size, request.precision, request.device
-    per_phase = {phase: engine_classes(shard_classes(classes, model, world_size, shard, notes, precision), model,
-                                       engine, notes, precision, device)[0]
+    flowed = flow_applies(engine, model, precision)  # the replay held ZeRO-1/2's gradients as the rank does
+    divided = "zero1" if flowed else shard
+    per_phase = {phase: engine_classes(shard_classes(classes, model, world_size, divided, notes, precision), model,
+                                       engine, notes, precision, device, flowed)[0]
                  for phase, classes in simulation.phase_classes.items()}
     per_phase = zero_optimizer_step(per_phase, model, engine, request.optim, device, notes)
     phase_peaks = {phase: sum(classes.values()) for phase, classes in per_phase.items()}

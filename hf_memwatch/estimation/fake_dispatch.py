@@ -56,6 +56,8 @@ class EstimateTracker(StorageTracker):
         self.snapshot: tuple[dict[int, Any], set[int]] | None = None
         self.kernel_workspaces = device_type == "cpu" and round_to == 1
         self.named: dict[int, tuple[Any, str]] = {}  # storage key -> (its ref, detail name)
+        # storage key -> its ref: gradients an engine holds outside ``.grad`` (ZeRO's buckets, partitions)
+        self.engine_gradients: dict[int, Any] = {}
         self._logits_shape: tuple[int, int] | None = None
         self._mixed = False
         self._int_answer = 1

@@ -129,11 +129,12 @@ def _deepspeed_mixed_precision(classes: dict[str, int], model: torch.nn.Module, 
 
 
 def engine_classes(classes: dict[str, int], model: torch.nn.Module, engine: Any, notes: list[str],
-                   precision: str = "fp32", device: str = "cpu") -> tuple[dict[str, int], int]:
+                   precision: str = "fp32", device: str = "cpu", flowed: bool = False) -> tuple[dict[str, int], int]:
     """(per-rank classes, host bytes) with what DeepSpeed ``engine`` holds beyond the ZeRO split.
 
     ``classes`` are :func:`shard_classes`' output for ``engine.shard``. Only fp32 ZeRO gains here
-    (the 16-bit rules above already count the master copy).
+    (the 16-bit rules above already count the master copy). ``flowed``: the replay held ZeRO-1/2's
+    gradients, bucket included, as the rank does (:mod:`~hf_memwatch.estimation.zero_backward`).
 
     Example:
         >>> from hf_memwatch.core.engine import Engine
@@ -153,7 +154,16 @@ def engine_classes(classes: dict[str, int], model: torch.nn.Module, engine: Any,
     if precision not in ("bf16", "fp16"):
         out["optimizer_states"] += _ceil_div(4 * numel, world)
         _note(notes, f"zero{stage} (DeepSpeed, fp32): + the fp32 master partition ({_ceil_div(4 * numel, world)} bytes)")
-    if stage >= 2:
+    if stage == 3 and precision not in ("bf16", "fp16"):
+        # ZeRO-3 reduces every gradient into its flat partition (``grad_partitions_flat_buffer``,
+        # each parameter's ceil(numel / N) elements), allocated with the engine and resident at every
+        # phase with the reduce bucket; a ``.grad`` lives only until its hook copies it into the bucket.
+        # The bucket is ``torch.empty(reduce_bucket_size)`` (stage3.py, contiguous gradients), whatever the model.
+        partition = sum(_ceil_div(p.numel(), world) for p in trainable) * size
+        bucket = int(engine.reduce_bucket_size or numel) * size
+        out["gradients"] = partition + bucket
+        _note(notes, f"zero3: the gradient partition ({partition} bytes) + the reduce bucket ({bucket} bytes), resident")
+    elif stage >= 2 and not flowed:
         bucket = min(int(engine.reduce_bucket_size or numel), numel) * size
         out["gradients"] += bucket
         _note(notes, f"zero{stage}: + the reduce bucket ({bucket} bytes)")

@@ -31,11 +31,12 @@ from typing import Any
 
 import torch
 
-from ..core.categories import AFTER_OPTIMIZER
+from ..core.categories import AFTER_OPTIMIZER, STEP_END
 from ..measure.saved_tensors import SavedTensorRegistry
 from .fake_dispatch import EstimateTracker
 from .optim import BNB_OPTIMS, optimizer_class_and_kwargs, param_groups
 from .shard import zero3_gathered_bytes
+from .zero_backward import flow_applies, widest_partition
 
 
 @dataclass(frozen=True)
@@ -122,10 +123,15 @@ def zero_optimizer_step(per_phase: dict[str, dict[str, int]], model: torch.nn.Mo
         out[phase] = classes
     at_step = out[AFTER_OPTIMIZER]
     at_step["temporaries"] = step.temporaries
-    if engine.offload_optimizer == "none":  # offload: the host gradient partition is the one stepped
+    if flow_applies(engine, model):  # the replay left no gradient: the kept partition DeepSpeed flattens
+        at_step["gradients"] = 4 * widest_partition(model, engine.world_size).numel + 4 * max(step.partitions)
+    elif engine.offload_optimizer == "none":  # offload: the host gradient partition is the one stepped
         at_step["gradients"] += 4 * max(step.partitions)
     if engine.zero_stage == 3:  # gathered parameters are released by the backward's end
         at_step["weights"] -= zero3_gathered_bytes(model, engine)
+        if STEP_END in out:  # and nothing is freed by zero_grad: the replay's .grad were in the partition
+            out[STEP_END]["weights"] -= zero3_gathered_bytes(model, engine)
+            out[STEP_END]["temporaries"] = 0
     notes.append(f"zero{engine.zero_stage}: {optim} steps the flat fp32 partitions "
                  f"({', '.join(str(n) for n in step.partitions)} elements; states {step.states} bytes, "
                  f"step temporaries {step.temporaries} bytes, + the fp32 gradient copy of a partition)")
