@@ -57,8 +57,9 @@ def sequence_classifier() -> Any:
         num_key_value_heads=2, max_position_embeddings=256, pad_token_id=1000, eos_token_id=1001, num_labels=1))
 
 
-def build(kind: str, out: Path, callbacks: list[Any] | None = None, **overrides: Any) -> Any:
-    """The trainer ``kind`` on a tiny model (``callbacks``: the auto mode's MemWatch in test_trl_auto_more.py)."""
+def build(kind: str, out: Path, callbacks: list[Any] | None = None, prompt_words: int = 8, **overrides: Any) -> Any:
+    """The trainer ``kind`` on a tiny model (``callbacks``: the auto mode's MemWatch in test_trl_auto_more.py;
+    ``prompt_words``: the user turn of IWOPD's chats)."""
     from datasets import Dataset
 
     generator = torch.Generator().manual_seed(0)
@@ -113,7 +114,7 @@ def build(kind: str, out: Path, callbacks: list[Any] | None = None, **overrides:
         teacher.config._name_or_path = str(out / "teacher")
         # An assistant turn: with prompt-only rows the Trainer's num_items_in_batch is 0 (all labels
         # -100) and the first loss is -inf; on-policy (lmbda=1) the turn is replaced by the completion.
-        chats = Dataset.from_list([{"messages": [{"role": "user", "content": words(generator, 8)},
+        chats = Dataset.from_list([{"messages": [{"role": "user", "content": words(generator, prompt_words)},
                                                  {"role": "assistant", "content": words(generator, 4)}]}
                                    for _ in range(8)])
         return IWOPDTrainer(model=llama(), teacher_model=teacher, args=IWOPDConfig(**online, max_length=64),
