@@ -7,8 +7,9 @@ auto mode does not train unprotected. :func:`plan_by_measuring`, before ``train(
 1. measures, on the live model, micro-steps (``trainer.training_step``: forward, loss, backward;
    no optimizer step, no weight updated) as the run will take them — in the mixed precision
    ``Trainer.train()`` applies (accelerate's autocast wrapper around the model's forward, which
-   ``train()`` installs only when it prepares the model: measured without it, IWOPD's bf16 step was
-   13.7% under its own micro-step, 1,067,136 vs 1,213,824 B above the weights) — on the longest sample
+   ``train()`` installs only when it prepares the model: measured without it, IWOPD's bf16 micro-step
+   was 12.1% under the run's, 1,067,136 vs 1,213,824 B above the weights; with it 2,834,048 B, the
+   run's 2,834,064 B) — on the longest sample
    of the dataset (the worst batch the sampler can form, not the run's first: that may be its
    shortest). A micro-step of a plan with gradient accumulation is measured with the gradients of the
    earlier micro-steps resident (``.grad`` already allocated, the backward adding into it, as in
