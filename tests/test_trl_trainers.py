@@ -57,9 +57,22 @@ def sequence_classifier() -> Any:
         num_key_value_heads=2, max_position_embeddings=256, pad_token_id=1000, eos_token_id=1001, num_labels=1))
 
 
-def build(kind: str, out: Path, callbacks: list[Any] | None = None, prompt_words: int = 8, **overrides: Any) -> Any:
+def causal_lm(family: str = "llama", seed: int = 0) -> Any:
+    """The tiny Llama of test_equivalence, or a Qwen2 of the same shape (``family="qwen2"``)."""
+    if family == "llama":
+        return llama(seed)
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=1002, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, pad_token_id=1000, eos_token_id=1001))
+
+
+def build(kind: str, out: Path, callbacks: list[Any] | None = None, prompt_words: int = 8, family: str = "llama",
+          **overrides: Any) -> Any:
     """The trainer ``kind`` on a tiny model (``callbacks``: the auto mode's MemWatch in test_trl_auto_more.py;
-    ``prompt_words``: the user turn of IWOPD's chats)."""
+    ``prompt_words``: the user turn of IWOPD's chats; ``family``: SDFT's and SDPO's model)."""
     from datasets import Dataset
 
     generator = torch.Generator().manual_seed(0)
@@ -142,18 +155,19 @@ def build(kind: str, out: Path, callbacks: list[Any] | None = None, prompt_words
     if kind == "sdft":
         from trl.experimental.sdft import SDFTConfig, SDFTTrainer
 
-        return SDFTTrainer(model=llama(), args=SDFTConfig(**online, num_generations=4, teacher_model_kind="live"), train_dataset=contexts,
+        return SDFTTrainer(model=causal_lm(family), args=SDFTConfig(**online, num_generations=4, teacher_model_kind="live"), train_dataset=contexts,
                            processing_class=tokenizer)
     if kind == "sdpo":
         from trl.experimental.sdpo import SDPOConfig, SDPOTrainer
 
-        return SDPOTrainer(model=llama(), reward_funcs=[reward_length], args=SDPOConfig(**online, num_generations=4,
+        return SDPOTrainer(model=causal_lm(family), reward_funcs=[reward_length], args=SDPOConfig(**online, num_generations=4,
                                                                                         teacher_model_kind="live"),
                            train_dataset=contexts, processing_class=tokenizer)
     raise ValueError(kind)
 
 
-PREDICTED = ("reward", "kto", "cpo", "orpo", "tpo", "distillation-2x2", "gmpo", "sdft", "sdpo", "gold", "a2po")
+PREDICTED = ("reward", "kto", "cpo", "orpo", "tpo", "distillation-2x2", "gmpo", "sdft", "sdpo", "sdft-2x2-qwen2",
+             "sdpo-2x2-qwen2", "gold", "a2po")
 
 
 @pytest.mark.parametrize("kind", PREDICTED)
@@ -163,11 +177,15 @@ def test_trl_trainer_is_predicted_within_half_a_percent(kind: str, tmp_path: Pat
     That case alone covers the trainer: 2 x 1 is the same step with one micro-batch.
     ``sdft``, ``sdpo``: GRPO's generation loop, and a "live" teacher that is the trained model itself
     (``teacher_model is model``): its forward on the teacher prompts (prompt + privileged context) was
-    left on the real model in the replay, uncounted (-3.8% / -2.5%)."""
+    left on the real model in the replay, uncounted (-3.8% / -2.5%); ``-2x2-qwen2``: 2 micro-batches of 2
+    (the generation batch of 4 split across them) on a Qwen2 (the other architecture; both of
+    ``benchmarks/results/trl_accuracy.md``'s, 1 x 4 and 2 x 2)."""
+    family = "qwen2" if kind.endswith("-qwen2") else "llama"
+    kind = kind.removesuffix("-qwen2")
     overrides = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2) if kind.endswith("2x2") else {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer = build(kind.removesuffix("-2x2"), tmp_path, **overrides)
+        trainer = build(kind.removesuffix("-2x2"), tmp_path, family=family, **overrides)
         before = plain_counters(trainer)
         predicted = estimate(trainer).peak_bytes
         after = plain_counters(trainer)
