@@ -69,10 +69,11 @@ def causal_lm(family: str = "llama", seed: int = 0) -> Any:
         num_key_value_heads=2, max_position_embeddings=256, pad_token_id=1000, eos_token_id=1001))
 
 
-def build(kind: str, out: Path, callbacks: list[Any] | None = None, prompt_words: int = 8, family: str = "llama",
+def build(kind: str, out: Path, callbacks: list[Any] | None = None, prompt_words: int | None = None, family: str = "llama",
           **overrides: Any) -> Any:
     """The trainer ``kind`` on a tiny model (``callbacks``: the auto mode's MemWatch in test_trl_auto_more.py;
-    ``prompt_words``: the user turn of IWOPD's chats; ``family``: SDFT's and SDPO's model)."""
+    ``prompt_words``: the user turn of IWOPD's (8 words unless given) and GOLD's (3) chats; ``family``: SDFT's
+    and SDPO's model)."""
     from datasets import Dataset
 
     generator = torch.Generator().manual_seed(0)
@@ -127,7 +128,7 @@ def build(kind: str, out: Path, callbacks: list[Any] | None = None, prompt_words
         teacher.config._name_or_path = str(out / "teacher")
         # An assistant turn: with prompt-only rows the Trainer's num_items_in_batch is 0 (all labels
         # -100) and the first loss is -inf; on-policy (lmbda=1) the turn is replaced by the completion.
-        chats = Dataset.from_list([{"messages": [{"role": "user", "content": words(generator, prompt_words)},
+        chats = Dataset.from_list([{"messages": [{"role": "user", "content": words(generator, prompt_words or 8)},
                                                  {"role": "assistant", "content": words(generator, 4)}]}
                                    for _ in range(8)])
         return IWOPDTrainer(model=llama(), teacher_model=teacher, args=IWOPDConfig(**online, max_length=64),
@@ -139,7 +140,7 @@ def build(kind: str, out: Path, callbacks: list[Any] | None = None, prompt_words
 
         tokenizer = byte_level_tokenizer()  # GOLD tokenizes ByteLevel BPE only (its ULD preparation)
         tokenizer.chat_template = "{% for message in messages %}{{ message['content'] }} {% endfor %}"
-        chats = Dataset.from_list([{"messages": [{"role": "user", "content": words(generator, 3)},
+        chats = Dataset.from_list([{"messages": [{"role": "user", "content": words(generator, prompt_words or 3)},
                                                  {"role": "assistant", "content": words(generator, 2)}]}
                                    for _ in range(8)])
         return GOLDTrainer(model=llama(), teacher_model=llama(seed=1), args=GOLDConfig(**online, max_length=64),
