@@ -316,6 +316,7 @@ class MeasuredPredictor:
     measurements: list[Measurement] = field(default_factory=list)
     optimizers: dict[str, tuple[int, int]] = field(default_factory=dict)
     budget: int | None = None  # no micro-step is measured that the figures in hand put over it
+    ruled_out: set[tuple[int, bool, bool]] = field(default_factory=set)  # ... and those are over it
 
     def gradients(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.trainer.model.parameters() if p.requires_grad)
@@ -341,6 +342,7 @@ class MeasuredPredictor:
         if self.frozen:
             raise RuntimeError(f"micro-batch {micro} with checkpointing {checkpointing} was not measured")
         if self.budget is not None and self.lower_bound(micro, checkpointing, accumulating) > self.budget:
+            self.ruled_out.add((micro, checkpointing, accumulating))
             return Measurement(micro, checkpointing, None, 0, accumulating)
         found = measure_micro_step(self.trainer, self.items(micro), checkpointing, accumulating)
         self.measurements.append(found)
@@ -365,6 +367,8 @@ class MeasuredPredictor:
         neighbours, or beyond them on the line through the two largest. Without accumulation
         (``micro`` is the effective batch) it is read off the accumulated line (whose gradients are
         resident all through: no lower) until measured itself."""
+        if (micro, checkpointing, accumulating) in self.ruled_out:
+            return OVER
         if self.run.effective_batch < 2 or micro == LINE_POINTS[0] or micro in self.points(checkpointing, accumulating):
             found = self.measured(micro, checkpointing, accumulating).peak
             return OVER if found is None else found
@@ -423,8 +427,8 @@ def sample_items(trainer: Any) -> Any:
 
 def choose_measured(run: RunConfig, predictor: MeasuredPredictor, budget: int) -> PlanResult:
     """The chooser's plan from ``predictor``, chosen again after measuring the chosen micro-step
-    wherever it lay beyond every micro-batch measured (each round measures a larger one, so the
-    rounds end by the effective batch)."""
+    wherever it lay beyond every micro-batch measured (each round measures a larger one or rules one
+    out, so the rounds end by the effective batch)."""
     while True:
         result = plan_run(run, predictor, budget)
         chosen = result.chosen
