@@ -28,7 +28,7 @@ from hf_memwatch.testing.tokenizers import word_tokenizer
 from hf_memwatch.testing.trainers import masking_trainer
 
 RESULTS = Path(__file__).parent / "results" / "trl_accuracy.md"
-ONLINE = ("grpo", "gmpo", "rloo", "onlinedpo", "gkd")  # trainers that generate inside their step
+ONLINE = ("grpo", "gmpo", "rloo", "onlinedpo", "gkd", "sdft", "sdpo")  # trainers that generate inside their step
 
 
 def model(family: str, seed: int = 0) -> Any:
@@ -119,7 +119,31 @@ def build_online(kind: str, family: str, out: str, common: dict[str, Any], gener
                                 reward_processing_classes=[tokenizer])
     if kind == "gkd":
         return gkd(family, online, generator)
+    if kind.startswith(("sdft", "sdpo")):
+        return self_distillation(kind, family, online, generator)
     raise ValueError(kind)
+
+
+def self_distillation(kind: str, family: str, online: dict[str, Any], generator: torch.Generator) -> Any:
+    """TRL's experimental SDFT and SDPO: GRPO's generation loop (4 completions per prompt), the trained model
+    as its own "live" teacher on the prompt plus a privileged context; SDPO adds a Python reward. ``-2x2``:
+    micro-batch 2 x accumulation 2 (the generation batch of 4 split across the micro-steps)."""
+    from datasets import Dataset
+
+    contexts = Dataset.from_list([{"prompt": words(generator, 12), "privileged_context": words(generator, 12)}
+                                  for _ in range(16)])
+    args = dict(online, num_generations=4, teacher_model_kind="live")
+    if kind.endswith("-2x2"):
+        args.update(per_device_train_batch_size=2, gradient_accumulation_steps=2)
+    if kind.startswith("sdft"):
+        from trl.experimental.sdft import SDFTConfig, SDFTTrainer
+
+        return SDFTTrainer(model=model(family), args=SDFTConfig(**args), train_dataset=contexts,
+                           processing_class=word_tokenizer())
+    from trl.experimental.sdpo import SDPOConfig, SDPOTrainer
+
+    return SDPOTrainer(model=model(family), reward_funcs=[reward_length], args=SDPOConfig(**args),
+                       train_dataset=contexts, processing_class=word_tokenizer())
 
 
 CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }} {% endfor %}"
@@ -272,6 +296,8 @@ CASES = [(kind, family, precision, ckpt)
                                        ("gkd", "fp32", True), ("reward", "fp32", False), ("kto", "fp32", False),
                                        ("cpo", "fp32", False), ("orpo", "bf16", False), ("tpo", "fp32", False),
                                        ("gmpo", "fp32", False), ("distillation", "fp32", False),
+                                       ("sdft", "fp32", False), ("sdft-2x2", "fp32", False),
+                                       ("sdpo", "fp32", False), ("sdpo-2x2", "fp32", False),
                                        ("custom", "fp32", False))]
 
 
@@ -330,7 +356,9 @@ def main() -> int:
               "rejected in one batch); kto: a reference model, desirable/undesirable completions; cpo, orpo, tpo: TRL's "
               "experimental trainers (no reference model; tpo adds a reference completion); gmpo: the experimental GRPO "
               "variant (a Python reward and a reward model); distillation: DistillationTrainer, a teacher, the student "
-              "generates 8 tokens per prompt on-policy. custom: a plain `Trainer` subclass with its own "
+              "generates 8 tokens per prompt on-policy. sdft, sdpo: TRL's experimental self-distillation trainers (4 completions "
+              "of 8 tokens per prompt, the trained model as its own teacher on the prompt plus a privileged context; sdpo "
+              "adds a Python reward), `-2x2`: micro-batch 2 x accumulation 2. custom: a plain `Trainer` subclass with its own "
               "`_prepare_inputs` (15% of the tokens masked) and `compute_loss` (LM loss + a penalty on every layer's "
               "hidden states), replayed as written. TRL 1.16 ships no PRM, Nash-MD, XPO or BCO trainer.", "", "sft-qlora: a 4-bit nf4 base (loaded through `BitsAndBytesConfig`) + LoRA on all linears. QLoRA "
               "from a config (`--load-in-4bit`, 8-bit, double quantization, fp4): `peft_accuracy.md`."]

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 from conftest import hand_configured, read_records
-from test_equivalence import FULL, llama
+from test_equivalence import LIGHT, llama
 from test_trl_online import resident, same_training
 from transformers import TrainerCallback
 
@@ -75,7 +75,7 @@ def test_auto_mode_plans_gkd_and_is_the_hand_configured_run(tmp_path: Path) -> N
     budget = int(0.9 * estimate(gkd(tmp_path / "probe", [])).peak_bytes)  # a number; the truth is measured below
 
     seen_auto, seen_hand = RandomAtTrainBegin(), RandomAtTrainBegin()
-    auto = gkd(tmp_path / "auto", [MemWatch(auto=True, budget=budget, **FULL), seen_auto])
+    auto = gkd(tmp_path / "auto", [MemWatch(auto=True, budget=budget, **LIGHT), seen_auto])  # light: CPU time
     with cpu_memory_profile() as prof:
         auto.train()
     assert window_peak(prof, resident(auto)) <= budget

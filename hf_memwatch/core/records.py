@@ -242,7 +242,7 @@ class PlanRecord(Record):
     eval_reason: str | None = optional()
     advice: list[dict[str, Any]] | None = optional()  # catalogue.Advice.as_dict(): name, saving, how; never applied
     source: str | None = optional()  # "predicted" (replayed), "measured" (micro-steps measured live), "none"
-    measurements: list[dict[str, Any]] | None = optional()  # measured: micro_batch_size, checkpointing, peak, before
+    measurements: list[dict[str, Any]] | None = optional()  # measured: micro_batch_size, checkpointing, accumulating, peak, before
 
     @property
     def in_force(self) -> bool:

@@ -63,6 +63,8 @@ class EstimateTracker(StorageTracker):
         self._int_answer = 1
         # id of an any()/all() result -> (a weak reference to it, the answer); None: answers of 1 and True
         self._verdicts: dict[int, tuple[weakref.ref, bool]] | None = None
+        # id of a one-element ``x == 0`` -> a weak reference to it: read back, it answers False
+        self._zero_tests: dict[int, weakref.ref] = {}
 
     @contextlib.contextmanager
     def reading_a_clean_batch(self, longest: int) -> Iterator[None]:
@@ -133,7 +135,16 @@ class EstimateTracker(StorageTracker):
             ref, verdict = (self._verdicts or {}).get(id(args[0]), (None, None))
             if ref is not None and ref() is args[0]:
                 return verdict
+            zero = self._zero_tests.pop(id(args[0]), None)
+            if zero is not None and zero() is args[0]:
+                return False
             return _read_back_value(func, args, self._int_answer)
+        if func is torch.ops.aten.eq.Scalar and len(args) > 1 and args[1] == 0 and args[0].numel() == 1:
+            # ``if mask.sum() == 0:`` (SDFT's "no completion token" shortcut, a zero loss with no top-k
+            # divergence nor its backward: -4.7% taken): a clean batch has tokens, so not zero.
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            self._zero_tests[id(out)] = weakref.ref(out)
+            return out
         if self._verdicts is not None and func.overloadpacket in _VERDICTS:
             out = super().__torch_dispatch__(func, types, args, kwargs)
             self._verdicts[id(out)] = (weakref.ref(out), _VERDICTS[func.overloadpacket])

@@ -306,7 +306,31 @@ def worst_case_batch(trainer: Any, batch_size: int, sample_index: int | None = N
         length = max((sequence_length(entry) for entry in batch), default=0) or None
         return list(batch), length, f"worst case: {batch_size} x sample {sample_index} as collated (a list)"
     length = max((sequence_length_of_value(k, v) for k, v in batch.items()), default=0) or None
+    shorter = shortest_index(dataset) if batch_size > 1 else None
+    if shorter is not None and shorter[1] < sequence_length(item):
+        padded = collate(trainer, [copy.deepcopy(item) for _ in range(batch_size - 1)]
+                         + [copy.deepcopy(dataset[shorter[0]])])
+        if isinstance(padded, Mapping) and all(_same_shape(batch.get(k), v) for k, v in padded.items()):
+            return dict(padded), length, (f"worst case: {batch_size - 1} x sample {sample_index} and the shortest, "
+                                          f"sample {shorter[0]}, padded to it as collated (the sampler mixes lengths: "
+                                          "a padded batch, whose mask the model materialises)")
     return dict(batch), length, f"worst case: {batch_size} x sample {sample_index} as collated"
+
+
+def _same_shape(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+    return True
+
+
+def shortest_index(dataset: Any, limit: int | None = None) -> tuple[int, int] | None:
+    """(index, length) of the shortest of the first ``limit`` (:data:`SCAN_ITEMS`) items (None: empty)."""
+    limit = SCAN_ITEMS if limit is None else limit
+    lengths = [(sequence_length(dataset[index]), index) for index in range(min(len(dataset), limit))]
+    if not lengths:
+        return None
+    length, index = min(lengths)
+    return index, length
 
 
 def longest_allowed_length(trainer: Any) -> int | None:
