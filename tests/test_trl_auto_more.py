@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import read_records
+from conftest import hand_configured, read_records
 from test_equivalence import LIGHT
 from test_trl_online import resident, same_training
 from test_trl_trainers import build
@@ -63,9 +63,7 @@ def test_auto_mode_plans_the_trainer_and_is_the_hand_configured_run(kind: str, t
         assert plan.get("status") is None and plan["source"] == "predicted", plan
         assert plan["micro_batch_size"] < GIVEN, plan  # a plan was needed: a smaller micro-batch
         assert plan["micro_batch_size"] * plan["gradient_accumulation_steps"] == GIVEN, plan  # effective batch kept
-        hand = build(kind, tmp_path / "hand", per_device_train_batch_size=plan["micro_batch_size"],
-                     gradient_accumulation_steps=plan["gradient_accumulation_steps"], optim=plan["optim"],
-                     activation_checkpointing=plan["activation_checkpointing"], **SHORT.get(kind, {}))
+        hand = build(kind, tmp_path / "hand", **hand_configured(plan), **SHORT.get(kind, {}))
         hand.train()
     assert same_training(auto) == same_training(hand)
     assert len([e for e in auto.state.log_history if "loss" in e]) == 2

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from conftest import read_records
+from conftest import hand_configured, read_records
 from test_equivalence import FULL, LIGHT, comparable_state, llama
 
 from hf_memwatch import MemWatch, estimate
@@ -120,9 +120,7 @@ def test_auto_mode_plans_grpo_and_is_the_hand_configured_run(tmp_path: Path) -> 
     [plan] = [r for r in read_records(tmp_path / "auto") if r["event"] == "plan"]
     assert plan.get("status") != "failed", plan
     assert (plan["micro_batch_size"], plan["activation_checkpointing"]) != (4, False)  # a plan was needed
-    hand = grpo(tmp_path / "hand", [], with_model=False, per_device_train_batch_size=plan["micro_batch_size"],
-                gradient_accumulation_steps=plan["gradient_accumulation_steps"], optim=plan["optim"],
-                activation_checkpointing=plan["activation_checkpointing"])
+    hand = grpo(tmp_path / "hand", [], with_model=False, **hand_configured(plan))
     assert auto.args.steps_per_generation == hand.args.steps_per_generation
     hand.train()
     assert same_training(auto) == same_training(hand)

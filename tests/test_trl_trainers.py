@@ -247,7 +247,7 @@ def test_iwopd_is_protected_by_the_measured_fallback(share: float, iwopd_given: 
     through micro-batches 1 and 2 was extrapolated under a convex peak, and the gradients of earlier
     micro-steps were added to a micro-step whose peak holds them already (8-word prompts, 0.85 x: the
     most conservative plan 4.77 MiB, over the configuration's own measured 4.25 MiB)."""
-    from conftest import read_records
+    from conftest import hand_configured, read_records
 
     from hf_memwatch import MemWatch
     from hf_memwatch.integration.measured import MEASURED_MARGIN
@@ -266,9 +266,7 @@ def test_iwopd_is_protected_by_the_measured_fallback(share: float, iwopd_given: 
         configured = (plan["micro_batch_size"], plan["gradient_accumulation_steps"], plan["activation_checkpointing"],
                       plan["optim"]) == (4, 1, False, given.args.optim)
         assert not configured, plan  # under the configured peak: a remedy
-        hand, truth = iwopd_run(tmp_path / "hand", per_device_train_batch_size=plan["micro_batch_size"],
-                                gradient_accumulation_steps=plan["gradient_accumulation_steps"],
-                                activation_checkpointing=plan["activation_checkpointing"], optim=plan["optim"])
+        hand, truth = iwopd_run(tmp_path / "hand", **hand_configured(plan))
     assert truth <= plan["predicted_peak"] <= truth * (1 + MEASURED_MARGIN + 0.01), (truth, plan)
     assert history(auto, "loss") == pytest.approx(history(hand, "loss"), rel=1e-6)
     assert history(auto, "grad_norm") == pytest.approx(history(hand, "grad_norm"), rel=1e-6)
