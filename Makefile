@@ -1,7 +1,5 @@
 # Two commands for a newcomer: `make demo` and `make test`. Both build .venv themselves.
 # DS_BUILD_OPS=0: DeepSpeed (dev extra) installs without compiling its ops; the tests run it on CPU.
-# --no-compile: no bytecode for the thousands of modules no run imports (transformers' model zoo);
-# Python writes it for what is imported, on first import.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -17,8 +15,8 @@ export TOKENIZERS_PARALLELISM ?= false
 $(STAMP): setup.cfg pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q --no-compile -c constraints.txt torch==2.13.0
-	DS_BUILD_OPS=0 $(PY) -m pip install -q --no-compile -c constraints.txt -e ".[dev]"
+	$(PY) -m pip install -q -c constraints.txt torch==2.13.0
+	DS_BUILD_OPS=0 $(PY) -m pip install -q -c constraints.txt -e ".[dev]"
 	touch $(STAMP)
 
 venv: $(STAMP)
