@@ -164,7 +164,13 @@ def load_summary_inputs(
     path: str | os.PathLike[str],
 ) -> tuple[list[StepRecord], MetaRecord | None, PlanRecord | None, list[Snapshot]]:
     """(step records, meta, last plan record, training snapshots) of rank 0's timeline under ``path``."""
-    records = load_records(path)
+    return summary_inputs(load_records(path))
+
+
+def summary_inputs(
+    records: list[Record],
+) -> tuple[list[StepRecord], MetaRecord | None, PlanRecord | None, list[Snapshot]]:
+    """:func:`load_summary_inputs` of records already read."""
     steps = [r for r in records if isinstance(r, StepRecord)]
     meta = next((r for r in reversed(records) if isinstance(r, MetaRecord)), None)
     plan = next((r for r in reversed(records) if isinstance(r, PlanRecord)), None)
@@ -260,10 +266,11 @@ def print_summary(path: str | os.PathLike[str], plan: Mapping[str, Any] | None =
     ``settings``: the CUDA allocator settings the run had (:func:`footprint_lines`), when known."""
     from rich.console import Console
 
-    steps, meta, recorded_plan, snapshots = load_summary_inputs(path)
+    records = load_records(path)  # the timeline read once
+    steps, meta, recorded_plan, snapshots = summary_inputs(records)
     table = build_table(steps, meta, plan or recorded_plan, snapshots)
-    moment = highest_moment(steps, load_eval_records(path))
-    footprints = [r for r in load_records(path, "footprint") if isinstance(r, FootprintRecord)]
+    moment = highest_moment(steps, [r for r in records if isinstance(r, EvalRecord)])
+    footprints = [r for r in records if isinstance(r, FootprintRecord)]
     notes = footprint_lines(footprints, steps, snapshots, settings)
     if table is not None or moment or notes:
         console = console or Console()
