@@ -1,0 +1,42 @@
+"""FSDP2 through the ``Trainer`` on CPU ranks, for the suite and the benchmarks only.
+
+accelerate turns ``fsdp=`` on for accelerator device types only (``AcceleratorState.__init__``: the
+``DistributedType.FSDP`` branch lists ``MULTI_GPU``, ``MULTI_XPU``, ... and not ``MULTI_CPU``), so on
+CPU ranks a ``TrainingArguments(fsdp=...)`` run is DDP. Everything below that switch runs on CPU
+with gloo: accelerate's ``fsdp2_prepare_model`` (the auto-wrap policy, ``fully_shard`` on every
+wrapped block and the root), FSDP2's all-gathers and reduce-scatters, the Trainer's loop. The one
+change made here is that switch: where the Trainer passes an ``fsdp_plugin`` and the ranks are CPU
+ranks, the state is FSDP, as it would be on GPUs. Nothing else in accelerate, torch or transformers
+is replaced.
+
+Call :func:`allow_fsdp_on_cpu_ranks` before building ``TrainingArguments``/``Trainer`` in the
+launched script; it returns a function that undoes it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+
+def allow_fsdp_on_cpu_ranks() -> Callable[[], None]:
+    """Let accelerate build FSDP (the plugin the Trainer passes) on CPU ranks; returns the undo."""
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DistributedType
+
+    original = AcceleratorState.__init__
+    if getattr(original, "_hf_memwatch_fsdp_on_cpu", False):
+        return lambda: None
+
+    def init(self: Any, *args: Any, fsdp_plugin: Any = None, **kwargs: Any) -> None:
+        original(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
+        if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
+            self.distributed_type = DistributedType.FSDP
+            self.fsdp_plugin = fsdp_plugin
+
+    init._hf_memwatch_fsdp_on_cpu = True  # type: ignore[attr-defined]
+    AcceleratorState.__init__ = init  # type: ignore[method-assign]
+
+    def undo() -> None:
+        AcceleratorState.__init__ = original  # type: ignore[method-assign]
+
+    return undo
