@@ -80,7 +80,8 @@ class FsdpHoldings(TrainerCallback):
     * ``gradients``: the sharded parameters' ``.grad`` local shards, the unsharded ``.grad`` and FSDP2's
       kept reduce-scatter inputs (``comm_ctx.reduce_scatter_states``);
     * ``optimizer_states``: the optimizer's state tensors' local shards;
-    * ``buffers``: the model's buffers.
+    * ``buffers``: the model's buffers;
+    * ``outputs`` (``after_forward``): the forward's output tensors (logits, loss).
     """
 
     def __init__(self, watch: MemWatch | None = None) -> None:
@@ -98,7 +99,7 @@ class FsdpHoldings(TrainerCallback):
                 if group is not None:
                     yield group
 
-    def _record(self, phase: str, step: int) -> None:
+    def _record(self, phase: str, step: int, output=None) -> None:
         sharded, unsharded, gather, grads, states = {}, {}, {}, {}, {}
         comm = None
         for group in self.groups():
@@ -128,6 +129,8 @@ class FsdpHoldings(TrainerCallback):
             ("buffers", _storages(self.model.buffers(), {})))}
         figures.update(tracked_unsharded_storages=len(known), tracked_unsharded=sum(known),
                        unsharded_storages=len(unsharded))
+        if output is not None:  # the forward's outputs (logits, loss): neither weights nor saved for backward
+            figures["outputs"] = sum(_storages([v for v in output.values() if isinstance(v, torch.Tensor)], {}).values())
         self.records[f"{step}:{phase}"] = figures
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
@@ -139,7 +142,7 @@ class FsdpHoldings(TrainerCallback):
         self.optimizer = unwrap_optimizer(trainer.optimizer)
         # After MemWatch's own forward hook (registered at its on_train_begin, before this one).
         self.model.register_forward_hook(
-            lambda module, args, output: self._record("after_forward", state.global_step + 1))
+            lambda module, args, output: self._record("after_forward", state.global_step + 1, output))
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._record("step_begin", state.global_step + 1)
