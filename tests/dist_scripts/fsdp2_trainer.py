@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for conftest's builders
@@ -178,6 +179,7 @@ def build(out: Path, name: str, callbacks: list, plan: dict | None = None, profi
 
 def train(trainer: Trainer, profiler=None, predict: bool = False) -> dict:
     """Train; the facts of the run (with ``profiler``: the reconciled per-step truth)."""
+    started = time.perf_counter()
     run_config = RunConfig.from_trainer(trainer)  # before train(): no FSDP module yet
     distributed_type = str(trainer.accelerator.distributed_type)
     predicted = None
@@ -194,7 +196,7 @@ def train(trainer: Trainer, profiler=None, predict: bool = False) -> dict:
     facts = {"losses": loss_history(trainer), "grad_norms": history(trainer, "grad_norm"),
              "engine": run_config.engine.describe(), "shard": run_config.shard,
              "ignored": list(run_config.engine.ignored), "distributed_type": distributed_type,
-             "predicted_peak": predicted}
+             "predicted_peak": predicted, "seconds": round(time.perf_counter() - started, 2)}
     if profiler is not None:
         left = left_by(profiler, ESTIMATE_MARK) if predict else 0
         facts["truth_step_peaks"] = step_peaks(profiler, -left, reconcile=True, alive=alive)
