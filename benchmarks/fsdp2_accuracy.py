@@ -35,10 +35,11 @@ CONFIGS = {
     "gpt2_accum2": ("gpt2", 4, 2, 32, True, False, "adamw_torch"),
     "gpt2_ckpt": ("gpt2", 4, 1, 64, True, True, "adamw_torch"),
     "gpt2_long": ("gpt2", 2, 1, 128, True, False, "adamw_torch"),
-    "gpt2_8bit": ("gpt2", 4, 1, 32, True, False, "adamw_bnb_8bit"),
     "llama": ("llama", 4, 1, 32, True, False, "adamw_torch"),
     "llama_keep_ckpt": ("llama", 4, 2, 64, False, True, "adamw_torch"),
 }
+# Not run: 8-bit AdamW. Under FSDP2 on CPU its step fails (bitsandbytes.optimizer_update_32bit has no
+# DTensor sharding strategy: NotImplementedError, measured with adamw_bnb_8bit here).
 WRAP = {"gpt2": "GPT2Block", "llama": "LlamaDecoderLayer"}
 ESTIMATE_MARK = "fsdp2_accuracy.estimate"
 

@@ -26,8 +26,11 @@ allocates and frees, at the moment it does (``_fsdp_param_group.py``, ``_fsdp_co
   allocate the output (numel / N) — the sharded gradients are views of it, or are added to the
   kept ones — and, under gloo, ``reduce_scatter_tensor``'s clone of the input (allocated and freed
   inside the collective). The last input is freed by the final callback;
-- gradient accumulation: the Trainer's ``no_sync`` (``set_requires_gradient_sync(False)``) keeps the
-  *unsharded* gradients across micro-steps; the replayed last micro-step starts with them resident.
+- gradient accumulation: accelerate's ``no_sync`` (``set_requires_gradient_sync(False)``, where the
+  accelerator reports ``is_fsdp2``) keeps the *unsharded* gradients across micro-steps, and the
+  replayed last micro-step starts with them resident; where it does not (measured: accelerate built
+  by ``hf_memwatch.testing.fsdp_cpu`` on CPU ranks reports ``is_fsdp2`` False, its ``no_sync`` is
+  DDP's, a no-op here), every micro-step reduce-scatters and the sharded gradients are kept.
 
 Measured on 2 gloo ranks (test GPT-2, 4 x 32 tokens, 2 steps; ``benchmarks/fsdp2_accuracy.py``):
 the step peak is at the backward prefetch of ``h.0`` inside ``h.1``'s backward, 11,675,612 B on both
@@ -55,6 +58,8 @@ from .fsdp_units import (
 )
 
 IDLE, FORWARD, PRE_BACKWARD, POST_BACKWARD = "idle", "forward", "pre_backward", "post_backward"
+# FSDP2's implicit backward prefetch (its default); off only to show what the replay owes to it.
+BACKWARD_PREFETCH = True
 
 
 def fsdp_applies(engine: Any, model: torch.nn.Module, precision: str = "fp32") -> bool:
@@ -86,11 +91,13 @@ class _Param:
 
 class Fsdp2Flow:
     """The context that replays FSDP2 on ``model`` (see the module doc); ``prefetch=False`` leaves the
-    backward prefetch out (a check that the replay's figure depends on it)."""
+    backward prefetch out; ``gloo``: the collectives' own copies gloo makes (not NCCL's, not a fake group);
+    ``no_sync``: the micro-steps before the last keep unsharded gradients (else they reduce-scatter too)."""
 
     def __init__(self, model: torch.nn.Module, units: list[FsdpUnit], world_size: int, rank: int = 0,
-                 prefetch: bool = True) -> None:
-        self.model, self.units, self.world, self.prefetch = model, units, world_size, prefetch
+                 prefetch: bool = True, gloo: bool = True, no_sync: bool = True) -> None:
+        self.model, self.units, self.world, self.prefetch, self.gloo = model, units, world_size, prefetch, gloo
+        self.no_sync = no_sync
         self.params: dict[int, list[_Param]] = {}
         self.rank = rank
         self.order = state_order(model, units)
@@ -143,7 +150,7 @@ class Fsdp2Flow:
         def hook(_module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
             if not self.to_run[id(unit)]:
                 self.to_run[id(unit)].update(id(m) for m in unit.modules)
-            if unit.root and self.state[id(unit)] != PRE_BACKWARD:
+            if unit.root and self.state[id(unit)] != PRE_BACKWARD and self.no_sync:
                 self._resident_gradients()
             if self.state[id(unit)] == PRE_BACKWARD:  # activation checkpointing's recomputation
                 if self.sharded[id(unit)]:
@@ -187,8 +194,9 @@ class Fsdp2Flow:
         numel = sum(p.full_numel for p in _owners(self.params[id(unit)]))
         ref = _owners(self.params[id(unit)])[0].shard
         output = ref.new_empty(numel)
-        staging = ref.new_empty(numel)  # c10d::_allgather_base_ under gloo, then gloo's own: one at a time
-        del staging
+        if self.gloo:
+            staging = ref.new_empty(numel)  # c10d::_allgather_base_ under gloo, then gloo's own: one at a time
+            del staging
         self.pending[id(unit)] = output
 
     def _wait_for_unshard(self, unit: FsdpUnit) -> None:
@@ -299,8 +307,9 @@ class Fsdp2Flow:
         grads.clear()
         del grad
         output = rs_input.new_empty(total // self.world)
-        clone = rs_input.clone()  # gloo's reduce_scatter_tensor works on a copy of its input
-        del clone
+        if self.gloo:
+            clone = rs_input.clone()  # gloo's reduce_scatter_tensor works on a copy of its input
+            del clone
         offset = 0
         for param in reduced:
             view = output.narrow(0, offset, param.shard.numel()).view(param.shard.shape)
@@ -386,13 +395,25 @@ def _regrow(tensor: torch.Tensor, nbytes: int) -> None:
         tracker.register([tensor])
 
 
-def fsdp_flow(model: torch.nn.Module, engine: Any, trainer: Any, precision: str = "fp32",
-              prefetch: bool = True) -> Any:
-    """A :class:`Fsdp2Flow` for ``model`` where :func:`fsdp_applies`, else None."""
+def fsdp_flow(model: torch.nn.Module, engine: Any, trainer: Any, precision: str = "fp32", device: str = "cpu") -> Any:
+    """A :class:`Fsdp2Flow` for ``model`` where :func:`fsdp_applies`, else None. The collectives' copies
+    are gloo's where this process's group is gloo, or where no group exists and the ranks are CPU ranks."""
     if not fsdp_applies(engine, model, precision):
         return None
     units = build_units(model, wrap_policy(trainer, model), reshards_after_forward(trainer, engine))
-    return Fsdp2Flow(model, units, engine.world_size, _rank(engine.world_size), prefetch)
+    # accelerate's no_sync is FSDP2's set_requires_gradient_sync(False) where the accelerator says
+    # it is FSDP2 (``is_fsdp2``); else the DDP path, a no-op on an FSDP2 module: every micro-step reduces.
+    no_sync = bool(getattr(getattr(trainer, "accelerator", None), "is_fsdp2", True))
+    return Fsdp2Flow(model, units, engine.world_size, _rank(engine.world_size), BACKWARD_PREFETCH,
+                     _backend(device) == "gloo", no_sync)
+
+
+def _backend(device: str) -> str:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return str(dist.get_backend())
+    return "gloo" if device == "cpu" else "nccl"
 
 
 def _rank(world_size: int) -> int:
