@@ -1,0 +1,179 @@
+"""FSDP2 through the Trainer on 2 CPU gloo ranks (issue 19): one torchrun launch, the assertions here.
+
+accelerate builds FSDP for accelerator device types only; ``hf_memwatch.testing.fsdp_cpu`` flips that one
+switch in the launched script, so the Trainer really runs ``fully_shard`` (every ``GPT2Block`` and the
+root), FSDP2's all-gathers, ``resize_(0)`` frees and reduce-scatters. ``tests/dist_scripts/fsdp2_trainer.py``
+only records facts (what FSDP2 holds by its own attributes, the reconciled profiler's step peaks, the
+prediction made before ``train()``, the auto mode's plan and its hand-configured run).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+SCRIPT = Path(__file__).parent / "dist_scripts" / "fsdp2_trainer.py"
+TORCHRUN = Path(sys.executable).parent / "torchrun"
+LAUNCH_TIMEOUT_S = 240
+PHASES = ("step_begin", "after_forward", "after_backward", "after_optimizer", "step_end")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def torchrun(script: Path, out: Path, timeout_s: int = LAUNCH_TIMEOUT_S) -> str:
+    """Run ``script OUT`` on 2 local ranks; fail the test on a non-zero exit or a hang."""
+    out.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               TOKENIZERS_PARALLELISM="false", WANDB_MODE="offline")
+    command = [str(TORCHRUN), "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+               "--master-port", str(_free_port()), str(script), str(out)]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and both ranks: the group this test started
+        output, _ = proc.communicate()
+        pytest.fail(f"{script.name} did not finish within {timeout_s} s (a rank hung?):\n{output[-4000:]}")
+    if proc.returncode != 0:
+        pytest.fail(f"{script.name} exited with {proc.returncode}:\n{output[-4000:]}")
+    return output
+
+
+def timeline(run_dir: Path, rank: int) -> list[dict[str, Any]]:
+    name = "timeline.jsonl" if rank == 0 else f"timeline.rank{rank}.jsonl"
+    return [json.loads(line) for line in (run_dir / "memwatch" / name).read_text().splitlines() if line.strip()]
+
+
+def step_peaks(run_dir: Path, rank: int) -> list[int]:
+    return [r["peak"] for r in timeline(run_dir, rank) if r["event"] == "step"]
+
+
+@pytest.fixture(scope="module")
+def fsdp2_runs(tmp_path_factory) -> tuple[Path, list[dict[str, Any]]]:
+    out = tmp_path_factory.mktemp("fsdp2_trainer")
+    torchrun(SCRIPT, out)
+    return out, [json.loads((out / f"fsdp2.rank{rank}.json").read_text()) for rank in (0, 1)]
+
+
+def test_fsdp2_runs_through_the_trainer_and_is_planned_as_fsdp(fsdp2_runs):
+    """The accelerator reports FSDP; the run is read as the FSDP2 it is, with nothing listed as ignored."""
+    _, facts = fsdp2_runs
+    for rank, fact in enumerate(facts):
+        assert fact["world"] == [rank, 2]
+        watch = fact["watch"]
+        assert watch["distributed_type"] == "DistributedType.FSDP"
+        assert watch["engine"].startswith("FSDP2") and watch["shard"] == "fsdp", watch
+        assert watch["ignored"] == [], watch["ignored"]
+        sharded = watch["holdings"]["1:step_begin"]["sharded"]
+        assert 0 < sharded < watch["full_param_bytes"]  # the rank holds its shard, not the model
+
+
+def test_monitoring_changes_nothing_under_fsdp2(fsdp2_runs):
+    _, facts = fsdp2_runs
+    for fact in facts:
+        assert len(fact["plain"]["losses"]) == 2
+        assert fact["watch"]["losses"] == pytest.approx(fact["plain"]["losses"], rel=1e-6)
+        assert fact["watch"]["grad_norms"] == pytest.approx(fact["plain"]["grad_norms"], rel=1e-6)
+    assert facts[0]["watch"]["losses"] == pytest.approx(facts[1]["watch"]["losses"], rel=1e-6)
+
+
+def test_each_rank_s_classes_equal_what_fsdp2_holds(fsdp2_runs):
+    """Weights = the rank's shards + the all-gathered unsharded parameters alive (the root's, after the
+    forward) + FSDP2's kept all-gather result; gradients and optimizer states = the local shards. Failed
+    before: the root's shards (not in ``model.parameters()`` while it is unsharded) were ``other``."""
+    out, facts = fsdp2_runs
+    for rank, fact in enumerate(facts):
+        holdings = fact["watch"]["holdings"]
+        snapshots = [r for r in timeline(out / "watch", rank) if r["event"] == "snapshot"]
+        assert {r["phase"] for r in snapshots} == set(PHASES)
+        for record in snapshots:
+            held = holdings[f"{record['step']}:{record['phase']}"]
+            live, where = record["live"], (rank, record["step"], record["phase"], record["live"], held)
+            weights = held["sharded"] + held["unsharded"] + held["all_gather_buffer"] + held["buffers"]
+            assert live["weights"] == weights, where
+            assert live["gradients"] == held["gradients"], where
+            assert live["optimizer_states"] == held["optimizer_states"], where
+            assert abs(live["other"]) <= 0.01 * record["allocated"], where
+        assert holdings["1:after_forward"]["unsharded"] > 0  # the root stays unsharded after the forward
+
+
+def test_the_tracker_sees_fsdp2_s_resize_to_zero_frees(fsdp2_runs):
+    """FSDP2 frees its all-gathered parameters with ``UntypedStorage.resize_(0)`` (no operator): the
+    tracker knows those storages (it saw them allocated) and counts them at their current size at
+    every phase — 0 once resharded after the backward — not at the size they were allocated at."""
+    _, facts = fsdp2_runs
+    for fact in facts:
+        holdings = fact["watch"]["holdings"]
+        for key, held in holdings.items():
+            assert held["tracked_unsharded"] == held["unsharded"], (key, held)
+        after_backward = holdings["2:after_backward"]
+        assert after_backward["unsharded"] == 0 and after_backward["tracked_unsharded_storages"] > 0
+        assert after_backward["tracked_unsharded_storages"] == after_backward["unsharded_storages"]
+
+
+def test_fsdp2_step_peaks_per_rank_match_the_profiler(fsdp2_runs):
+    """MemWatch's step peaks against the reconciled profiler (from the model's construction on)."""
+    out, facts = fsdp2_runs
+    for rank, fact in enumerate(facts):
+        ours, truth = step_peaks(out / "watch", rank), fact["watch"]["truth_step_peaks"]
+        assert len(ours) == len(truth) == 2
+        for measured, reference in zip(ours, truth):
+            assert abs(measured - reference) / reference <= 0.02, (rank, ours, truth)
+
+
+@pytest.mark.xfail(strict=True, reason="the estimator's FSDP rule (shards + 2 x largest layer) over-predicts "
+                   "FSDP2: measured 18,049,612 B predicted vs 14,953,572 / 17,315,036 B profiled "
+                   "(steps 1/2, both ranks): +20.7% / +4.2%; the FSDP2 replay (helper fsdppred) removes this mark")
+def test_fsdp2_prediction_before_the_engine_exists_matches_the_profiler(fsdp2_runs):
+    """The prediction made on the Trainer before ``train()`` (no FSDP module yet), per rank, against every
+    step peak of the reconciled profiler."""
+    _, facts = fsdp2_runs
+    for rank, fact in enumerate(facts):
+        predicted, truth = fact["watch"]["predicted_peak"], fact["watch"]["truth_step_peaks"]
+        for reference in truth:
+            assert abs(predicted - reference) / reference <= 0.03, (rank, predicted, truth)
+
+
+def test_auto_mode_plans_fsdp2_and_fits(fsdp2_runs):
+    """Budget 0.7 x the configured run's step peak on each rank: a plan on every rank (none failed), the
+    same on both, each rank's profiler step peaks within the budget, the effective batch kept."""
+    _, facts = fsdp2_runs
+    plans = []
+    for fact in facts:
+        auto = fact["auto"]
+        assert auto["plans"] and all(p.get("status") != "failed" for p in auto["plans"]), auto["plans"]
+        assert auto["plan"] is not None
+        plans.append(auto["plan"])
+        assert max(auto["truth_step_peaks"]) <= auto["budget"], (auto["truth_step_peaks"], auto["budget"], auto["plan"])
+        assert auto["plan"]["micro_batch_size"] * auto["plan"]["gradient_accumulation_steps"] == 4
+    assert plans[0] == plans[1]
+
+
+def test_planned_fsdp2_run_equals_the_hand_configured_run_of_its_plan(fsdp2_runs):
+    _, facts = fsdp2_runs
+    for fact in facts:
+        assert fact["hand"] is not None and len(fact["auto"]["losses"]) == 2
+        assert fact["auto"]["losses"] == pytest.approx(fact["hand"]["losses"], rel=1e-6)
+        assert fact["auto"]["grad_norms"] == pytest.approx(fact["hand"]["grad_norms"], rel=1e-6)
+
+
+def test_planned_fsdp2_step_peaks_per_rank_match_the_profiler(fsdp2_runs):
+    out, facts = fsdp2_runs
+    for rank, fact in enumerate(facts):
+        ours, truth = step_peaks(out / "auto", rank), fact["auto"]["truth_step_peaks"]
+        assert len(ours) == len(truth) == 2
+        for measured, reference in zip(ours, truth):
+            assert abs(measured - reference) / reference <= 0.02, (rank, ours, truth)
