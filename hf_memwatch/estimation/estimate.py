@@ -238,7 +238,8 @@ def _replay_step(model: torch.nn.Module, fake_mode: Any, request: EstimateReques
     recording = recording_allocations() if request.device == "cuda" else contextlib.nullcontext([])
     engine = _engine_of(request, trainer)
     # FSDP2's shards, all-gathers and reduce-scatters; ZeRO-1/2's buckets and partitions
-    flow = fsdp_flow(model, engine, trainer, request.precision) or zero_gradient_flow(model, engine, request.precision)
+    flow = (fsdp_flow(model, engine, trainer, request.precision, request.device)
+            or zero_gradient_flow(model, engine, request.precision))
     try:
         with guard, recording as traces, flow:
             simulation = _simulate(model, fake_mode, request, inputs, notes)

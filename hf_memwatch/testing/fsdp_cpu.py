@@ -15,7 +15,8 @@ launched script; it returns a function that undoes it.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 def allow_fsdp_on_cpu_ranks() -> Callable[[], None]:
