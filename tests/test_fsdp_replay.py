@@ -95,3 +95,21 @@ def test_units_are_accelerates():
                                        "transformer.ln_f, transformer.wte, lm_head", ""]
     assert [u.reshard_after_forward for u in units] == [True, True, False, False]
     assert [n for _, n, _ in units[-1].params] == ["weight"]  # the root keeps wpe alone
+
+
+def test_cli_shard_fsdp_is_the_replay(tmp_path, capsys):
+    """``hf-memwatch estimate --world-size 2 --shard fsdp`` plans FSDP2 as the auto mode does (the replay),
+    not by the division rule."""
+    import json
+
+    from hf_memwatch.cli.main import main
+
+    gpt2_model().config.save_pretrained(tmp_path)
+    assert main(["estimate", str(tmp_path), "--batch-size", str(BATCH), "--seq-len", str(SEQ), "--world-size", "2",
+                 "--shard", "fsdp", "--optim", "adamw_torch", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    engine = Engine(kind="fsdp", world_size=2, fsdp_version=2, fsdp_strategy="FULL_SHARD")
+    replayed = estimate(str(tmp_path), engine=engine, shard="fsdp", world_size=2, batch_size=BATCH, seq_len=SEQ,
+                        optim="adamw_torch")
+    assert printed["peak_bytes"] == replayed.peak_bytes
+    assert any(note.startswith("FSDP2 x 2") for note in replayed.notes)
