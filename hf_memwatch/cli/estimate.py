@@ -201,8 +201,19 @@ def _run_config(args: argparse.Namespace) -> RunConfig:
         micro_batch_size=args.batch_size, gradient_accumulation_steps=args.accum, checkpointing=checkpointing_of(args),
         optim=args.optim, precision=args.precision, device=args.device, world_size=args.world_size,
         shard=args.shard, seq_len=args.seq_len, task=args.task, seq2seq_target_len=args.target_len,
-        engine=deepspeed_engine(args),
+        engine=deepspeed_engine(args) or fsdp_engine(args),
     )
+
+
+def fsdp_engine(args: argparse.Namespace) -> Any:
+    """``--shard fsdp``: FSDP2 as accelerate builds it by default (full shard, the model's
+    ``_no_split_modules`` wrapped), replayed by the estimator as the auto mode's prediction is
+    (``estimation/fsdp_replay.py``); None for other shards."""
+    if args.shard != "fsdp" or int(args.world_size) < 2:
+        return None
+    from ..core.engine import Engine
+
+    return Engine(kind="fsdp", world_size=int(args.world_size), fsdp_version=2, fsdp_strategy="FULL_SHARD")
 
 
 def deepspeed_engine(args: argparse.Namespace) -> Any:

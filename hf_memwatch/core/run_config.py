@@ -101,7 +101,7 @@ class RunConfig:
         )
         if self.seq_len is not None:
             kwargs["seq_len"] = self.seq_len
-        if self.engine is not None and self.engine.kind == "deepspeed":
+        if self.engine is not None and self.engine.kind in ("deepspeed", "fsdp"):
             kwargs["engine"] = self.engine
         return kwargs
 

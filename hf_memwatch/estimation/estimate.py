@@ -34,6 +34,7 @@ from ..measure.peak_tensors import PeakTensors
 from ..measure.tracker import recording_allocations
 from .cuda_device import cuda_step_reserve
 from .fake_model import auto_class, count_params, fake_copy, fake_model, load_config, resolve_adapter
+from .fsdp_replay import fsdp_applies, fsdp_flow
 from .layers import AUTO_MIN_LAYERS, SHORT_DEPTHS, extrapolate, homogeneous_layers, truncated
 from .peft import LoraSpec
 from .quantized import QuantSpec
@@ -235,7 +236,10 @@ def _replay_step(model: torch.nn.Module, fake_mode: Any, request: EstimateReques
     guard = TrainerStateGuard(trainer, request.gradient_accumulation_steps) if trainer is not None \
         else contextlib.nullcontext()
     recording = recording_allocations() if request.device == "cuda" else contextlib.nullcontext([])
-    flow = zero_gradient_flow(model, _engine_of(request, trainer), request.precision)  # ZeRO-1/2's buckets and partitions
+    engine = _engine_of(request, trainer)
+    # FSDP2's shards, all-gathers and reduce-scatters; ZeRO-1/2's buckets and partitions
+    flow = (fsdp_flow(model, engine, trainer, request.precision, request.device)
+            or zero_gradient_flow(model, engine, request.precision))
     try:
         with guard, recording as traces, flow:
             simulation = _simulate(model, fake_mode, request, inputs, notes)
@@ -298,9 +302,13 @@ def _result(model: torch.nn.Module, fake_mode: Any, request: EstimateRequest, in
     shard, world_size, precision, device = request.shard, request.world_size, request.precision, request.device
     flowed = flow_applies(engine, model, precision)  # the replay held ZeRO-1/2's gradients as the rank does
     divided = "zero1" if flowed else shard
-    per_phase = {phase: engine_classes(shard_classes(classes, model, world_size, divided, notes, precision), model,
-                                       engine, notes, precision, device, flowed)[0]
-                 for phase, classes in simulation.phase_classes.items()}
+    if fsdp_applies(engine, model, precision):  # the replay held the rank's shards and gathers (fsdp_replay.py)
+        per_phase = {phase: dict(classes) for phase, classes in simulation.phase_classes.items()}
+        notes.append(f"FSDP2 x {world_size}: the rank's shards, all-gathers, prefetch and reduce-scatters replayed")
+    else:
+        per_phase = {phase: engine_classes(shard_classes(classes, model, world_size, divided, notes, precision),
+                                           model, engine, notes, precision, device, flowed)[0]
+                     for phase, classes in simulation.phase_classes.items()}
     per_phase = zero_optimizer_step(per_phase, model, engine, request.optim, device, notes)
     phase_peaks = {phase: sum(classes.values()) for phase, classes in per_phase.items()}
     peak_phase = max(phase_peaks, key=lambda p: phase_peaks[p])

@@ -15,7 +15,8 @@ launched script; it returns a function that undoes it.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 def allow_fsdp_on_cpu_ranks() -> Callable[[], None]:
@@ -29,9 +30,12 @@ def allow_fsdp_on_cpu_ranks() -> Callable[[], None]:
 
     def init(self: Any, *args: Any, fsdp_plugin: Any = None, **kwargs: Any) -> None:
         original(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
-        if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
+        # Every later ``AcceleratorState()`` (the Trainer makes some during ``train()``) copies
+        # PartialState's MULTI_CPU over the shared state: keep FSDP while the shared state holds a plugin.
+        plugin = fsdp_plugin if fsdp_plugin is not None else getattr(self, "fsdp_plugin", None)
+        if plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
             self.distributed_type = DistributedType.FSDP
-            self.fsdp_plugin = fsdp_plugin
+            self.fsdp_plugin = plugin
 
     init._hf_memwatch_fsdp_on_cpu = True  # type: ignore[attr-defined]
     AcceleratorState.__init__ = init  # type: ignore[method-assign]
