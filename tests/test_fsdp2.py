@@ -179,3 +179,13 @@ def test_planned_fsdp2_step_peaks_per_rank_match_the_profiler(fsdp2_runs):
         assert len(ours) == len(truth) == 2
         for measured, reference in zip(ours, truth):
             assert abs(measured - reference) / reference <= 0.02, (rank, ours, truth)
+
+
+def test_the_fsdp2_plan_s_prediction_matches_its_profiled_run(fsdp2_runs):
+    """The agreed plan's predicted peak (the FSDP2 replay of the planned run) against the reconciled
+    profiler's steady step of that run, per rank: within 3%."""
+    _, facts = fsdp2_runs
+    for rank, fact in enumerate(facts):
+        auto = fact["auto"]
+        predicted, truth = auto["plans"][-1]["predicted_peak"], auto["truth_step_peaks"]
+        assert abs(predicted - truth[-1]) / truth[-1] <= 0.03, (rank, predicted, truth)
