@@ -442,8 +442,8 @@ def make_monitor(backend: Any, writer: Any, rank: int, trainer: Any = None) -> S
     wrapped = getattr(trainer, "model_wrapped", None) if trainer is not None else None
     if find_ddp(wrapped) is not None or getattr(trainer, "is_deepspeed_enabled", False):
         monitor.add_contributor(EngineStorages(wrapped))
-    elif fsdp2_param_groups(wrapped):  # FSDP2: shards and all-gathers outside model.parameters()
-        monitor.add_contributor(Fsdp2Storages(wrapped))
+    elif groups := fsdp2_param_groups(wrapped):  # FSDP2: shards and all-gathers outside model.parameters()
+        monitor.add_contributor(Fsdp2Storages(groups))
     held = held_models(trainer) if trainer is not None else {}
     if held:  # TRL's reference model, a teacher: frozen weights, shown apart
         monitor.add_contributor(HeldModels(held))

@@ -73,17 +73,15 @@ class Fsdp2Storages:
     """FSDP2's shards, all-gathered parameters and communication buffers on this rank (a ``StepMonitor``
     contributor; see the module doc)."""
 
-    def __init__(self, wrapped_model: Any) -> None:
-        self.model = wrapped_model
+    def __init__(self, groups: list[Any]) -> None:
+        self.groups = groups  # fsdp2_param_groups(model), read once: fully_shard has run (prepare())
 
     def known_tensors(self, monitor: Any) -> list[torch.Tensor | None]:
-        groups = fsdp2_param_groups(self.model)
-        return [*_weights(groups), *_gradients(groups)]
+        return [*_weights(self.groups), *_gradients(self.groups)]
 
     def class_storages(self, monitor: Any) -> dict[str, dict[int, int]]:
-        groups = fsdp2_param_groups(self.model)
-        return {"weights": _nonzero(collect_storages(_weights(groups), monitor.device)),
-                "gradients": _nonzero(collect_storages(_gradients(groups), monitor.device))}
+        return {"weights": _nonzero(collect_storages(_weights(self.groups), monitor.device)),
+                "gradients": _nonzero(collect_storages(_gradients(self.groups), monitor.device))}
 
     def adjust(self, record: dict[str, Any], monitor: Any, phase: str, window_peak: int | None) -> None:
         """Nothing to correct: every storage above is one the tracker sees (or registered)."""

@@ -11,6 +11,7 @@ into OUT_DIR (no assertion here: the test decides). Runs, each in OUT_DIR/<name>
   frees made on gloo's threads reconciled: ``hf_memwatch.testing.truth``), with the prediction made on the
   Trainer before ``train()`` (no FSDP module exists yet) and what FSDP2 itself holds at every phase of
   every step (:class:`FsdpHoldings`, read from FSDP2's own ``FSDPParam`` / comm-context attributes);
+* ``no_reshard``: the same without resharding after the forward (``shard_grad_op``), no prediction;
 * ``auto``: ``MemWatch(auto=True, budget=BUDGET_FRACTION x`` the ``watch`` run's step peak on the rank
   ``)`` under the profiler;
 * ``hand``: the agreed plan configured by hand, without MemWatch (losses and grad norms must equal).
@@ -164,12 +165,14 @@ def left_by(profiler, mark: str) -> int:
     return sum(delta for time, delta in cpu_memory_deltas(profiler) if start <= time <= end)
 
 
-def build(out: Path, name: str, callbacks: list, plan: dict | None = None, profiler=None) -> Trainer:
+def build(out: Path, name: str, callbacks: list, plan: dict | None = None, profiler=None,
+          reshard_after_forward: bool = True) -> Trainer:
     """The Trainer of one run; with ``profiler`` the truth's window opens before the model is built."""
     plan = plan or CONFIGURED
     args = training_args(out / name, **hand_configured(plan, leave=("activation_checkpointing",)),
                          gradient_checkpointing=plan["activation_checkpointing"], max_steps=STEPS,
-                         fsdp="full_shard", fsdp_config=dict(FSDP_CONFIG))
+                         fsdp="full_shard" if reshard_after_forward else "shard_grad_op",
+                         fsdp_config=dict(FSDP_CONFIG, reshard_after_forward=reshard_after_forward))
     dataset = token_dataset(32, 64, 1000)
     if profiler is not None:
         profiler.start()
@@ -216,6 +219,13 @@ def main() -> None:
     facts["watch"] = train(watch, profiler, predict=True)
     facts["watch"]["holdings"] = holdings.records
     facts["watch"]["full_param_bytes"] = sum(p.numel() * p.element_size() for p in gpt2_model().parameters())
+    # FSDP2 without resharding after the forward (SHARD_GRAD_OP): every unit stays gathered until backward.
+    monitor = MemWatch(detail="full", report=False, summary=False)
+    holdings = FsdpHoldings(monitor)
+    profiler = cpu_memory_profile(record_shapes=True)
+    facts["no_reshard"] = train(build(out, "no_reshard", [monitor, holdings], profiler=profiler,
+                                      reshard_after_forward=False), profiler)
+    facts["no_reshard"]["holdings"] = holdings.records
     peak = max(r["peak"] for r in timeline(out / "watch", rank) if r["event"] == "step")
     budget = int(BUDGET_FRACTION * peak)
     profiler = cpu_memory_profile(record_shapes=True)
