@@ -82,6 +82,14 @@ def test_fsdp_planned_from_the_engine_the_accelerator_reports(tmp_path, monkeypa
     assert engine_of(fsdp_args).ignored  # the arguments alone: CPU ranks run DDP
     forced = engine_of(fsdp_args, accelerator)
     assert (forced.kind, forced.ignored) == ("fsdp", ()), forced.ignored
+    # bitsandbytes cannot step FSDP2's DTensors (the real 2-rank run fails: tests/test_fsdp2.py's
+    # planner excludes it); FSDP1's flat parameters are plain tensors
+    from hf_memwatch.planning.catalogue import unavailable_remedies
+
+    run = RunConfig(micro_batch_size=4, world_size=2, shard="fsdp", engine=forced)
+    assert "DTensor" in unavailable_remedies(run).get("8-bit AdamW", "")
+    fsdp1 = run.replace(engine=forced.replace(fsdp_version=1))
+    assert "DTensor" not in unavailable_remedies(fsdp1).get("8-bit AdamW", "")
     model = gpt2_model()
     run = RunConfig.from_args(args, model, seq_len=32, accelerator=accelerator).replace(world_size=2)
     sharded = estimate(model, **run.estimate_kwargs())
