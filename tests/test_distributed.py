@@ -414,8 +414,8 @@ def test_zero_prediction_before_the_engine_exists_matches_the_measured_peak(zero
 
 @pytest.mark.parametrize("name", ZERO_ENGINES)
 def test_auto_mode_plans_every_zero_engine_and_fits(zero_runs, name):
-    """Budget 0.7 x the configured peak on ZeRO-3, 0.76 x with offload, 0.85 x on ZeRO-2 (the lowest each
-    engine has a plan for; ``deepspeed_zero.BUDGET_FRACTION``): a plan on every rank (none failed), the same
+    """Budget 0.7 x the configured peak on ZeRO-3, 0.76 x with offload (the lowest each engine has a plan
+    for), 0.87 x on ZeRO-2 (its plan 2 x 4 + checkpointing; ``deepspeed_zero.BUDGET_FRACTION``): a plan on every rank (none failed), the same
     on all ranks, each rank's step peaks within the budget (the profiler's where the run is profiled), the
     effective batch kept. Failed
     before ZeRO-2's gradient flow was replayed (estimation/zero_backward.py) and ZeRO-3's gradient
@@ -433,6 +433,25 @@ def test_auto_mode_plans_every_zero_engine_and_fits(zero_runs, name):
         # The profiler's peaks where the run was profiled (deepspeed_zero.SUITE_TRUTH), else MemWatch's.
         peaks = run["truth_step_peaks"] or run["step_peaks"]
         assert len(peaks) == len(run["step_peaks"]) == 2 and max(peaks) <= run["budget"], (peaks, run["budget"])
+
+
+def test_zero2_plan_covers_the_flat_copy_gloo_may_still_hold(zero_runs):
+    """ZeRO-2's planned run (2 x 4 + checkpointing) peaks in a backward; the flat copy of a bucket
+    reduction (``torch.cat``, freed by gloo's worker thread when it drops its reference) is still held
+    there in some launches and not in others: rank 0's step 2 measured 10,809,764 and 11,007,908 B
+    (198,144 B, one 49,536-element ``aten.cat`` among MemWatch's peak tensors). The plan's prediction
+    without the planner's margin covers every measured step peak on every rank
+    (estimation/zero_backward.py keeps the largest flat copy until the next reduction); before, it was
+    10,997,656 B, under both launches' highest peaks (11,007,908 and 11,032,484)."""
+    from hf_memwatch.planning.predict import ESTIMATE_MARGIN
+
+    _, facts = zero_runs
+    for fact in facts:
+        run = fact["auto"]["zero2"]
+        plan = run["plans"][0]
+        predicted = plan["predicted_peak"] / (1 + ESTIMATE_MARGIN)
+        assert plan["activation_checkpointing"] and plan["micro_batch_size"] > 1, plan  # a backward-bound peak
+        assert predicted >= max(run["step_peaks"]), (predicted, run["step_peaks"])
 
 
 @pytest.mark.parametrize("name", ZERO_ENGINES)
