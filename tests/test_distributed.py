@@ -371,13 +371,13 @@ def _run_facts(fact: dict[str, Any], name: str) -> dict[str, Any]:
     return fact["auto"][name.removesuffix("_auto")] if name.endswith("_auto") else fact[name]
 
 
-@pytest.mark.parametrize("name", ["zero3", "zero3_offload_auto"])
+@pytest.mark.parametrize("name", ["zero3_offload_auto"])
 def test_zero_step_peaks_per_rank_match_the_profiler(zero_runs, name):
     """MemWatch's step peaks under ZeRO-3 within 2% of the profiler's on each rank and step (issue 19,
     point 5), the profiler's frees on gloo's threads reconciled (testing/truth.py: the raw sum kept
     DeepSpeed's all-gather buffers and reduce-scatter clones that gloo's threads free, -6...-26% off);
-    the configured run and the planned ZeRO-3 + offload run (checkpointing + 8-bit AdamW on the host
-    partitions; ``deepspeed_zero.SUITE_TRUTH``)."""
+    on the planned ZeRO-3 + offload run (checkpointing + 8-bit AdamW on the host partitions;
+    ``deepspeed_zero.SUITE_TRUTH``; ``benchmarks/engines_accuracy.py`` profiles every run)."""
     out, facts = zero_runs
     for rank, fact in enumerate(facts):
         ours = [r["peak"] for r in timeline(out / name, rank) if r["event"] == "step"]
@@ -487,6 +487,26 @@ def test_zero2_budget_no_plan_reaches_stops_every_rank_before_training(zero_runs
         assert "At its peak (the optimizer step)" in message, message
         assert "No engine remedy applies" in message and "offload" in message and "reduce bucket" in message, message
     assert facts[0]["no_fit"]["raised"]["type"] == facts[1]["no_fit"]["raised"]["type"] == "PlanError"
+
+
+def test_reconciling_a_profile_of_tensors_without_storage_keeps_none_alive():
+    """The reconciled truth reads each operator input's ``storage_data_ptr``; torch 2.13 returns ``None``
+    for a tensor without storage without owning the reference, so the profiled planning of a run (fake
+    tensors) took one from ``None`` per read and the benchmark's launch aborted ("deallocating None")."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from hf_memwatch.testing.truth import cpu_memory_deltas
+
+    reads = 2000  # storage-less inputs: two per linear on meta tensors
+    meta = torch.randn(4, 8, device="meta")
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True) as prof:
+        for _ in range(reads // 2):
+            torch.nn.functional.linear(meta, torch.randn(3, 8, device="meta"))
+            torch.nn.functional.linear(torch.randn(4, 8), torch.randn(3, 8))
+    before = sys.getrefcount(None)
+    deltas = cpu_memory_deltas(prof, reconcile=True)
+    # Other objects of the walk come and go (tens of references); the defect took one per read.
+    assert sys.getrefcount(None) - before > -reads // 4 and deltas, sys.getrefcount(None) - before
 
 
 # -- sharded estimates against hand-worked numbers ----------------------------------------------
