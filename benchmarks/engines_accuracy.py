@@ -6,8 +6,8 @@ DeepSpeed's CPU accelerator; test GPT-2, 590,336 fp32 parameters, micro-batch 4 
 made before ``train()`` (``estimate(trainer)``, no DeepSpeed engine yet) against the step peak
 MemWatch measured on that rank, and the auto mode's run at the script's ``BUDGET_FRACTION`` x that peak.
 
-The reference is the profiler's per-rank step peak (each configured run profiled from the model's
-construction on), with the frees gloo's worker threads make reconciled (``hf_memwatch.testing.truth``,
+The reference is the profiler's per-rank step peak (each configured and each planned run profiled from
+the model's construction on, the auto mode's planning taken out as ``estimate()``'s leftovers are), with the frees gloo's worker threads make reconciled (``hf_memwatch.testing.truth``,
 ``reconcile=True``: the profiler reports no free made on a thread that does not profile); the raw
 running sum is shown beside it. Usage: ``python benchmarks/engines_accuracy.py --out benchmarks/results/engines_accuracy.md``.
 """
@@ -85,6 +85,36 @@ def truth_table(out: Path, facts: list[dict]) -> list[str]:
     return lines
 
 
+def planned_truth_table(facts: list[dict]) -> list[str]:
+    """The auto mode's planned runs (``<engine>_auto``) against the profiler, per rank and step."""
+    lines = ["## Planned runs against the profiler, per rank", "",
+             "| engine | rank | plan | budget (B) | profiler step peaks, reconciled (B) | raw (B) | MemWatch per step | "
+             "plan's prediction vs profiler | profiler ≤ budget |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    errors = []
+    for engine in facts[0]["auto"]:
+        for rank in (0, 1):
+            run = facts[rank]["auto"][engine]
+            truth = run.get("truth_step_peaks")
+            if not truth:
+                continue
+            plan = run["plans"][-1]
+            per_step = [m / t - 1 for m, t in zip(run["step_peaks"], truth)]
+            errors.extend(abs(e) for e in per_step)
+            # the plan's figure carries the planner's margin (planning/predict.py ESTIMATE_MARGIN)
+            predicted = plan["predicted_peak"] / max(truth) - 1
+            lines.append(f"| {engine} | {rank} | {plan['micro_batch_size']} x {plan['gradient_accumulation_steps']}, "
+                         f"ckpt {plan['activation_checkpointing']}, {plan['optim']} | {run['budget']:,} | "
+                         f"{', '.join(f'{t:,}' for t in truth)} | "
+                         f"{', '.join(f'{t:,}' for t in run.get('truth_raw_step_peaks') or [])} | "
+                         f"{', '.join(f'{100 * e:+.2f}%' for e in per_step)} | {100 * predicted:+.2f}% | "
+                         f"{max(truth) <= run['budget']} |")
+    if errors:
+        lines += ["", f"MemWatch per step on the planned runs: median {100 * statistics.median(errors):.2f}%, "
+                      f"worst {100 * max(errors):.2f}%", ""]
+    return lines
+
+
 def table(out: Path) -> str:
     facts = [json.loads((out / f"deepspeed.rank{rank}.json").read_text()) for rank in (0, 1)]
     lines = ["| engine | rank | predicted before train() (B) | measured step peak (B) | error |",
@@ -97,7 +127,8 @@ def table(out: Path) -> str:
             errors.append(abs(error))
             lines.append(f"| {facts[rank][engine]['engine']} | {rank} | {predicted:,} | {measured:,} | {100 * error:+.2f}% |")
     lines += ["", f"median |error| {100 * statistics.median(errors):.2f}%, worst {100 * max(errors):.2f}%", ""]
-    lines = truth_table(out, facts) + ["## Against MemWatch's step peak, per rank", ""] + lines
+    lines = (truth_table(out, facts) + planned_truth_table(facts)
+             + ["## Against MemWatch's step peak, per rank", ""] + lines)
     lines += [
               "| auto mode | rank | budget (x configured peak) | plan | predicted | measured step peaks | fits |",
               "|---|---|---|---|---|---|---|"]

@@ -325,7 +325,8 @@ def run(args: argparse.Namespace) -> int:
                                 "prepare_model_for_kbit_training turns it on for a quantized base (--no-checkpointing: off)"]
         # Savings that change what is computed (a fused loss, no reference model): shown, never planned.
         payload["advice"] = [item.as_dict() for item in advice(
-            _run_config(args), result.frozen_models, logits_bytes(result), result.peak_bytes, classes=result.classes)]
+            _run_config(args), result.frozen_models, logits_bytes(result), result.peak_bytes, classes=result.classes,
+            peak_phase=result.peak_phase)]
         if budget is not None:
             request = planning_request(args, budget, result)
             payload["plan"] = _plan(request)  # the choice first: the table reads the predictions it made

@@ -36,7 +36,10 @@ gradient class and adds no bucket (:func:`~hf_memwatch.estimation.shard.engine_c
 optimizer step holds the kept partition and its flat fp32 copy (:mod:`~hf_memwatch.estimation.zero_step`).
 Measured against MemWatch on the 2-rank runs: ZeRO-1 4 x 2 predicted 14,734,232 B, measured
 14,735,268; ZeRO-2 4 x 2 13,290,776 vs 13,279,524 / 13,291,812 (ranks 0 / 1); 1 x 8 + checkpointing
-10,741,772 vs 10,734,116 / 10,746,404. Not modelled: ``overlap_comm`` (a second bucket),
+10,741,772 vs 10,734,116 / 10,746,404. Each reduction's flat copy (``torch.cat`` of a destination
+rank's slices) may outlive it, held by gloo's worker thread (:func:`flat_slices`): the replay keeps
+the largest until the next reduction, so a plan's margin covers the run-to-run spread it makes.
+Not modelled: ``overlap_comm`` (a second bucket),
 ``contiguous_gradients: false``, ``round_robin_gradients``, 16-bit ZeRO and offload (other paths).
 """
 
@@ -117,6 +120,9 @@ class ZeroGradientFlow:
         self.filled = 0
         self.pending: list[torch.nn.Parameter] = []
         self.buffer: torch.Tensor | None = None  # grads_in_partition
+        self.world_size = engine.world_size
+        self.spans = _partition_spans(self.params, model, engine.world_size)
+        self.lingering: torch.Tensor | None = None  # the last reduction's flat copy, on gloo's thread
         self.offset = 0
         self.accumulated: torch.Tensor | None = None  # all_grad_tensors: the kept partition across micro-steps
         self.started = False  # a backward is running (its bucket set up)
@@ -131,7 +137,7 @@ class ZeroGradientFlow:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        self.bucket = self.buffer = self.accumulated = None
+        self.bucket = self.buffer = self.accumulated = self.lingering = None
         self.pending, self.started = [], False
 
     def _on_forward(self, *_: Any) -> None:
@@ -177,7 +183,13 @@ class ZeroGradientFlow:
         self.filled += numel
 
     def _reduce(self) -> None:
-        """``reduce_ipg_grads``: the rank's gradients into ``grads_in_partition``, ZeRO-2 drops the others."""
+        """``reduce_ipg_grads``: the rank's gradients into ``grads_in_partition``, ZeRO-2 drops the others;
+        the flat copy of the largest destination's slices may outlive it (see :func:`flat_slices`)."""
+        flats = flat_slices(self.pending, self.spans, self.world_size)
+        self.lingering = None
+        if flats and self.pending:
+            ref = self.pending[0]
+            self.lingering = torch.empty(max(flats), dtype=ref.dtype, device=ref.device)
         for param in self.pending:
             if param.grad is None:
                 continue
@@ -207,12 +219,58 @@ class ZeroGradientFlow:
                 self.accumulated = self.buffer
             else:
                 self.accumulated.add_(self.buffer)
-        self.bucket = self.buffer = None
+        self.bucket = self.buffer = self.lingering = None
         for param in self.params:
             param.grad = None
         # The replayed micro-step is the step's last: DeepSpeed flattens the kept partition for its
         # optimizer step (estimation/zero_step.py counts both there) and frees it.
         self.accumulated = None
+
+
+def _partition_spans(params: list[torch.nn.Parameter], model: torch.nn.Module,
+                     world_size: int) -> dict[int, tuple[int, int]]:
+    """Per trainable parameter: its element offset in its group's flat buffer and the group's
+    partition size (:func:`rank_partition`'s layout)."""
+    spans: dict[int, tuple[int, int]] = {}
+    for group in param_groups(model):
+        members = [p for p in group["params"] if p.requires_grad]
+        total = sum(p.numel() for p in members)
+        align = 2 * world_size
+        size = -(-total // align) * align // world_size
+        index = 0
+        for param in members:
+            spans[id(param)] = (index, size)
+            index += param.numel()
+    return {key: spans[key] for key in map(id, params) if key in spans}
+
+
+def flat_slices(pending: list[torch.nn.Parameter], spans: dict[int, tuple[int, int]], world_size: int) -> list[int]:
+    """Elements of the flat copy DeepSpeed makes for each destination rank of one bucket reduction.
+
+    ``average_tensor`` cuts the bucket's gradients at the partition boundaries and reduces each
+    destination's slices as one ``torch.cat`` (``allreduce_bucket``'s flatten, then a synchronous
+    ``dist.reduce``). Gloo's work object holds that tensor too, and its worker thread drops it after
+    the training thread went on: the block is freed a moment later, at a time that depends on how the
+    threads are scheduled. Measured on 2 gloo ranks (test GPT-2, buckets of 100,000 elements, ZeRO-2,
+    2 x 4 + checkpointing): rank 0's step-2 peak was 10,809,764 B in one launch and 11,007,908 B in
+    another — 198,144 B, the 49,536-element ``aten.cat`` of one such reduction, still held at the
+    next micro-step's high (MemWatch's peak tensors). The replay keeps the largest until the next
+    reduction or the backward's end, so a plan covers it.
+
+    Example:
+        >>> a, b = torch.nn.Parameter(torch.zeros(5)), torch.nn.Parameter(torch.zeros(5))
+        >>> flat_slices([a, b], {id(a): (0, 6), id(b): (5, 6)}, 2)  # b straddles the boundary at 6
+        [6, 4]
+    """
+    per_rank = [0] * world_size
+    for param in pending:
+        if id(param) not in spans:
+            continue
+        offset, size = spans[id(param)]
+        for rank in range(world_size):
+            low, high = max(offset, rank * size), min(offset + param.numel(), (rank + 1) * size)
+            per_rank[rank] += max(0, high - low)
+    return [n for n in per_rank if n > 0]
 
 
 def _trackers() -> list[EstimateTracker]:

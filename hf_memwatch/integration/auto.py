@@ -357,10 +357,16 @@ class AutoMode(BetweenSteps):
         self.planning_seconds = time.perf_counter() - started
         self.plan_changed_the_run = result.chosen is not None and result.chosen.key() != result.given.key()
         if result.chosen is None:
+            from ..planning.engine_advice import no_fit_note
             from .measured import over_budget_error
 
-            raise over_budget_error(no_fit_message(result, budget.describe()), result.best_effort().predicted_peak,
-                                    budget.usable)
+            try:  # what bounds the smallest plan, and the engine's remedies
+                best = predictor.estimate(result.best_effort())
+                note = no_fit_note(run, best.classes, best.peak_bytes, best.peak_phase)
+            except Exception:  # noqa: BLE001 - the message goes out without it
+                note = ""
+            raise over_budget_error(no_fit_message(result, budget.describe()) + note,
+                                    result.best_effort().predicted_peak, budget.usable)
         if result.chosen.key() != result.given.key():
             for name, why in result.unavailable.items():
                 logger.warning("hf-memwatch: remedy %s unavailable: %s", name, why)
@@ -371,7 +377,7 @@ class AutoMode(BetweenSteps):
         from ..estimation.estimate import logits_bytes
 
         found = advice(run, given_estimate.frozen_models, logits_bytes(given_estimate), given_estimate.peak_bytes,
-                       classes=given_estimate.classes)
+                       classes=given_estimate.classes, peak_phase=given_estimate.peak_phase)
         if found:
             record = record.replace(advice=[item.as_dict() for item in found])
         # The rank that must cut the most from the configured run decides (issue 7): its plan fits

@@ -266,12 +266,13 @@ REFERENCE_MODEL = "ref_model"  # the attribute TRL's preference trainers hold th
 
 
 def advice(run: RunConfig, frozen_models: Mapping[str, int], logits: int = 0, peak: int = 0,
-           classes: Mapping[str, int] | None = None) -> list[Advice]:
+           classes: Mapping[str, int] | None = None, peak_phase: str | None = None) -> list[Advice]:
     """Advice for ``run`` whose Trainer holds the frozen models ``frozen_models`` (name -> resident
     bytes, as :func:`hf_memwatch.estimate` and the live monitor report them) and whose step peaks at
     ``peak`` bytes with ``logits`` bytes of logits (and their fp32 upcast) live at that moment;
     with ``classes`` (the predicted per-rank split at the peak) the engine-level remedies of a
-    distributed run too (:func:`hf_memwatch.planning.engine_advice.engine_advice`).
+    distributed run too (:func:`hf_memwatch.planning.engine_advice.engine_advice`; ``peak_phase``: the
+    phase of the peak, where it is known).
 
     A TRL preference trainer (DPO: ``precompute_ref_log_probs`` is one of its options) holding a copied
     reference model can drop it: its bytes are the saving. A language-model step whose logits take
@@ -289,7 +290,7 @@ def advice(run: RunConfig, frozen_models: Mapping[str, int], logits: int = 0, pe
     if classes:  # the engine's own remedies (ZeRO stage, offload, buckets), from the predicted split
         from .engine_advice import engine_advice
 
-        found.extend(engine_advice(run, classes, peak))
+        found.extend(engine_advice(run, classes, peak, peak_phase))
     reference = int(frozen_models.get(REFERENCE_MODEL, 0) or 0)
     if reference <= 0 or run.precompute_ref_log_probs is None:
         return found

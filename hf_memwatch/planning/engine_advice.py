@@ -23,6 +23,18 @@ ZeRO-2/3 reduce bucket          ``reduce_bucket_size`` / 4: 3/4 of the bucket, w
                                 least 5% of the peak
 ==============================  =========================================================
 
+The reduce bucket of ZeRO-1/2 lives inside the backward only (``estimation/zero_backward.py``: set
+up at each backward's first gradient, released at its end), so it is advised only where the peak is
+the backward (``peak_phase``); a plan that peaks in the optimizer step holds no bucket there
+(measured on 2 gloo ranks, test GPT-2, ZeRO-2, 1 x 8 + checkpointing: the same step peaks,
+10,719,772 / 10,734,116 B on rank 0, with buckets of 100,000 and 25,000 elements). It stays advice,
+not applied: it could be written into the DeepSpeed JSON before ``train()`` (the Trainer copies
+``accelerator.state.deepspeed_plugin.hf_ds_config.config`` into the engine it builds there), but on
+more than 2 ranks the reductions' grouping, hence their float sums, may change with it.
+
+When no plan fits, :func:`no_fit_note` says what the smallest plan holds at its peak and which of
+these remedies apply (or why none does), for the ``PlanError``'s message.
+
 ZeRO-2 -> ZeRO-3 is not advised by default: with ``stage3_max_reuse_distance`` and
 ``stage3_max_live_parameters`` at DeepSpeed's defaults (1e9 elements) a model below them stays
 gathered whole from forward to backward (measured on 2 gloo ranks: weights 1,180,672 B partition +
@@ -41,7 +53,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from ..core.categories import AFTER_BACKWARD
 from ..core.run_config import RunConfig
+from ..core.units import format_bytes
 from .catalogue import Advice
 
 # A bucket smaller than this share of the peak is not worth a line of advice.
@@ -55,9 +69,10 @@ def _ddp(run: RunConfig) -> bool:
     return run.world_size > 1 and run.shard == "none"
 
 
-def engine_advice(run: RunConfig, classes: Mapping[str, int], peak: int) -> list[Advice]:
+def engine_advice(run: RunConfig, classes: Mapping[str, int], peak: int,
+                  peak_phase: str | None = None) -> list[Advice]:
     """The engine remedies for ``run`` (see the module doc), each with its saving in bytes per rank;
-    only those that save something."""
+    only those that save something (``peak_phase``: where the peak is, None: not known)."""
     weights = int(classes.get("weights", 0))
     grads = int(classes.get("gradients", 0))
     states = int(classes.get("optimizer_states", 0))
@@ -76,6 +91,8 @@ def engine_advice(run: RunConfig, classes: Mapping[str, int], peak: int) -> list
         return found
     size = 2 if run.precision in ("bf16", "fp16") else 4
     bucket = min(int(engine.reduce_bucket_size or 0) * size, grads) if engine.zero_stage >= 2 else 0
+    if engine.zero_stage < 3 and peak_phase not in (None, AFTER_BACKWARD):
+        bucket = 0  # ZeRO-1/2's bucket is released at the backward's end: none at this peak
     if engine.zero_stage == 1:
         bucket_next = min(int(engine.reduce_bucket_size or 0) * size, grads)
         saving = grads - grads // world - bucket_next
@@ -96,3 +113,44 @@ def engine_advice(run: RunConfig, classes: Mapping[str, int], peak: int) -> list
             "a smaller reduce bucket holds fewer gradient bytes at once; the numerics are unchanged, "
             "more (smaller) reductions run"))
     return found
+
+
+def no_fit_note(run: RunConfig, classes: Mapping[str, int], peak: int, peak_phase: str) -> str:
+    """For the message of a run no plan fits: what the smallest plan holds at its ``peak`` (its
+    predicted split ``classes`` at ``peak_phase``), and the engine remedies that apply — or, on a
+    distributed engine, why none does.
+
+    Example:
+        >>> from hf_memwatch.core.engine import Engine
+        >>> run = RunConfig(micro_batch_size=1, world_size=2, device="cpu", engine=Engine(
+        ...     kind="deepspeed", world_size=2, zero_stage=2, reduce_bucket_size=100))
+        >>> no_fit_note(run, {"weights": 4096, "gradients": 2048, "activations": 0}, 6144, "after_optimizer")
+        ... # doctest: +NORMALIZE_WHITESPACE
+        ' At its peak (the optimizer step) it holds weights 4.00 KiB, gradients 2.00 KiB. No engine remedy applies:
+        optimizer offload saves nothing on CPU ranks (host RAM is the device); the reduce bucket is released at the
+        end of the backward, before this peak; ZeRO-3 is not predicted here (a model under its live-parameter
+        limits stays gathered whole: try hf-memwatch estimate --shard zero3).'
+    """
+    held = ", ".join(f"{name.replace('_', ' ')} {format_bytes(value)}" for name, value in classes.items() if value > 0)
+    where = {"after_forward": "the forward", "after_backward": "the backward",
+             "after_optimizer": "the optimizer step"}.get(peak_phase, peak_phase)
+    text = f" At its peak ({where}) it holds {held}."
+    engine = run.engine
+    world = engine.world_size if engine is not None else run.world_size
+    found = engine_advice(run, classes, peak, peak_phase)
+    if found:
+        return text + " Engine remedies (not applied: they change the engine or its JSON): " + "; ".join(
+            f"{item.name} would save {format_bytes(item.saving)} per rank" for item in found) + "."
+    if engine is None or engine.kind != "deepspeed" or engine.zero_stage not in (1, 2, 3) or world < 2:
+        return text
+    why = []
+    if engine.offload_optimizer == "none" and run.device == "cpu":
+        why.append("optimizer offload saves nothing on CPU ranks (host RAM is the device)")
+    if engine.zero_stage >= 2:
+        why.append("the reduce bucket is released at the end of the backward, before this peak"
+                   if engine.zero_stage < 3 and peak_phase != AFTER_BACKWARD else
+                   f"the reduce bucket is under {BUCKET_ADVICE_SHARE:.0%} of the peak")
+    if engine.zero_stage < 3:
+        why.append("ZeRO-3 is not predicted here (a model under its live-parameter limits stays gathered whole: "
+                   "try hf-memwatch estimate --shard zero3)")
+    return text + " No engine remedy applies: " + "; ".join(why) + "."

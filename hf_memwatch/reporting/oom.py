@@ -139,7 +139,8 @@ def estimate_remedies(model: Any, config: RunConfig) -> tuple[int | None, list[t
     # Savings that change the code path or what is trained: named with their bytes, no plan figure.
     from ..estimation.estimate import logits_bytes
 
-    for item in advice(config, given.frozen_models, logits_bytes(given), baseline, classes=given.classes):
+    for item in advice(config, given.frozen_models, logits_bytes(given), baseline, classes=given.classes,
+                       peak_phase=given.peak_phase):
         rows.append((f"{item.name} (advice)", None, f"saves up to {format_bytes(item.saving)}: {item.how}"))
     return baseline, rows, ""
 

@@ -10,8 +10,14 @@ with MemWatch full, and ``zero3_offload`` (``offload_optimizer: cpu``) with MemW
 ``HF_MEMWATCH_ZERO_TRUTH=1`` (``benchmarks/engines_accuracy.py`` sets it) each under the profiler from
 the model's construction on (``truth_step_peaks``: the per-rank truth, frees on gloo's threads
 reconciled). Recording every allocation of every run made the suite's launch 2.5x slower (75 s ->
-190 s), so the suite profiles ``zero3`` alone (``SUITE_TRUTH``: the engine whose raw profiler sum was
-furthest off, -6...-26%, from the frees gloo's threads make).
+190 s), so the suite profiles one run (``SUITE_TRUTH``): a ZeRO-3 one (the engine whose raw profiler
+sum was furthest off, -6...-26%, from the frees gloo's threads make), the planned ``zero3_offload_auto``.
+
+``zero2_tight``: planning only, at ``NO_FIT_FRACTION`` x ``zero2``'s peak, where no plan fits (every
+rank must stop with a ``PlanError`` before training). The planned runs ``<name>_auto`` are profiled
+like the configured ones (``SUITE_TRUTH``: in the suite, ``zero3_offload_auto``, checkpointing + 8-bit
+AdamW), the auto mode's planning marked as ``estimate()`` is (its leftovers are no training bytes).
+``facts["seconds"]``: each run's wall and CPU seconds on the rank (what the launch costs).
 
 The auto mode on each engine (issue 19), for ``zero2``, ``zero3`` and ``zero3_offload``: the
 prediction of the configured run before ``train()`` (no DeepSpeed engine exists yet), then
@@ -26,6 +32,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for conftest's builders
@@ -35,7 +42,7 @@ import torch  # noqa: E402
 from conftest import gpt2_model, loss_history, token_dataset, training_args  # noqa: E402
 from transformers import Trainer, TrainerCallback  # noqa: E402
 
-from hf_memwatch import MemWatch, estimate  # noqa: E402
+from hf_memwatch import MemWatch, PlanError, estimate  # noqa: E402
 from hf_memwatch.core.run_config import RunConfig  # noqa: E402
 from hf_memwatch.testing.truth import (  # noqa: E402
     StepMarker,
@@ -56,8 +63,15 @@ BUCKET = 100_000
 # checkpointing, the smallest plan: 10,719,772-10,746,404 B, 0.81 x the configured 13,279,524; 8-bit AdamW's
 # CPU kernel needs more), so 0.7 x gets "no plan fits" on every rank — true, not a prediction error.
 # ZeRO-3 + offload: the smallest plan is predicted at 0.715 x (11,386,008 of 15,915,940), so 0.76 x.
-BUDGET_FRACTION = {"zero2": 0.85, "zero3": 0.7, "zero3_offload": 0.76}
-SUITE_TRUTH = ("zero3",)  # runs profiled in the test suite's launch too (see the module doc)
+# ZeRO-2 at 0.87: the plan 2 x 4 + checkpointing (predicted 11,328,408 B with the flat copy gloo's thread may
+# still hold, estimation/zero_backward.py; measured up to 11,032,484), 8 micro-steps; at 0.85 it is 1 x 8.
+BUDGET_FRACTION = {"zero2": 0.87, "zero3": 0.7, "zero3_offload": 0.76}
+# ZeRO-2's planning-only run ``zero2_tight``: a budget no plan reaches (the smallest measured 0.81 x).
+NO_FIT_FRACTION = 0.7
+# The run profiled in the test suite's launch too (see the module doc): the planned ZeRO-3 + offload run
+# (checkpointing + 8-bit AdamW on the host partitions, issue 19 point 5; ZeRO-3's all-gather buffers and
+# reduce-scatter clones freed on gloo's threads, as in the configured zero3, which the benchmark profiles).
+SUITE_TRUTH = ("zero3_offload_auto",)
 PLAN = ("micro_batch_size", "gradient_accumulation_steps", "activation_checkpointing", "optim")
 CONFIGURED = {"micro_batch_size": 4, "gradient_accumulation_steps": 2, "activation_checkpointing": False,
               "optim": "adamw_torch"}
@@ -175,16 +189,22 @@ def build(out: Path, name: str, stage: int, callbacks: list, plan: dict | None =
     return Trainer(model=gpt2_model(), args=args, train_dataset=dataset, callbacks=callbacks)
 
 
-def run(out: Path, name: str, stage: int, offload: bool = False) -> dict:
-    holdings = DeepSpeedHoldings()
-    watch = MemWatch(detail="full", report=False, summary=False)
-    # DeepSpeed's own holdings are read for the runs the split test checks (not under offload)
-    profiled = os.environ.get("HF_MEMWATCH_ZERO_TRUTH") == "1" or name in SUITE_TRUTH
-    profiler = cpu_memory_profile(record_shapes=True) if profiled else None
-    trainer = build(out, name, stage, [watch] + ([] if offload else [holdings]), offload=offload, profiler=profiler)
-    run_config = RunConfig.from_trainer(trainer)  # before train(): no DeepSpeed engine yet
-    with torch.profiler.record_function(ESTIMATE_MARK):  # its leftovers (caches) are no training bytes
-        predicted = estimate(trainer).peak_bytes
+def profiled(name: str) -> bool:
+    return os.environ.get("HF_MEMWATCH_ZERO_TRUTH") == "1" or name in SUITE_TRUTH
+
+
+def marked(call, mark: str):
+    """``call`` inside a profiler range named ``mark``."""
+    def inside(*args, **kwargs):
+        with torch.profiler.record_function(mark):
+            return call(*args, **kwargs)
+    return inside
+
+
+def train_profiled(trainer: Trainer, profiler) -> dict:
+    """``trainer.train()``; with ``profiler`` (started by :func:`build`) the per-step truth: frees on
+    gloo's threads reconciled (testing/truth.py), the raw sum beside it for the benchmark's table, the
+    leftovers of what ran inside ``ESTIMATE_MARK`` (the estimate, the auto mode's planning) taken out."""
     alive = None
     try:
         trainer.train()
@@ -192,12 +212,26 @@ def run(out: Path, name: str, stage: int, offload: bool = False) -> dict:
         if profiler is not None:
             profiler.stop()
             alive = alive_storages()  # what still holds a block when the window closes (truth.py)
+    if profiler is None:
+        return {"truth_step_peaks": None, "truth_raw_step_peaks": None}
+    left = left_by(profiler, ESTIMATE_MARK)
+    raw = step_peaks(profiler, -left) if os.environ.get("HF_MEMWATCH_ZERO_TRUTH") == "1" else None  # the table's
+    return {"truth_step_peaks": step_peaks(profiler, -left, reconcile=True, alive=alive),
+            "truth_raw_step_peaks": raw, "truth_left_by_estimate": left}
+
+
+def run(out: Path, name: str, stage: int, offload: bool = False) -> dict:
+    holdings = DeepSpeedHoldings()
+    watch = MemWatch(detail="full", report=False, summary=False)
+    # DeepSpeed's own holdings are read for the runs the split test checks (not under offload)
+    profiler = cpu_memory_profile(record_shapes=True) if profiled(name) else None
+    trainer = build(out, name, stage, [watch] + ([] if offload else [holdings]), offload=offload, profiler=profiler)
+    run_config = RunConfig.from_trainer(trainer)  # before train(): no DeepSpeed engine yet
+    with torch.profiler.record_function(ESTIMATE_MARK):  # its leftovers (caches) are no training bytes
+        predicted = estimate(trainer).peak_bytes
+    truth = train_profiled(trainer, profiler)
     model = trainer.model
-    left = 0 if profiler is None else left_by(profiler, ESTIMATE_MARK)
-    return {"losses": loss_history(trainer), "deepspeed": holdings.records,
-            # frees on gloo's threads reconciled (testing/truth.py); the raw sum for the benchmark's table
-            "truth_step_peaks": None if profiler is None else step_peaks(profiler, -left, reconcile=True, alive=alive),
-            "truth_raw_step_peaks": None if profiler is None else step_peaks(profiler, -left),
+    return {"losses": loss_history(trainer), "deepspeed": holdings.records, **truth,
             "full_param_numel": sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters()),
             "engine": run_config.engine.describe(), "shard": run_config.shard, "offload": run_config.engine.offload,
             "predicted_peak": predicted}
@@ -207,9 +241,12 @@ def auto(out: Path, name: str, stage: int, rank: int, offload: bool = False) -> 
     """The auto mode at BUDGET_FRACTION[name] x the configured run's peak, and the hand-configured run of its plan."""
     peak = max(r["peak"] for r in timeline(out / name, rank) if r["event"] == "step")
     budget = int(BUDGET_FRACTION[name] * peak)
-    planned = build(out, f"{name}_auto", stage, [MemWatch(auto=True, budget=budget, report=False, summary=False)],
-                    offload=offload)
-    planned.train()
+    watch = MemWatch(auto=True, budget=budget, report=False, summary=False)
+    profiler = cpu_memory_profile(record_shapes=True) if profiled(f"{name}_auto") else None
+    if profiler is not None:  # the planning's leftovers (caches) are no training bytes: marked, as estimate()'s
+        watch._auto.before_train = marked(watch._auto.before_train, ESTIMATE_MARK)
+    planned = build(out, f"{name}_auto", stage, [watch], offload=offload, profiler=profiler)
+    truth = train_profiled(planned, profiler)
     records = timeline(out / f"{name}_auto", rank)
     plans = [r for r in records if r["event"] == "plan"]
     plan = {k: plans[-1][k] for k in PLAN} if plans and plans[-1].get("status") != "failed" else None
@@ -217,20 +254,58 @@ def auto(out: Path, name: str, stage: int, rank: int, offload: bool = False) -> 
     if plan is not None:
         hand = build(out, f"{name}_hand", stage, [], plan, offload)
         hand.train()
-    return {"configured_peak": peak, "budget": budget, "plans": plans,
+    return {"configured_peak": peak, "budget": budget, "plans": plans, **truth,
             "step_peaks": [r["peak"] for r in records if r["event"] == "step"],
             "losses": history(planned, "loss"), "grad_norms": history(planned, "grad_norm"),
             "hand_losses": None if hand is None else history(hand, "loss"),
             "hand_grad_norms": None if hand is None else history(hand, "grad_norm")}
 
 
+def no_fit(out: Path, name: str, stage: int, rank: int) -> dict:
+    """The auto mode at NO_FIT_FRACTION x the configured run's peak, where no plan fits: it must stop
+    before training with a ``PlanError`` on every rank (planning only: no step runs)."""
+    peak = max(r["peak"] for r in timeline(out / name, rank) if r["event"] == "step")
+    budget = int(NO_FIT_FRACTION * peak)
+    trainer = build(out, f"{name}_tight", stage, [MemWatch(auto=True, budget=budget, report=False, summary=False)])
+    raised = None
+    try:
+        trainer.train()
+    except Exception as exc:  # noqa: BLE001 - the test asserts which
+        raised = {"type": type(exc).__name__, "message": str(exc), "need": getattr(exc, "need", None),
+                  "budget": getattr(exc, "budget", None), "plan_error": isinstance(exc, PlanError)}
+    return {"configured_peak": peak, "budget": budget, "raised": raised, "global_step": trainer.state.global_step}
+
+
+def without_shm_comm() -> None:
+    """DeepSpeed's CPU accelerator compiles its shared-memory all-reduce (``deepspeed_shm_comm``, a
+    JIT C++ extension) when its comm backend starts, whenever the extension cache does not hold a build
+    for these paths (a fresh clone, another checkout): about 1 CPU minute per rank on this machine.
+    Training never calls it (``deepspeed/comm/torch.py``: only ``inference_all_reduce`` does; ZeRO's
+    reductions go to ``torch.distributed``, gloo), so it is marked unavailable, as DeepSpeed does off Linux."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+def timed(seconds: dict, name: str, call, *args, **kwargs):
+    """``call(*args, **kwargs)``, its wall and CPU seconds (this process) in ``seconds[name]``."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    result = call(*args, **kwargs)
+    seconds[name] = [round(time.perf_counter() - wall, 2), round(time.process_time() - cpu, 2)]
+    return result
+
+
 def main() -> None:
     out = Path(sys.argv[1])
-    facts = {f"zero{stage}": run(out, f"zero{stage}", stage) for stage in (1, 2, 3)}
-    facts["zero3_offload"] = run(out, "zero3_offload", 3, offload=True)
+    without_shm_comm()
+    seconds: dict[str, list[float]] = {}
+    facts = {f"zero{stage}": timed(seconds, f"zero{stage}", run, out, f"zero{stage}", stage) for stage in (1, 2, 3)}
+    facts["zero3_offload"] = timed(seconds, "zero3_offload", run, out, "zero3_offload", 3, offload=True)
     rank = torch.distributed.get_rank()
-    facts["auto"] = {name: auto(out, name, stage, rank, offload=name.endswith("offload"))
+    facts["auto"] = {name: timed(seconds, f"{name}_auto", auto, out, name, stage, rank, offload=name.endswith("offload"))
                      for name, stage in (("zero2", 2), ("zero3", 3), ("zero3_offload", 3))}
+    facts["no_fit"] = timed(seconds, "zero2_tight", no_fit, out, "zero2", 2, rank)
+    facts["seconds"] = seconds  # wall, CPU of each run (the auto ones with their hand run), for the launch's cost
     facts["world"] = [rank, torch.distributed.get_world_size()]
     (out / f"deepspeed.rank{rank}.json").write_text(json.dumps(facts))
     torch.distributed.barrier()
