@@ -76,6 +76,12 @@ def test_fsdp_planned_from_the_engine_the_accelerator_reports(tmp_path, monkeypa
     # The accelerator wins over arguments that say nothing of FSDP
     args = training_args(tmp_path)
     assert engine_of(args, accelerator).shard == "fsdp"
+    # ... and over ``fsdp=`` read on CPU ranks as ignored: where the accelerator builds FSDP (forced on CPU
+    # ranks by hf_memwatch.testing.fsdp_cpu, as tests/test_fsdp2.py runs it), nothing is ignored.
+    fsdp_args = training_args(tmp_path, fsdp="full_shard")
+    assert engine_of(fsdp_args).ignored  # the arguments alone: CPU ranks run DDP
+    forced = engine_of(fsdp_args, accelerator)
+    assert (forced.kind, forced.ignored) == ("fsdp", ()), forced.ignored
     model = gpt2_model()
     run = RunConfig.from_args(args, model, seq_len=32, accelerator=accelerator).replace(world_size=2)
     sharded = estimate(model, **run.estimate_kwargs())

@@ -106,7 +106,8 @@ def test_each_rank_s_classes_equal_what_fsdp2_holds(fsdp2_runs):
             assert live["weights"] == weights, where
             assert live["gradients"] == held["gradients"], where
             assert live["optimizer_states"] == held["optimizer_states"], where
-            assert abs(live["other"]) <= 0.01 * record["allocated"], where
+            # Left in ``other``: the forward's outputs (logits) and the batch, no engine storage.
+            assert 0 <= live["other"] - held.get("outputs", 0) <= 0.01 * record["allocated"], where
         assert holdings["1:after_forward"]["unsharded"] > 0  # the root stays unsharded after the forward
 
 
@@ -134,16 +135,17 @@ def test_fsdp2_step_peaks_per_rank_match_the_profiler(fsdp2_runs):
             assert abs(measured - reference) / reference <= 0.02, (rank, ours, truth)
 
 
-@pytest.mark.xfail(strict=True, reason="the estimator's FSDP rule (shards + 2 x largest layer) over-predicts "
-                   "FSDP2: measured 18,049,612 B predicted vs 14,953,572 / 17,315,036 B profiled "
-                   "(steps 1/2, both ranks): +20.7% / +4.2%; the FSDP2 replay (helper fsdppred) removes this mark")
 def test_fsdp2_prediction_before_the_engine_exists_matches_the_profiler(fsdp2_runs):
-    """The prediction made on the Trainer before ``train()`` (no FSDP module yet), per rank, against every
-    step peak of the reconciled profiler."""
+    """The prediction made on the Trainer before ``train()`` (no FSDP module yet: the estimator's FSDP2
+    replay, ``estimation/fsdp_replay.py``), per rank, against the reconciled profiler: within 3% of every
+    steady step (from step 2 on), and above step 1, whose peak (the backward) comes before its optimizer
+    step creates the AdamW states. Failed with the rule before the replay (shards + 2 x the largest
+    layer): 18,049,612 B against 17,315,036 B profiled at step 2, +4.2%."""
     _, facts = fsdp2_runs
     for rank, fact in enumerate(facts):
         predicted, truth = fact["watch"]["predicted_peak"], fact["watch"]["truth_step_peaks"]
-        for reference in truth:
+        assert truth[0] <= predicted, (rank, predicted, truth)
+        for reference in truth[1:]:
             assert abs(predicted - reference) / reference <= 0.03, (rank, predicted, truth)
 
 
@@ -177,3 +179,13 @@ def test_planned_fsdp2_step_peaks_per_rank_match_the_profiler(fsdp2_runs):
         assert len(ours) == len(truth) == 2
         for measured, reference in zip(ours, truth):
             assert abs(measured - reference) / reference <= 0.02, (rank, ours, truth)
+
+
+def test_the_fsdp2_plan_s_prediction_matches_its_profiled_run(fsdp2_runs):
+    """The agreed plan's predicted peak (the FSDP2 replay of the planned run) against the reconciled
+    profiler's steady step of that run, per rank: within 3%."""
+    _, facts = fsdp2_runs
+    for rank, fact in enumerate(facts):
+        auto = fact["auto"]
+        predicted, truth = auto["plans"][-1]["predicted_peak"], auto["truth_step_peaks"]
+        assert abs(predicted - truth[-1]) / truth[-1] <= 0.03, (rank, predicted, truth)

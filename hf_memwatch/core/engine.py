@@ -244,6 +244,10 @@ def engine_of_accelerator(accelerator: Any, world_size: int, hidden_size: int | 
     return Engine(kind=_plain("", world_size), world_size=world_size, source="accelerator", ignored=ignored)
 
 
+# The settings whose "ignored" notes an FSDP accelerator contradicts (``fsdp=`` and accelerate's env).
+_FSDP_SETTINGS = ("fsdp=", "ACCELERATE_USE_FSDP")
+
+
 def _offloads_params(policy: Any) -> bool:
     """FSDP1's ``CPUOffload(offload_params=...)``, FSDP2's ``CPUOffloadPolicy`` (``OffloadPolicy``: none)."""
     if isinstance(policy, bool):
@@ -263,6 +267,8 @@ def engine_of(args: Any, accelerator: Any = None, model: Any = None, env: Mappin
         real = engine_of_accelerator(accelerator, planned.world_size, hidden)
         if real is not None:
             ignored = planned.ignored
+            if real.kind == "fsdp":  # the accelerator builds the FSDP the arguments read as ignored
+                ignored = tuple(note for note in ignored if not note.startswith(_FSDP_SETTINGS))
             if planned.kind == "fsdp" and real.kind != "fsdp":
                 ignored = (*ignored, f"fsdp={_fsdp_text(args)}: the accelerator runs {real.describe()}")
             return real.replace(ignored=ignored)

@@ -16,11 +16,14 @@ Without an initialized process group every helper degrades to the single-process
   (fp32 master, gradient and reduce-bucket partitions, ZeRO-3 ``ds_tensor`` s).
 * :class:`EngineStorages` — what the engine holds, contributed to the rank's :class:`~hf_memwatch.measure.monitor.StepMonitor`.
 
-FSDP needs nothing special: FSDP2 parameters, gradients and optimizer states are ``DTensor`` s
-whose local shard is what :func:`~hf_memwatch.measure.storage.plain_tensors` unwraps (measured with
-``fully_shard`` on gloo: each of 2 ranks holds half). FSDP1 parameters are views of the rank's flat
-shard (not run here). On the CPU, FSDP2 frees its all-gathered parameters with
-``UntypedStorage.resize_(0)``, which the storage tracker does not see: ``other`` then keeps them.
+FSDP2 parameters, gradients and optimizer states are ``DTensor`` s whose local shard is what
+:func:`~hf_memwatch.measure.storage.plain_tensors` unwraps (measured with ``fully_shard`` on gloo: each
+of 2 ranks holds half); what ``model.parameters()`` does not show while a module is unsharded (its
+shards, the all-gathered parameters, FSDP2's kept all-gather and reduce-scatter buffers) is counted by
+:class:`~hf_memwatch.measure.fsdp2.Fsdp2Storages`. FSDP2 frees its all-gathered parameters with
+``UntypedStorage.resize_(0)``: the storage tracker and the saved-tensor registry read sizes when
+asked (``StorageTracker.watch_resizes``, ``SavedTensorRegistry.storages``). FSDP1 parameters are views
+of the rank's flat shard (not run here).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from typing import Any
 import torch
 
 from ..core.categories import STEP_BEGIN
+from .fsdp2 import Fsdp2Storages, fsdp2_param_groups
 from .held_models import HeldModels, held_models
 from .monitor import StepMonitor
 from .storage import collect_storages, nested_tensors
@@ -433,11 +437,13 @@ def rebuilt_sizes_unlogged(ddp: torch.nn.parallel.DistributedDataParallel) -> bo
 
 
 def make_monitor(backend: Any, writer: Any, rank: int, trainer: Any = None) -> StepMonitor:
-    """The monitor for this process; under DDP or DeepSpeed it also counts what the engine holds."""
+    """The monitor for this process; under DDP, DeepSpeed or FSDP2 it also counts what the engine holds."""
     monitor = StepMonitor(backend, writer, rank=rank)
     wrapped = getattr(trainer, "model_wrapped", None) if trainer is not None else None
     if find_ddp(wrapped) is not None or getattr(trainer, "is_deepspeed_enabled", False):
         monitor.add_contributor(EngineStorages(wrapped))
+    elif fsdp2_param_groups(wrapped):  # FSDP2: shards and all-gathers outside model.parameters()
+        monitor.add_contributor(Fsdp2Storages(wrapped))
     held = held_models(trainer) if trainer is not None else {}
     if held:  # TRL's reference model, a teacher: frozen weights, shown apart
         monitor.add_contributor(HeldModels(held))

@@ -142,6 +142,11 @@ def _eight_bit_unavailable(run: RunConfig) -> str | None:
         return None
     if run.engine is not None and run.engine.engine_optimizer:
         return "the DeepSpeed config builds its own optimizer (its 'optimizer' section): the Trainer's optim is not used"
+    if run.engine is not None and run.engine.kind == "fsdp" and run.engine.fsdp_version == 2:
+        # Run on 2 gloo ranks through the Trainer (bitsandbytes 0.50.2, torch 2.13), without hf-memwatch:
+        # the first step fails, "Operator bitsandbytes.optimizer_update_32bit.default does not have a
+        # sharding strategy registered" (and dequantize_blockwise: "got mixed torch.Tensor and DTensor").
+        return "bitsandbytes' 8-bit AdamW cannot step FSDP2's DTensor parameters (no DTensor sharding rule)"
     if run.optim not in ADAMW_NAMES:
         return f"optim={run.optim!r} is not AdamW, and replacing it would change the training algorithm"
     share = run.optimizer_state_share

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for conftest's builders
@@ -80,7 +81,8 @@ class FsdpHoldings(TrainerCallback):
     * ``gradients``: the sharded parameters' ``.grad`` local shards, the unsharded ``.grad`` and FSDP2's
       kept reduce-scatter inputs (``comm_ctx.reduce_scatter_states``);
     * ``optimizer_states``: the optimizer's state tensors' local shards;
-    * ``buffers``: the model's buffers.
+    * ``buffers``: the model's buffers;
+    * ``outputs`` (``after_forward``): the forward's output tensors (logits, loss).
     """
 
     def __init__(self, watch: MemWatch | None = None) -> None:
@@ -98,7 +100,7 @@ class FsdpHoldings(TrainerCallback):
                 if group is not None:
                     yield group
 
-    def _record(self, phase: str, step: int) -> None:
+    def _record(self, phase: str, step: int, output=None) -> None:
         sharded, unsharded, gather, grads, states = {}, {}, {}, {}, {}
         comm = None
         for group in self.groups():
@@ -128,6 +130,8 @@ class FsdpHoldings(TrainerCallback):
             ("buffers", _storages(self.model.buffers(), {})))}
         figures.update(tracked_unsharded_storages=len(known), tracked_unsharded=sum(known),
                        unsharded_storages=len(unsharded))
+        if output is not None:  # the forward's outputs (logits, loss): neither weights nor saved for backward
+            figures["outputs"] = sum(_storages([v for v in output.values() if isinstance(v, torch.Tensor)], {}).values())
         self.records[f"{step}:{phase}"] = figures
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
@@ -139,7 +143,7 @@ class FsdpHoldings(TrainerCallback):
         self.optimizer = unwrap_optimizer(trainer.optimizer)
         # After MemWatch's own forward hook (registered at its on_train_begin, before this one).
         self.model.register_forward_hook(
-            lambda module, args, output: self._record("after_forward", state.global_step + 1))
+            lambda module, args, output: self._record("after_forward", state.global_step + 1, output))
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._record("step_begin", state.global_step + 1)
@@ -175,6 +179,7 @@ def build(out: Path, name: str, callbacks: list, plan: dict | None = None, profi
 
 def train(trainer: Trainer, profiler=None, predict: bool = False) -> dict:
     """Train; the facts of the run (with ``profiler``: the reconciled per-step truth)."""
+    started = time.perf_counter()
     run_config = RunConfig.from_trainer(trainer)  # before train(): no FSDP module yet
     distributed_type = str(trainer.accelerator.distributed_type)
     predicted = None
@@ -191,7 +196,7 @@ def train(trainer: Trainer, profiler=None, predict: bool = False) -> dict:
     facts = {"losses": loss_history(trainer), "grad_norms": history(trainer, "grad_norm"),
              "engine": run_config.engine.describe(), "shard": run_config.shard,
              "ignored": list(run_config.engine.ignored), "distributed_type": distributed_type,
-             "predicted_peak": predicted}
+             "predicted_peak": predicted, "seconds": round(time.perf_counter() - started, 2)}
     if profiler is not None:
         left = left_by(profiler, ESTIMATE_MARK) if predict else 0
         facts["truth_step_peaks"] = step_peaks(profiler, -left, reconcile=True, alive=alive)
