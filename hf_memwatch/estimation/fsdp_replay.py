@@ -64,13 +64,15 @@ BACKWARD_PREFETCH = True
 
 
 def fsdp_applies(engine: Any, model: torch.nn.Module, precision: str = "fp32") -> bool:
-    """Whether :class:`Fsdp2Flow` replays this engine: FSDP2 sharding over 2+ ranks, fp32, no offload."""
+    """Whether :class:`Fsdp2Flow` replays this engine: FSDP2 sharding over 2+ ranks, fp32, no offload,
+    a model not sharded yet (planning happens before ``train()`` wraps it)."""
     if engine is None or engine.kind != "fsdp" or engine.shard != "fsdp" or engine.world_size < 2:
         return False
     if (engine.fsdp_version or 1) != 2 or engine.fsdp_cpu_offload or precision in ("bf16", "fp16"):
         return False
     params = list(model.parameters())
-    return bool(params) and all(p.dtype == torch.float32 for p in params)
+    # already sharded (a model fully_shard wrapped, DTensor parameters): not replayed a second time
+    return bool(params) and all(p.dtype == torch.float32 and type(p).__name__ != "DTensor" for p in params)
 
 
 class _Param:
