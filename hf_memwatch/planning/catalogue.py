@@ -142,10 +142,6 @@ def _eight_bit_unavailable(run: RunConfig) -> str | None:
         return None
     if run.engine is not None and run.engine.engine_optimizer:
         return "the DeepSpeed config builds its own optimizer (its 'optimizer' section): the Trainer's optim is not used"
-    if run.engine is not None and run.engine.shard == "fsdp" and (run.engine.fsdp_version or 1) == 2:
-        # measured on 2 CPU ranks: NotImplementedError (optimizer_update_32bit has no sharding strategy)
-        # or "mixed torch.Tensor and DTensor" (dequantize_blockwise) in the first optimizer step
-        return "FSDP2's parameters are DTensors, which bitsandbytes' 8-bit optimizer kernels do not support"
     if run.engine is not None and run.engine.kind == "fsdp" and run.engine.fsdp_version == 2:
         # Run on 2 gloo ranks through the Trainer (bitsandbytes 0.50.2, torch 2.13), without hf-memwatch:
         # the first step fails, "Operator bitsandbytes.optimizer_update_32bit.default does not have a
