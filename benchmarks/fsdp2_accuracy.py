@@ -41,6 +41,15 @@ CONFIGS = {
 # Not run: 8-bit AdamW. Under FSDP2 on CPU its step fails (bitsandbytes.optimizer_update_32bit has no
 # DTensor sharding strategy: NotImplementedError, measured with adamw_bnb_8bit here).
 WRAP = {"gpt2": "GPT2Block", "llama": "LlamaDecoderLayer"}
+NOTES = """
+Step 1 is not in the error: its forward and backward run before AdamW creates its states (in step 1's
+optimizer step), so its peak is lower than the steady steps' by the states of the rank's shards; the
+estimate predicts the steady step (states resident), the run's peak. 8-bit AdamW was not run: under
+FSDP2 on CPU its step raises NotImplementedError (``bitsandbytes.optimizer_update_32bit`` has no DTensor
+sharding strategy). The accumulation runs need ``hf_memwatch.testing.fsdp_cpu`` to keep accelerate's
+state FSDP through ``train()`` (before, it reverted to MULTI_CPU, so ``no_sync`` was DDP's, a no-op on
+FSDP2, and every micro-step reduce-scattered).
+"""
 ESTIMATE_MARK = "fsdp2_accuracy.estimate"
 
 
@@ -219,7 +228,7 @@ def main() -> None:
         text = table(out, names)
     header = (__doc__.split("\n\n")[0] + "\n\n" + "Measured by `python benchmarks/fsdp2_accuracy.py` (2 gloo ranks, "
               "torch 2.13.0 CPU, tiny GPT-2 2 x 128 and Llama 2 x 128, AdamW, 3 steps, without MemWatch).\n\n")
-    opts.out.write_text(header + text)
+    opts.out.write_text(header + text + NOTES)
     print(text)
 
 

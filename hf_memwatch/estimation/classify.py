@@ -23,7 +23,8 @@ def classify(snapshot: tuple[dict[int, Any], set[int]], live_now: dict[int, Any]
              gradients: set[int], states: set[int], other: dict[int, Any],
              named: dict[int, tuple[Any, str]] | None = None,
              details: dict[str, dict[str, int]] | None = None, outputs: dict[int, Any] | None = None,
-             names: tuple[str, ...] = CLASS_NAMES, held: dict[int, Any] | None = None) -> dict[str, int]:
+             names: tuple[str, ...] = CLASS_NAMES, held: dict[int, Any] | None = None,
+             held_weights: dict[int, Any] | None = None) -> dict[str, int]:
     """Split a live-set snapshot into classes (each storage once, first class wins): weights, gradients,
     optimizer states, activations (saved for backward), outputs (an eval loop's held predictions), other,
     else temporaries; the result has the keys ``names`` in that order (the step's six by default).
@@ -34,12 +35,13 @@ def classify(snapshot: tuple[dict[int, Any], set[int]], live_now: dict[int, Any]
     the one live now (``gradients``/``states``: keys read now). Entries of ``named`` (key -> (ref,
     name)) are also added to ``details[class][name]`` when given. The eval replay gives ``outputs``
     (key -> ref) and no gradients, states or saved tensors. ``held`` (key -> ref): gradients an engine
-    holds outside ``.grad`` (:mod:`~hf_memwatch.estimation.zero_backward`), gradients while they live.
+    holds outside ``.grad`` (:mod:`~hf_memwatch.estimation.zero_backward`), gradients while they live;
+    ``held_weights``: parameters it gathers (:mod:`~hf_memwatch.estimation.fsdp_replay`), weights while they live.
     """
     live, saved = snapshot
     classes = dict.fromkeys(names, 0)
     for key, ref in live.items():
-        if weights.get(key) is ref:
+        if weights.get(key) is ref or (held_weights is not None and held_weights.get(key) is ref):
             name = "weights"
         elif (key in gradients and live_now.get(key) is ref) or (held is not None and held.get(key) is ref):
             name = "gradients"
@@ -103,7 +105,8 @@ class Phases:
             states = storage_keys(state_tensors(self.optimizer))
             details: dict[str, dict[str, int]] = {}
             classes = classify(tracker.snapshot, tracker.live_refs(), self.weights, grads, states, self.other,
-                               tracker.named, details, held=tracker.engine_gradients)
+                               tracker.named, details, held=tracker.engine_gradients,
+                               held_weights=tracker.engine_weights)
             if sum(classes.values()) > sum(self.best.get(phase, {}).values() or [-1]):
                 self.best[phase] = classes
                 self.details[phase] = details

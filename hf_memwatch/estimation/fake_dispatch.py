@@ -58,6 +58,8 @@ class EstimateTracker(StorageTracker):
         self.named: dict[int, tuple[Any, str]] = {}  # storage key -> (its ref, detail name)
         # storage key -> its ref: gradients an engine holds outside ``.grad`` (ZeRO's buckets, partitions)
         self.engine_gradients: dict[int, Any] = {}
+        # storage key -> its ref: parameters an engine gathers outside the model's own (FSDP2's all-gathers)
+        self.engine_weights: dict[int, Any] = {}
         self._logits_shape: tuple[int, int] | None = None
         self._mixed = False
         self._int_answer = 1

@@ -46,6 +46,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .classify import refs
 from .fake_dispatch import EstimateTracker
 from .fsdp_units import (
     FsdpUnit,
@@ -63,13 +64,15 @@ BACKWARD_PREFETCH = True
 
 
 def fsdp_applies(engine: Any, model: torch.nn.Module, precision: str = "fp32") -> bool:
-    """Whether :class:`Fsdp2Flow` replays this engine: FSDP2 sharding over 2+ ranks, fp32, no offload."""
+    """Whether :class:`Fsdp2Flow` replays this engine: FSDP2 sharding over 2+ ranks, fp32, no offload,
+    a model not sharded yet (planning happens before ``train()`` wraps it)."""
     if engine is None or engine.kind != "fsdp" or engine.shard != "fsdp" or engine.world_size < 2:
         return False
     if (engine.fsdp_version or 1) != 2 or engine.fsdp_cpu_offload or precision in ("bf16", "fp16"):
         return False
     params = list(model.parameters())
-    return bool(params) and all(p.dtype == torch.float32 for p in params)
+    # already sharded (a model fully_shard wrapped, DTensor parameters): not replayed a second time
+    return bool(params) and all(p.dtype == torch.float32 and type(p).__name__ != "DTensor" for p in params)
 
 
 class _Param:
@@ -193,7 +196,7 @@ class Fsdp2Flow:
             return
         numel = sum(p.full_numel for p in _owners(self.params[id(unit)]))
         ref = _owners(self.params[id(unit)])[0].shard
-        output = ref.new_empty(numel)
+        output = _gathered(ref.new_empty(numel))
         if self.gloo:
             staging = ref.new_empty(numel)  # c10d::_allgather_base_ under gloo, then gloo's own: one at a time
             del staging
@@ -209,9 +212,11 @@ class Fsdp2Flow:
             previous, self.all_gather_state = self.all_gather_state, None
         for param in _owners(self.params[id(unit)]):
             if param.unsharded is None:
-                storage = param.shard.new_empty(param.full_numel)
+                storage = _gathered(param.shard.new_empty(param.full_numel))
                 view = storage[: param.full.numel()].view(param.full.shape)
                 param.unsharded = torch.nn.Parameter(view, requires_grad=param.full.requires_grad)
+                if param.unsharded.requires_grad:  # its gradient is a gradient until the reduce-scatter
+                    param.unsharded.register_post_accumulate_grad_hook(_grad_is_gradient)
                 if param.pending_grad is not None:
                     param.unsharded.grad, param.pending_grad = param.pending_grad, None
             else:
@@ -299,14 +304,14 @@ class Fsdp2Flow:
         if not grads:
             return
         total = sum(p.full_numel for p in reduced)
-        rs_input = grads[0].new_empty(total)
+        rs_input = _as_gradient(grads[0].new_empty(total))
         offset = 0
         for param, grad in zip(reduced, grads):  # chunk_cat: the gradients into the input, then dropped
             rs_input.narrow(0, offset, grad.numel()).copy_(grad.reshape(-1))
             offset += param.full_numel
         grads.clear()
         del grad
-        output = rs_input.new_empty(total // self.world)
+        output = _as_gradient(rs_input.new_empty(total // self.world))
         if self.gloo:
             clone = rs_input.clone()  # gloo's reduce_scatter_tensor works on a copy of its input
             del clone
@@ -393,6 +398,25 @@ def _regrow(tensor: torch.Tensor, nbytes: int) -> None:
     tensor.untyped_storage().resize_(nbytes)
     for tracker in _trackers():
         tracker.register([tensor])
+    _gathered(tensor)
+
+
+def _as_gradient(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, counted as gradients while it lives (the estimate tracker's ``engine_gradients``)."""
+    for tracker in _trackers():
+        tracker.engine_gradients.update(refs(tracker, [tensor]))
+    return tensor
+
+
+def _grad_is_gradient(param: torch.Tensor) -> None:
+    _as_gradient(param.grad)
+
+
+def _gathered(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, counted as weights while it lives (the estimate tracker's ``engine_weights``)."""
+    for tracker in _trackers():
+        tracker.engine_weights.update(refs(tracker, [tensor]))
+    return tensor
 
 
 def fsdp_flow(model: torch.nn.Module, engine: Any, trainer: Any, precision: str = "fp32", device: str = "cpu") -> Any:
