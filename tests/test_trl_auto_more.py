@@ -41,8 +41,28 @@ def planned_from(out: Path) -> dict[str, Any]:
     return plan
 
 
+@pytest.fixture
+def one_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``build``'s models with one decoder layer (policy, teacher, reward classifier): the estimates (fake
+    tensors, a cost per operator) are most of this file's CPU time, and what is guarded here — the plan, the
+    batches the trainer forms, the hand-configured run — does not depend on the depth."""
+    import test_trl_trainers
+    from test_equivalence import llama
+
+    classifier = test_trl_trainers.sequence_classifier
+
+    def shallow_classifier() -> Any:
+        model = classifier()
+        model.model.layers = model.model.layers[:1]
+        model.config.num_hidden_layers = 1
+        return model
+
+    monkeypatch.setattr(test_trl_trainers, "llama", lambda seed=0: llama(seed, layers=1))
+    monkeypatch.setattr(test_trl_trainers, "sequence_classifier", shallow_classifier)
+
+
 @pytest.mark.parametrize("kind", KINDS)
-def test_auto_mode_plans_the_trainer_and_is_the_hand_configured_run(kind: str, tmp_path: Path) -> None:
+def test_auto_mode_plans_the_trainer_and_is_the_hand_configured_run(kind: str, tmp_path: Path, one_layer: None) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         probe = build(kind, tmp_path / "probe", **SHORT.get(kind, {}))
