@@ -35,7 +35,7 @@ OFFLINE_ENV = {
 
 
 def run_script(*argv: str, timeout: int = 300) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, **OFFLINE_ENV}
+    env = {**os.environ, **OFFLINE_ENV, "OMP_NUM_THREADS": "1"}  # one thread, as each pytest worker (conftest)
     return subprocess.run(
         [sys.executable, str(SCRIPT), *argv],
         capture_output=True,
