@@ -24,10 +24,11 @@ venv: $(STAMP)
 lint: venv
 	$(VENV)/bin/ruff check hf_memwatch tests examples benchmarks
 
-# Two pytest workers, one per core; a test file stays on one worker (its module fixtures run once).
+# Two pytest workers, one per core; a test file stays on one worker (its module fixtures run once), files
+# handed out heaviest first (tests/conftest.py SLOWEST_FIRST; --no-loadscope-reorder keeps that order).
 test: lint
 	command -v chromium >/dev/null || (apt-get update && apt-get install -y chromium)
-	$(VENV)/bin/pytest -q -p no:cacheprovider -n 2 --dist loadfile --durations=15 --doctest-modules hf_memwatch tests
+	$(VENV)/bin/pytest -q -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder --durations=15 --doctest-modules hf_memwatch tests
 
 demo: venv
 	rm -rf demo-output

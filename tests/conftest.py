@@ -127,6 +127,26 @@ def records_match_their_definitions(check_every_timeline_record):
         pytest.fail(f"timeline records unlike core/records.py: {problems[:20]}", pytrace=False)
 
 
+# Heaviest files first (CPU/wall s per file, fresh-clone CI of 2026-12-01 and this branch's reruns), so that
+# pytest-xdist's --dist loadfile ends on small files: with --no-loadscope-reorder (Makefile) it hands files out
+# in this order; its default order (most tests first) put the one- and two-test TRL auto files last, where a
+# worker holding the next file while the other one idles is the tail. A file not named keeps its place after
+# these (Python's sort is stable); a new file of more than ~15 s belongs here.
+SLOWEST_FIRST = (
+    "test_distributed.py", "test_fsdp2.py", "test_gpu_check.py", "test_auto.py", "test_trl_trainers.py",
+    "test_estimate.py", "test_trl_auto_more.py", "test_safety_net.py", "test_online_dpo.py", "test_eval.py",
+    "test_example.py", "test_equivalence.py", "test_memwatch.py", "test_auto_prediction.py", "test_gkd_auto.py",
+    "test_trl_online.py", "test_bad_input.py", "test_kto_auto.py", "test_qlora.py", "test_cli_estimate.py",
+    "test_compile.py", "test_rloo_auto.py", "test_oom.py", "test_measured_fallback.py",
+    "test_checkpointing_as_configured.py", "test_perturbation.py", "test_planner.py", "test_sinks.py",
+)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
 def pytest_configure(config):
     if not hasattr(config, "workerinput") and RECORDS_DIR_ENV not in os.environ:  # the controller
         import tempfile

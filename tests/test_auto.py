@@ -143,9 +143,19 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return whole
 
 
+@pytest.fixture(scope="module")
+def stopped(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same run stopped after step 1 (its checkpoint-1), run once: each resume below starts from a copy."""
+    out = tmp_path_factory.mktemp("stopped") / "run"
+    run(out, [MemWatch(auto=True, budget="12MiB", **LIGHT), StopAfter(1)], profiled=False, **RESUMED)
+    return out
+
+
 @pytest.mark.parametrize("restore_callback", [False, True])
 def test_resume_keeps_the_plan_and_the_trainer_state(tmp_path: Path, caplog: Any, restore_callback: bool,
-                                                     uninterrupted: Path) -> None:
+                                                     uninterrupted: Path, stopped: Path) -> None:
+    import shutil
+
     config = {**RESUMED, "restore_callback_states_from_checkpoint": restore_callback}
     whole = uninterrupted
     [plan] = plan_records(whole)
@@ -154,7 +164,7 @@ def test_resume_keeps_the_plan_and_the_trainer_state(tmp_path: Path, caplog: Any
     # The same run stopped after step 1, then resumed with the configuration as first given: the
     # saved plan is kept, nothing in the state differs from the uninterrupted run's.
     out = tmp_path / "resumed"
-    run(out, [MemWatch(auto=True, budget="12MiB", **LIGHT), StopAfter(1)], profiled=False, **config)
+    shutil.copytree(stopped, out)
     watch = MemWatch(auto=True, budget="12MiB", **LIGHT)
     trainer = Trainer(model=gpt2_model(), args=training_args(out, **config), train_dataset=token_dataset(64, SEQ, 1000),
                       callbacks=[watch])

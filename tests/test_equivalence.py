@@ -121,12 +121,12 @@ def test_planned_run_is_the_hand_configured_run(tmp_path: Path, capsys: Any, opt
 
 
 # -- TRL ----------------------------------------------------------------------------------------
-def llama(seed: int = 0) -> Any:
+def llama(seed: int = 0, layers: int = 2) -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     return LlamaForCausalLM(LlamaConfig(
-        vocab_size=1002, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=1002, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=256, pad_token_id=1000, eos_token_id=1001))
 
 

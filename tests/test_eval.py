@@ -250,13 +250,14 @@ def test_eval_estimate_within_1_percent_of_a_real_evaluate(builder, task, batch,
         assert predicted.classes["outputs"] > predicted.classes["weights"]
 
 
-def test_estimate_gains_eval_fields_and_the_cli_flags(tmp_path):
+def test_estimate_gains_eval_fields_and_the_cli_flags(tmp_path, capsys):
+    """The CLI's eval flags through its ``main`` in this process (a subprocess costs an import of torch and
+    transformers, ~10 CPU s each; the console script's exit statuses: tests/test_cli_estimate.py)."""
     import json
-    import subprocess
-    import sys
 
     from transformers import GPT2Config
 
+    from hf_memwatch.cli.main import main
     from hf_memwatch.estimation import estimate
 
     config = GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=1000, n_positions=256,
@@ -274,19 +275,18 @@ def test_estimate_gains_eval_fields_and_the_cli_flags(tmp_path):
     assert standalone.eval_peak_bytes == both.eval_peak_bytes - plain.classes["optimizer_states"]
 
     config.save_pretrained(tmp_path)
-    proc = subprocess.run(
-        [sys.executable, "-m", "hf_memwatch.cli", "estimate", str(tmp_path), "--batch-size", "4", "--seq-len", "32",
-         "--eval-batch-size", "64", "--eval-samples", "256", "--eval-accumulation-steps", "2", "--json"],
-        capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    payload = json.loads(proc.stdout)
+    capsys.readouterr()
+    status = main(["estimate", str(tmp_path), "--batch-size", "4", "--seq-len", "32", "--eval-batch-size", "64",
+                   "--eval-samples", "256", "--eval-accumulation-steps", "2", "--json"])
+    out = capsys.readouterr()
+    assert status == 0, out.err[-2000:]
+    payload = json.loads(out.out)
     with_steps = estimate(config, batch_size=4, seq_len=32, eval_batch_size=64, eval_samples=256,
                           eval_accumulation_steps=2)
     assert payload["eval_peak_bytes"] == with_steps.eval_peak_bytes
     assert payload["eval_classes"] == with_steps.eval_classes and payload["eval_peak_phase"]
-    bad = subprocess.run([sys.executable, "-m", "hf_memwatch.cli", "estimate", str(tmp_path), "--eval-batch-size", "8"],
-                         capture_output=True, text=True, timeout=300)
-    assert bad.returncode == 2 and "eval_samples" in bad.stderr
+    assert main(["estimate", str(tmp_path), "--eval-batch-size", "8"]) == 2
+    assert "eval_samples" in capsys.readouterr().err
 
 
 def _argmax(logits, labels):

@@ -31,7 +31,9 @@ def gpu_check():
 
 
 def _env() -> dict[str, str]:
-    return dict(os.environ, CUDA_VISIBLE_DEVICES="", HF_HUB_OFFLINE="1")
+    # One thread, as each pytest worker (tests/conftest.py): two workers' subprocesses at two threads each
+    # oversubscribe the two cores, and OpenMP's waiting threads spin.
+    return dict(os.environ, CUDA_VISIBLE_DEVICES="", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
 
 
 def _run_script(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:

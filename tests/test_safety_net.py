@@ -22,46 +22,57 @@ from hf_memwatch.core.records import validate_record
 TESTS = Path(__file__).resolve().parent
 
 SCRIPT = r"""
-import json, os, resource, sys
-sys.path.insert(0, sys.argv[2])
+import gc, json, os, resource, sys
+sys.path.insert(0, sys.argv[1])
 from conftest import gpt2_model, loss_history, token_dataset, training_args
 from transformers import Trainer
 from hf_memwatch import MemWatch
 
-out, budget, detail = sys.argv[1], (None if sys.argv[3] == "default" else sys.argv[3]), sys.argv[4]
-args = training_args(out, per_device_train_batch_size=32, max_steps=2)
-trainer = Trainer(model=gpt2_model(), args=args, train_dataset=token_dataset(64, 256, 1000),
-                  callbacks=[MemWatch(auto=True, budget=budget, detail=detail, report=False, summary=False)])
-with open("/proc/self/status") as fh:
-    vm = next(int(line.split()[1]) * 1024 for line in fh if line.startswith("VmSize:"))
-resource.setrlimit(resource.RLIMIT_AS, (vm + (300 << 20), resource.getrlimit(resource.RLIMIT_AS)[1]))
-trainer.train()
-print("RESULT " + json.dumps({"losses": loss_history(trainer), "steps": trainer.state.global_step,
-                              "micro": trainer.args.per_device_train_batch_size,
-                              "accum": trainer.args.gradient_accumulation_steps,
-                              "ckpt": bool(trainer.args.activation_checkpointing), "optim": str(trainer.args.optim.value)}))
+unlimited = resource.getrlimit(resource.RLIMIT_AS)
+for out, budget, detail in json.loads(sys.argv[2]):
+    args = training_args(out, per_device_train_batch_size=32, max_steps=2)
+    trainer = Trainer(model=gpt2_model(), args=args, train_dataset=token_dataset(64, 256, 1000),
+                      callbacks=[MemWatch(auto=True, budget=budget, detail=detail, report=False, summary=False)])
+    with open("/proc/self/status") as fh:
+        vm = next(int(line.split()[1]) * 1024 for line in fh if line.startswith("VmSize:"))
+    resource.setrlimit(resource.RLIMIT_AS, (vm + (300 << 20), unlimited[1]))
+    trainer.train()
+    resource.setrlimit(resource.RLIMIT_AS, unlimited)  # the next run sets its own, 300 MiB above the process then
+    print("RESULT " + json.dumps({"out": out, "losses": loss_history(trainer), "steps": trainer.state.global_step,
+                                  "micro": trainer.args.per_device_train_batch_size,
+                                  "accum": trainer.args.gradient_accumulation_steps,
+                                  "ckpt": bool(trainer.args.activation_checkpointing),
+                                  "optim": str(trainer.args.optim.value)}), flush=True)
+    del trainer
+    gc.collect()
 """
 
+# Both runs in one subprocess (one import of torch and transformers, ~10 CPU s, instead of two), each under
+# its own limit: the default budget (None: the real limit) in full detail, then a budget above the real limit.
+RUNS = {"default": (None, "full"), "4GiB": ("4GiB", "light")}
 
-def run_limited(tmp_path: Path, budget: str, detail: str = "light") -> tuple[dict, list[dict]]:
+
+@pytest.fixture(scope="module")
+def limited(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[dict, list[dict]]]:
     """Train under an address-space limit 300 MiB above the process (the unassisted step needs ~740)."""
-    out = tmp_path / "run"
-    env_script = tmp_path / "run.py"
+    folder = tmp_path_factory.mktemp("limited")
+    runs = [(str(folder / name), budget, detail) for name, (budget, detail) in RUNS.items()]
+    env_script = folder / "run.py"
     env_script.write_text(SCRIPT)
-    proc = subprocess.run([sys.executable, str(env_script), str(out), str(TESTS), budget, detail], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, str(env_script), str(TESTS), json.dumps(runs)], capture_output=True, text=True,
                           # the package of this checkout, not the one installed in the environment
                           timeout=600, env={"PYTHONPATH": str(TESTS.parent), "MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": "131072",
                                             "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline",
                                             "PATH": "/usr/bin:/bin"})
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    records = [json.loads(line) for line in (out / "memwatch" / "timeline.jsonl").read_text().splitlines()]
-    return json.loads(lines[0][len("RESULT "):]), records
+    results = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and len(results) == len(runs), proc.stderr[-3000:]
+    return {Path(r["out"]).name: (r, [json.loads(line) for line in (Path(r["out"]) / "memwatch" / "timeline.jsonl").read_text().splitlines()])
+            for r in results}
 
 
-def test_the_default_budget_is_the_real_limit_and_the_run_fits(tmp_path: Path) -> None:
+def test_the_default_budget_is_the_real_limit_and_the_run_fits(limited) -> None:
     # Tracked in full: the footprint of each step is measured against its exact allocated peak.
-    result, records = run_limited(tmp_path, "default", detail="full")
+    result, records = limited["default"]
     [plan] = [r for r in records if r["event"] == "plan"]
     assert plan["budget_bound_by"] == "RLIMIT_AS" and "RLIMIT_AS" in plan["budget_source"]
     assert not [r for r in records if r["event"] in ("oom_recovered", "oom")]  # 0 OOMs
@@ -79,9 +90,9 @@ def test_the_default_budget_is_the_real_limit_and_the_run_fits(tmp_path: Path) -
     assert not [problem for r in records for problem in validate_record(r)]
 
 
-def test_an_oom_in_the_first_step_is_recovered_with_the_effective_batch_kept(tmp_path: Path) -> None:
+def test_an_oom_in_the_first_step_is_recovered_with_the_effective_batch_kept(limited, tmp_path: Path) -> None:
     # A budget above the real limit: the plan "fits" 4 GiB and runs out of memory in its first step.
-    result, records = run_limited(tmp_path, "4GiB")
+    result, records = limited["4GiB"]
     recovered = [r for r in records if r["event"] == "oom_recovered"]
     plans = [r for r in records if r["event"] == "plan"]
     assert 1 <= len(recovered) <= 3 and result["steps"] == 2

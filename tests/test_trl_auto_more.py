@@ -41,8 +41,21 @@ def planned_from(out: Path) -> dict[str, Any]:
     return plan
 
 
+@pytest.fixture
+def one_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``build``'s Llamas (policy, teacher) with one decoder layer: the estimates (fake tensors, a cost per
+    operator) are most of this file's CPU time, and what is guarded here — the plan, the batches the trainer
+    forms, the hand-configured run — does not depend on the depth. RewardTrainer keeps its 2-layer
+    classifier: with one layer, after the other auto test files in one process, its profiler peak was
+    2,234,712 B over a budget of 2,229,184 B (alone it fitted)."""
+    import test_trl_trainers
+    from test_equivalence import llama
+
+    monkeypatch.setattr(test_trl_trainers, "llama", lambda seed=0: llama(seed, layers=1))
+
+
 @pytest.mark.parametrize("kind", KINDS)
-def test_auto_mode_plans_the_trainer_and_is_the_hand_configured_run(kind: str, tmp_path: Path) -> None:
+def test_auto_mode_plans_the_trainer_and_is_the_hand_configured_run(kind: str, tmp_path: Path, one_layer: None) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         probe = build(kind, tmp_path / "probe", **SHORT.get(kind, {}))
