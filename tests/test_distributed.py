@@ -414,7 +414,9 @@ def test_zero_prediction_before_the_engine_exists_matches_the_measured_peak(zero
 
 @pytest.mark.parametrize("name", ZERO_ENGINES)
 def test_auto_mode_plans_every_zero_engine_and_fits(zero_runs, name):
-    """Budget 0.7 x the configured peak on ZeRO-3, 0.76 x with offload (the lowest each engine has a plan
+    """Budget 0.75 x the configured peak on ZeRO-3 (0.7 x: its smallest plan measured 10,568,605 B by the
+    profiler, over the 10,314,690 budget, once gloo's staging copies of the forward's all-gathers were
+    counted), 0.76 x with offload (the lowest each engine has a plan
     for), 0.87 x on ZeRO-2 (its plan 2 x 4 + checkpointing; ``deepspeed_zero.BUDGET_FRACTION``): a plan on every rank (none failed), the same
     on all ranks, each rank's step peaks within the budget (the profiler's where the run is profiled), the
     effective batch kept. Failed

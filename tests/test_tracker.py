@@ -184,3 +184,43 @@ def test_bitsandbytes_8bit_step_temporaries_are_tracked_against_the_profiler():
     truth = window_peak(prof, 0)
     assert abs((tracker.peak - before) - truth) / truth <= 0.01, (tracker.peak - before, truth)
     assert torch.equal(param.detach(), twin.detach())
+
+
+# A gloo group of one rank in a fresh interpreter (a default process group would change the other tests):
+# two all-gathers (the tensor and the list form), each output 1 MB; prints the tracker's and the
+# profiler's peaks (every thread: gloo's worker stages a flat copy of the output while it gathers).
+_GLOO_GATHERS = """
+import json, torch, torch.distributed as dist
+from hf_memwatch.measure.tracker import StorageTracker
+from hf_memwatch.testing.truth import cpu_memory_profile, window_peak
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+part = torch.ones(250_000)
+tracker = StorageTracker("cpu")
+with cpu_memory_profile() as prof:
+    with tracker:
+        flat = torch.empty(250_000)
+        dist.all_gather_into_tensor(flat, part, async_op=True).wait()
+        outs = [torch.empty(250_000)]
+        dist.all_gather(outs, part)
+        del flat, outs
+        after = torch.empty(10)  # an allocation once both works completed: their copies are settled
+print(json.dumps({"tracker": tracker.peak, "truth": window_peak(prof, 0), "in_flight": tracker.in_flight}))
+dist.destroy_process_group()
+"""
+
+
+def test_tracker_peak_counts_the_copy_gloo_stages_on_its_thread_for_an_all_gather():
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run([sys.executable, "-c", _GLOO_GATHERS], capture_output=True, text=True, env=env,
+                          timeout=120, check=True)
+    figures = json.loads(proc.stdout.strip().splitlines()[-1])
+    output = 250_000 * 4
+    # The profiler sees the worker thread's flat copy: the two outputs, and one copy alive with the second.
+    assert figures["truth"] >= 3 * output
+    assert abs(figures["tracker"] - figures["truth"]) <= 0.02 * figures["truth"]  # was 2 MB of 3 MB
+    assert figures["in_flight"] == 0

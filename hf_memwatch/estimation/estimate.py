@@ -59,6 +59,7 @@ from .trainer_replay import (
     worst_case_batch,
 )
 from .trl_replay import TrainerReplay, dataloader_batch_size
+from .zero3_gather import gloo_gather_staging
 from .zero_backward import flow_applies, zero_gradient_flow
 from .zero_step import zero_optimizer_step
 
@@ -310,6 +311,7 @@ def _result(model: torch.nn.Module, fake_mode: Any, request: EstimateRequest, in
                                            model, engine, notes, precision, device, flowed)[0]
                      for phase, classes in simulation.phase_classes.items()}
     per_phase = zero_optimizer_step(per_phase, model, engine, request.optim, device, notes)
+    per_phase = gloo_gather_staging(per_phase, model, engine, device, notes)
     phase_peaks = {phase: sum(classes.values()) for phase, classes in per_phase.items()}
     peak_phase = max(phase_peaks, key=lambda p: phase_peaks[p])
     peak = phase_peaks[peak_phase]

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _pop_mode, _push_mode
 
+from .gloo_staging import staged
 from .storage import plain_tensors
 from .unperturbed import OPERATORS as _UNPERTURBED
 from .unperturbed import prepare as _prepare_unperturbed
@@ -119,6 +120,13 @@ class StorageTracker(TorchDispatchMode):
         self.round_to = round_to  # size each storage as the target allocator would (512 B on CUDA)
         self.allocated = 0
         self.peak = 0
+        # Bytes gloo's worker threads hold for all-gathers in flight (gloo_staging): in ``peak``, not in
+        # ``allocated`` (no storage of the live set). ``_works``: token -> bytes of each running one;
+        # ``_done``: tokens its future's callback (on gloo's thread) appended once it completed.
+        self.in_flight = 0
+        self._works: dict[int, int] = {}
+        self._done: list[int] = []
+        self._tokens = 0
         self._live: dict[int, _StorageRef] = {}
         self._on_free = self._free  # bound once: one object for every weakref callback
         recording = _RECORDING.get()
@@ -183,11 +191,39 @@ class StorageTracker(TorchDispatchMode):
             return
         if self.watch_resizes and self.allocated > self.peak:
             self.refresh_sizes()  # storages resized outside any operator (FSDP2's resize_(0)) first
-        if self.allocated > self.peak:
-            self.peak = self.allocated
+        if self._works:
+            self._settle()
+        if self.allocated + self.in_flight > self.peak:
+            self.peak = self.allocated + self.in_flight
             if self.census is not None:
                 self.census.on_peak()
             self.on_new_peak()
+
+    def _settle(self) -> None:
+        """Drop the all-gathers whose work completed (gloo freed its staging copy before). Only
+        Python state is read: a ``Work`` method would take the work's mutex while holding the GIL,
+        which gloo's thread may hold while it waits for the GIL (measured: the launch hung)."""
+        while self._done:
+            self.in_flight -= self._works.pop(self._done.pop(), 0)
+
+    def _stage(self, func: Any, out: Any) -> None:
+        """Count a CPU all-gather's staging copy on gloo's thread (:mod:`.gloo_staging`) until its work
+        completes; at its dispatch the output's size is in the peak either way (the caller's thread
+        holds a copy of that size inside the operator too: measured, freed before it returns)."""
+        found = staged(func, out)
+        if found is None:
+            return
+        nbytes, future = found
+        if self._works:
+            self._settle()
+        self._tokens += 1
+        token = self._tokens
+        self._works[token] = nbytes
+        self.in_flight += nbytes
+        if self.allocated + self.in_flight > self.peak:
+            self.peak = self.allocated + self.in_flight
+            self.on_new_peak()
+        future.add_done_callback(lambda _, done=self._done, token=token: done.append(token))
 
     def _is_input_storage(self, key: int) -> bool:
         """Whether an input of the operator being tracked has the storage ``key`` (an in-place or
@@ -243,8 +279,10 @@ class StorageTracker(TorchDispatchMode):
                     self._track_plain(plain)
 
     def reset_peak(self) -> None:
-        """Start a new peak window at the current live bytes."""
-        self.peak = self.allocated
+        """Start a new peak window at the current live bytes (with the all-gathers in flight)."""
+        if self._works:
+            self._settle()
+        self.peak = self.allocated + self.in_flight
         if self.census is not None:
             self.census.start_window()
 
@@ -279,6 +317,8 @@ class StorageTracker(TorchDispatchMode):
             out = run_as_called(functools.partial(self._run_observed, func), args, kwargs or {})
         else:
             out = run_as_called(func, args, kwargs or {})
+            if self.device_type == "cpu" and getattr(func, "namespace", None) == "c10d":
+                self._stage(func, out)  # gloo's all-gather staging, on its thread (unseen)
         self._func = func
         self._args = (args, kwargs) if self.resident_aliases else None
         try:

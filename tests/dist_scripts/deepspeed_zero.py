@@ -11,12 +11,14 @@ with MemWatch full, and ``zero3_offload`` (``offload_optimizer: cpu``) with MemW
 the model's construction on (``truth_step_peaks``: the per-rank truth, frees on gloo's threads
 reconciled). Recording every allocation of every run made the suite's launch 2.5x slower (75 s ->
 190 s), so the suite profiles one run (``SUITE_TRUTH``): a ZeRO-3 one (the engine whose raw profiler
-sum was furthest off, -6...-26%, from the frees gloo's threads make), the planned ``zero3_offload_auto``.
+sum was furthest off, -6...-26%, from the frees gloo's threads make), the planned ``zero3_offload_auto``, and
+``zero3_auto`` (1 x 8 + checkpointing: its forward's high holds the flat copies gloo stages for two
+all-gathers in flight, which MemWatch counts since measure/gloo_staging.py; its profiler peak was over budget).
 
 ``zero2_tight``: planning only, at ``NO_FIT_FRACTION`` x ``zero2``'s peak, where no plan fits (every
 rank must stop with a ``PlanError`` before training). The planned runs ``<name>_auto`` are profiled
 like the configured ones (``SUITE_TRUTH``: in the suite, ``zero3_offload_auto``, checkpointing + 8-bit
-AdamW), the auto mode's planning marked as ``estimate()`` is (its leftovers are no training bytes).
+AdamW, and ``zero3_auto``), the auto mode's planning marked as ``estimate()`` is (its leftovers are no training bytes).
 ``facts["seconds"]``: each run's wall and CPU seconds on the rank (what the launch costs).
 
 The auto mode on each engine (issue 19), for ``zero2``, ``zero3`` and ``zero3_offload``: the
@@ -65,13 +67,16 @@ BUCKET = 100_000
 # ZeRO-3 + offload: the smallest plan is predicted at 0.715 x (11,386,008 of 15,915,940), so 0.76 x.
 # ZeRO-2 at 0.87: the plan 2 x 4 + checkpointing (predicted 11,328,408 B with the flat copy gloo's thread may
 # still hold, estimation/zero_backward.py; measured up to 11,032,484), 8 micro-steps; at 0.85 it is 1 x 8.
-BUDGET_FRACTION = {"zero2": 0.87, "zero3": 0.7, "zero3_offload": 0.76}
+# ZeRO-3 at 0.75: its smallest plan (1 x 8 + checkpointing) with the flat copies gloo stages for the two
+# all-gathers in flight in the forward (estimation/zero3_gather.py) is predicted 10,489,232 B, 0.712 x; at
+# 0.7 x (10,314,690) it measured 10,568,605 B by the profiler (MemWatch, counting those copies: 10,601,628).
+BUDGET_FRACTION = {"zero2": 0.87, "zero3": 0.75, "zero3_offload": 0.76}
 # ZeRO-2's planning-only run ``zero2_tight``: a budget no plan reaches (the smallest measured 0.81 x).
 NO_FIT_FRACTION = 0.7
 # The run profiled in the test suite's launch too (see the module doc): the planned ZeRO-3 + offload run
 # (checkpointing + 8-bit AdamW on the host partitions, issue 19 point 5; ZeRO-3's all-gather buffers and
 # reduce-scatter clones freed on gloo's threads, as in the configured zero3, which the benchmark profiles).
-SUITE_TRUTH = ("zero3_offload_auto",)
+SUITE_TRUTH = ("zero3_offload_auto", "zero3_auto")
 PLAN = ("micro_batch_size", "gradient_accumulation_steps", "activation_checkpointing", "optim")
 CONFIGURED = {"micro_batch_size": 4, "gradient_accumulation_steps": 2, "activation_checkpointing": False,
               "optim": "adamw_torch"}
