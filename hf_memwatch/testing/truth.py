@@ -156,11 +156,13 @@ def _repay_none() -> None:
 
 def alive_storages() -> set[int]:
     """Data pointers of every tensor storage Python can reach now (``gc``), for ``reconcile``'s ``alive``."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
     gc.collect()
     found: set[int] = set()
     for obj in gc.get_objects():
-        try:
-            if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
+        try:  # a fake tensor (an estimate's) holds no real block: its data pointer is a deprecated read
+            if isinstance(obj, torch.Tensor) and not isinstance(obj, FakeTensor) and obj.device.type == "cpu":
                 found.add(obj.untyped_storage().data_ptr())
         except Exception:  # noqa: BLE001 - fake, meta or sparse tensors have no storage to read
             continue
