@@ -110,8 +110,8 @@ def engine_advice(run: RunConfig, classes: Mapping[str, int], peak: int,
         found.append(Advice(
             f'reduce_bucket_size={smaller} ("zero_optimization": {{"reduce_bucket_size": {smaller}}})',
             bucket - min(smaller * size, bucket),
-            "a smaller reduce bucket holds fewer gradient bytes at once; the numerics are unchanged, "
-            "more (smaller) reductions run"))
+            "a smaller reduce bucket holds fewer gradient bytes at once; more (smaller) reductions run "
+            "(the same sums on 2 ranks; on more, their float grouping may change)"))
     return found
 
 
