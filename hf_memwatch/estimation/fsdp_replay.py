@@ -28,9 +28,9 @@ allocates and frees, at the moment it does (``_fsdp_param_group.py``, ``_fsdp_co
   inside the collective). The last input is freed by the final callback;
 - gradient accumulation: accelerate's ``no_sync`` (``set_requires_gradient_sync(False)``, where the
   accelerator reports ``is_fsdp2``) keeps the *unsharded* gradients across micro-steps, and the
-  replayed last micro-step starts with them resident; where it does not (measured: accelerate built
-  by ``hf_memwatch.testing.fsdp_cpu`` on CPU ranks reports ``is_fsdp2`` False, its ``no_sync`` is
-  DDP's, a no-op here), every micro-step reduce-scatters and the sharded gradients are kept.
+  replayed last micro-step starts with them resident; where it does not (an accelerator whose
+  ``no_sync`` is DDP's, a no-op on FSDP2: measured so before ``hf_memwatch.testing.fsdp_cpu`` kept the
+  state FSDP through ``train()``), every micro-step reduce-scatters and the sharded gradients are kept.
 
 Measured on 2 gloo ranks (test GPT-2, 4 x 32 tokens, 2 steps; ``benchmarks/fsdp2_accuracy.py``):
 the step peak is at the backward prefetch of ``h.0`` inside ``h.1``'s backward, 11,675,612 B on both
