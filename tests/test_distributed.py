@@ -8,17 +8,14 @@ not finish in time is killed (its whole process group) and the test fails with w
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from conftest import gpt2_model
+from conftest import gpt2_model, torchrun
+from conftest import rank_timeline as timeline
 
 from hf_memwatch.estimation.estimate import estimate
 from hf_memwatch.estimation.shard import largest_layer_bytes, shard_classes
@@ -33,41 +30,7 @@ from hf_memwatch.measure.distributed import (
 )
 
 SCRIPTS = Path(__file__).parent / "dist_scripts"
-TORCHRUN = Path(sys.executable).parent / "torchrun"
-LAUNCH_TIMEOUT_S = 240
 PLAN_KEYS = ("micro_batch_size", "gradient_accumulation_steps", "activation_checkpointing", "optim")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def torchrun(script: Path, out: Path, timeout_s: int = LAUNCH_TIMEOUT_S) -> str:
-    """Run ``script OUT`` on 2 local ranks; fail the test on a non-zero exit or a hang."""
-    out.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               TOKENIZERS_PARALLELISM="false", WANDB_MODE="offline")
-    command = [str(TORCHRUN), "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-               "--master-port", str(_free_port()), str(script), str(out)]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env, start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and both ranks: the group this test started
-        output, _ = proc.communicate()
-        pytest.fail(f"{script.name} did not finish within {timeout_s} s (a rank hung?):\n{output[-4000:]}")
-    if proc.returncode != 0:
-        pytest.fail(f"{script.name} exited with {proc.returncode}:\n{output[-4000:]}")
-    return output
-
-
-def timeline(run_dir: Path, rank: int) -> list[dict[str, Any]]:
-    name = "timeline.jsonl" if rank == 0 else f"timeline.rank{rank}.jsonl"
-    path = run_dir / "memwatch" / name
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def snapshots(records: list[dict[str, Any]]) -> list[dict[str, Any]]:

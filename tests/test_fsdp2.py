@@ -10,51 +10,15 @@ prediction made before ``train()``, the auto mode's plan and its hand-configured
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import rank_timeline as timeline
+from conftest import torchrun
 
 SCRIPT = Path(__file__).parent / "dist_scripts" / "fsdp2_trainer.py"
-TORCHRUN = Path(sys.executable).parent / "torchrun"
-LAUNCH_TIMEOUT_S = 240
 PHASES = ("step_begin", "after_forward", "after_backward", "after_optimizer", "step_end")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def torchrun(script: Path, out: Path, timeout_s: int = LAUNCH_TIMEOUT_S) -> str:
-    """Run ``script OUT`` on 2 local ranks; fail the test on a non-zero exit or a hang."""
-    out.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               TOKENIZERS_PARALLELISM="false", WANDB_MODE="offline")
-    command = [str(TORCHRUN), "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-               "--master-port", str(_free_port()), str(script), str(out)]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env, start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and both ranks: the group this test started
-        output, _ = proc.communicate()
-        pytest.fail(f"{script.name} did not finish within {timeout_s} s (a rank hung?):\n{output[-4000:]}")
-    if proc.returncode != 0:
-        pytest.fail(f"{script.name} exited with {proc.returncode}:\n{output[-4000:]}")
-    return output
-
-
-def timeline(run_dir: Path, rank: int) -> list[dict[str, Any]]:
-    name = "timeline.jsonl" if rank == 0 else f"timeline.rank{rank}.jsonl"
-    return [json.loads(line) for line in (run_dir / "memwatch" / name).read_text().splitlines() if line.strip()]
 
 
 def step_peaks(run_dir: Path, rank: int) -> list[int]:
