@@ -50,6 +50,8 @@ from __future__ import annotations
 
 import ctypes
 import gc
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -78,6 +80,34 @@ def remembered_allocations() -> profile:
     prime = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
     prime.start()
     return prime
+
+
+@contextmanager
+def ops_unrecorded(prof: profile, mark: str) -> Iterator[None]:
+    """Inside, ``prof`` records no operator but every memory event: for a replay on fake tensors inside
+    a profiled window (``estimate()``, the auto mode's planning), whose thousands of operators, each
+    with its input shapes under ``record_shapes``, doubled its cost (measured: two ZeRO-3 estimates of
+    the test GPT-2, 0.91 s unprofiled, 1.82 s profiled, 0.89 s so). Fake tensors allocate nothing, so no
+    byte of the truth is lost. The span is bracketed by two ranges, ``<mark>.begin`` and ``<mark>.end``,
+    for :func:`left_alive`."""
+    with torch.profiler.record_function(f"{mark}.begin"):
+        pass
+    prof.toggle_collection_dynamic(False, [ProfilerActivity.CPU])
+    try:
+        yield
+    finally:
+        prof.toggle_collection_dynamic(True, [ProfilerActivity.CPU])
+        with torch.profiler.record_function(f"{mark}.end"):
+            pass
+
+
+def left_alive(prof: profile, mark: str) -> int:
+    """Net CPU bytes allocated inside the :func:`ops_unrecorded` span ``mark`` and still alive after it
+    (an estimate's caches: no training bytes)."""
+    events = prof.profiler.kineto_results.events()
+    (start,), (end,) = ([e.end_ns() for e in events if e.name() == f"{mark}.begin"],
+                        [e.start_ns() for e in events if e.name() == f"{mark}.end"])
+    return sum(delta for time, delta in cpu_memory_deltas(prof) if start <= time <= end)
 
 
 class StepMarker(TrainerCallback):

@@ -1,32 +1,30 @@
 """Launched by ``tests/test_distributed.py`` with ``torchrun --nproc-per-node 2``: DeepSpeed ZeRO via the Trainer.
 
 Usage: ``DS_ACCELERATOR=cpu torchrun --nproc-per-node 2 deepspeed_zero.py OUT_DIR``. DeepSpeed's CPU
-accelerator falls back to gloo without oneCCL. Each rank writes ``deepspeed.rank<N>.json`` into
-OUT_DIR with what DeepSpeed itself holds on that rank (read from its ZeRO optimizer and parameters,
-not through hf_memwatch) at the first step's ``step_begin``, first micro-step end (gradient
-accumulation 2, so gradients are still held) and ``step_end``; the test compares MemWatch's
-timeline of the same run with them. Runs, each in OUT_DIR/<name>: ``zero1``, ``zero2``, ``zero3``
-with MemWatch full, and ``zero3_offload`` (``offload_optimizer: cpu``) with MemWatch; with
-``HF_MEMWATCH_ZERO_TRUTH=1`` (``benchmarks/engines_accuracy.py`` sets it) each under the profiler from
-the model's construction on (``truth_step_peaks``: the per-rank truth, frees on gloo's threads
-reconciled). Recording every allocation of every run made the suite's launch 2.5x slower (75 s ->
-190 s), so the suite profiles one run (``SUITE_TRUTH``): a ZeRO-3 one (the engine whose raw profiler
-sum was furthest off, -6...-26%, from the frees gloo's threads make), the planned ``zero3_offload_auto``, and
-``zero3_auto`` (1 x 8 + checkpointing: its forward's high holds the flat copies gloo stages for two
-all-gathers in flight, which MemWatch counts since measure/gloo_staging.py; its profiler peak was over budget).
+accelerator falls back to gloo without oneCCL. Each rank writes ``deepspeed.rank<N>.json`` into OUT_DIR
+(no assertion here: the test decides). Runs, each in OUT_DIR/<name>, test GPT-2, micro-batch 4 x
+accumulation 2, 2 steps, MemWatch full, the prediction ``estimate(trainer)`` made before ``train()``
+(no DeepSpeed engine exists yet):
 
-``zero2_tight``: planning only, at ``NO_FIT_FRACTION`` x ``zero2``'s peak, where no plan fits (every
-rank must stop with a ``PlanError`` before training). The planned runs ``<name>_auto`` are profiled
-like the configured ones (``SUITE_TRUTH``: in the suite, ``zero3_offload_auto``, checkpointing + 8-bit
-AdamW, and ``zero3_auto``), the auto mode's planning marked as ``estimate()`` is (its leftovers are no training bytes).
-``facts["seconds"]``: each run's wall and CPU seconds on the rank (what the launch costs).
+* ``zero1``, ``zero2``, ``zero3``, ``zero3_offload`` (``offload_optimizer: cpu``) at 32 tokens; without
+  offload, what DeepSpeed itself holds (read from its ZeRO optimizer and parameters, not through
+  hf_memwatch) at the first step's ``step_begin``, first micro-step end (gradients still held) and
+  ``step_end``;
+* ``zero2_long``, ``zero3_long``, ``zero3_offload_long``: the same engines at ``LONG_SEQ`` tokens, where
+  activations dominate the peak;
+* the auto mode, ``AUTO_RUNS``: ``<configured>_auto`` with ``MemWatch(auto=True, budget=`` its share of the
+  configured run's step peak as MemWatch measured it on this rank ``)``, and ``<configured>_hand``: the
+  agreed plan configured by hand, without MemWatch (its losses and gradient norms must equal the planned
+  run's; it also shows that monitoring changes nothing);
+* ``zero2_tight``: planning only, at ``NO_FIT_FRACTION`` x ``zero2``'s peak, where no plan fits (every
+  rank must stop with a ``PlanError`` before training).
 
-The auto mode on each engine (issue 19), for ``zero2``, ``zero3`` and ``zero3_offload``: the
-prediction of the configured run before ``train()`` (no DeepSpeed engine exists yet), then
-``<name>_auto`` with ``MemWatch(auto=True, budget=BUDGET_FRACTION[name] x`` the configured run's step peak as MemWatch
-measured it on this rank ``)``, and ``<name>_hand``: the agreed plan configured by hand, without
-MemWatch (its losses and gradient norms must equal the planned run's; it also shows that monitoring
-changes nothing).
+The truth: with ``HF_MEMWATCH_ZERO_TRUTH=1`` (``benchmarks/engines_accuracy.py`` sets it) every run is
+under the profiler from the model's construction on (``truth_step_peaks``: the per-rank truth, frees on
+gloo's threads reconciled; the auto mode's planning marked as ``estimate()`` is, its leftovers are no
+training bytes). Recording every allocation of every run made the suite's launch 2.5x slower, so the
+suite profiles the planned runs alone (``SUITE_TRUTH``), whose profiler peaks the test holds against the
+budget. ``facts["seconds"]``: each run's wall and CPU seconds on the rank (what the launch costs).
 """
 
 from __future__ import annotations
@@ -49,8 +47,9 @@ from hf_memwatch.core.run_config import RunConfig  # noqa: E402
 from hf_memwatch.testing.truth import (  # noqa: E402
     StepMarker,
     alive_storages,
-    cpu_memory_deltas,
     cpu_memory_profile,
+    left_alive,
+    ops_unrecorded,
     step_peaks,
 )
 
@@ -58,25 +57,29 @@ from hf_memwatch.testing.truth import (  # noqa: E402
 BUCKET = 100_000
 
 
-# The budget of each engine's auto run, as a share of the configured run's step peak on the rank (issue 19
-# asks ~0.7). ZeRO-3: 0.7 (the plan 1 x 8 + checkpointing, predicted 10,205,336 B against 10,314,690).
-# ZeRO-2 cannot go there: whatever the micro-batch, its optimizer step on the flat partitions holds the
-# model, the fp32 master and AdamW states, the kept gradient partition and its fp32 copy (measured 1 x 8 +
-# checkpointing, the smallest plan: 10,719,772-10,746,404 B, 0.81 x the configured 13,279,524; 8-bit AdamW's
-# CPU kernel needs more), so 0.7 x gets "no plan fits" on every rank — true, not a prediction error.
-# ZeRO-3 + offload: the smallest plan is predicted at 0.715 x (11,386,008 of 15,915,940), so 0.76 x.
-# ZeRO-2 at 0.87: the plan 2 x 4 + checkpointing (predicted 11,328,408 B with the flat copy gloo's thread may
-# still hold, estimation/zero_backward.py; measured up to 11,032,484), 8 micro-steps; at 0.85 it is 1 x 8.
-# ZeRO-3 at 0.75: its smallest plan (1 x 8 + checkpointing) with the flat copies gloo stages for the two
-# all-gathers in flight in the forward (estimation/zero3_gather.py) is predicted 10,489,232 B, 0.712 x; at
-# 0.7 x (10,314,690) it measured 10,568,605 B by the profiler (MemWatch, counting those copies: 10,601,628).
-BUDGET_FRACTION = {"zero2": 0.87, "zero3": 0.75, "zero3_offload": 0.76}
+# The auto mode's runs (issue 19 asks a budget ~0.7 x the unassisted per-rank peak), each planned against
+# a configured run: {auto run: (configured run, ZeRO stage, offload, budget as a share of its step peak)}.
+# At 32 tokens the test model's per-rank peak is mostly model states, which no plan shrinks: ZeRO-2's
+# smallest plan (1 x 8 + checkpointing: its optimizer step on the flat partitions holds the model, the fp32
+# master and AdamW states, the kept gradient partition and its fp32 copy) measured 0.81 x, ZeRO-3's 0.72 x
+# (10,568,605 B by the profiler against a 0.7 x budget of 10,314,690). So each engine's 0.7 x run is
+# planned against the same run at LONG_SEQ tokens, whose activations dominate, as a fine-tuning run's do.
+# ``zero3_offload_auto`` (0.76 x of the 32-token run) is the planned run that needs 8-bit AdamW on the
+# host partitions besides checkpointing (issue 19 point 5); ZeRO-2 at 0.7 x of the 32-token run is
+# ``zero2_tight``, where no plan fits.
+LONG_SEQ = 128
+AUTO_RUNS = {
+    "zero2_long_auto": ("zero2_long", 2, False, 0.7),
+    "zero3_long_auto": ("zero3_long", 3, False, 0.7),
+    "zero3_offload_long_auto": ("zero3_offload_long", 3, True, 0.7),
+    "zero3_offload_auto": ("zero3_offload", 3, True, 0.76),
+}
 # ZeRO-2's planning-only run ``zero2_tight``: a budget no plan reaches (the smallest measured 0.81 x).
 NO_FIT_FRACTION = 0.7
-# The run profiled in the test suite's launch too (see the module doc): the planned ZeRO-3 + offload run
-# (checkpointing + 8-bit AdamW on the host partitions, issue 19 point 5; ZeRO-3's all-gather buffers and
-# reduce-scatter clones freed on gloo's threads, as in the configured zero3, which the benchmark profiles).
-SUITE_TRUTH = ("zero3_offload_auto", "zero3_auto")
+# The planned runs profiled in the test suite's launch too (see the module doc): every run at 0.7 x, whose
+# profiler peaks the test holds against the budget, and the planned ZeRO-3 + offload run with 8-bit AdamW
+# (MemWatch against the profiler, issue 19 point 5).
+SUITE_TRUTH = tuple(AUTO_RUNS)
 PLAN = ("micro_batch_size", "gradient_accumulation_steps", "activation_checkpointing", "optim")
 CONFIGURED = {"micro_batch_size": 4, "gradient_accumulation_steps": 2, "activation_checkpointing": False,
               "optim": "adamw_torch"}
@@ -171,14 +174,8 @@ class DeepSpeedHoldings(TrainerCallback):
 ESTIMATE_MARK = "deepspeed_zero.estimate"
 
 
-def left_by(profiler, mark: str) -> int:
-    """Net CPU bytes allocated inside the ``mark`` range and still alive after it."""
-    (start, end), = [(e.start_ns(), e.end_ns()) for e in profiler.profiler.kineto_results.events() if e.name() == mark]
-    return sum(delta for time, delta in cpu_memory_deltas(profiler) if start <= time <= end)
-
-
 def build(out: Path, name: str, stage: int, callbacks: list, plan: dict | None = None, offload: bool = False,
-          profiler=None) -> Trainer:
+          profiler=None, seq: int = 32) -> Trainer:
     """The Trainer of one run; with ``profiler`` (a ``cpu_memory_profile()``) the truth's window opens
     before the model is built, so every block the run allocates and frees on this thread is in it
     (baseline 0: the dataset, built before, is not counted by MemWatch either)."""
@@ -187,7 +184,7 @@ def build(out: Path, name: str, stage: int, callbacks: list, plan: dict | None =
                          gradient_accumulation_steps=plan["gradient_accumulation_steps"],
                          gradient_checkpointing=plan["activation_checkpointing"], optim=plan["optim"],
                          max_steps=2, deepspeed=deepspeed_config(stage, offload))
-    dataset = token_dataset(64, 32, 1000)
+    dataset = token_dataset(64, seq, 1000)
     if profiler is not None:
         profiler.start()
         callbacks = [*callbacks, StepMarker()]
@@ -198,10 +195,10 @@ def profiled(name: str) -> bool:
     return os.environ.get("HF_MEMWATCH_ZERO_TRUTH") == "1" or name in SUITE_TRUTH
 
 
-def marked(call, mark: str):
-    """``call`` inside a profiler range named ``mark``."""
+def unrecorded(call, profiler):
+    """``call`` with ``profiler`` recording no operator inside (memory events it does: truth.ops_unrecorded)."""
     def inside(*args, **kwargs):
-        with torch.profiler.record_function(mark):
+        with ops_unrecorded(profiler, ESTIMATE_MARK):
             return call(*args, **kwargs)
     return inside
 
@@ -219,48 +216,51 @@ def train_profiled(trainer: Trainer, profiler) -> dict:
             alive = alive_storages()  # what still holds a block when the window closes (truth.py)
     if profiler is None:
         return {"truth_step_peaks": None, "truth_raw_step_peaks": None}
-    left = left_by(profiler, ESTIMATE_MARK)
+    left = left_alive(profiler, ESTIMATE_MARK)
     raw = step_peaks(profiler, -left) if os.environ.get("HF_MEMWATCH_ZERO_TRUTH") == "1" else None  # the table's
     return {"truth_step_peaks": step_peaks(profiler, -left, reconcile=True, alive=alive),
             "truth_raw_step_peaks": raw, "truth_left_by_estimate": left}
 
 
-def run(out: Path, name: str, stage: int, offload: bool = False) -> dict:
-    holdings = DeepSpeedHoldings()
+def run(out: Path, name: str, stage: int, offload: bool = False, seq: int = 32) -> dict:
+    """A configured run (4 x 2) with MemWatch and its prediction before ``train()``; at 32 tokens what
+    DeepSpeed holds is read too (the split tests; not under offload)."""
+    holdings = [DeepSpeedHoldings()] if seq == 32 and not offload else []
     watch = MemWatch(detail="full", report=False, summary=False)
-    # DeepSpeed's own holdings are read for the runs the split test checks (not under offload)
     profiler = cpu_memory_profile(record_shapes=True) if profiled(name) else None
-    trainer = build(out, name, stage, [watch] + ([] if offload else [holdings]), offload=offload, profiler=profiler)
+    trainer = build(out, name, stage, [watch, *holdings], offload=offload, profiler=profiler, seq=seq)
     run_config = RunConfig.from_trainer(trainer)  # before train(): no DeepSpeed engine yet
-    with torch.profiler.record_function(ESTIMATE_MARK):  # its leftovers (caches) are no training bytes
-        predicted = estimate(trainer).peak_bytes
+    predicted = unrecorded(estimate, profiler)(trainer).peak_bytes if profiler else estimate(trainer).peak_bytes
     truth = train_profiled(trainer, profiler)
     model = trainer.model
-    return {"losses": loss_history(trainer), "deepspeed": holdings.records, **truth,
+    return {"losses": loss_history(trainer), "deepspeed": holdings[0].records if holdings else {}, **truth,
             "full_param_numel": sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters()),
             "engine": run_config.engine.describe(), "shard": run_config.shard, "offload": run_config.engine.offload,
-            "predicted_peak": predicted}
+            "predicted_peak": predicted, "seq_len": seq}
 
 
-def auto(out: Path, name: str, stage: int, rank: int, offload: bool = False) -> dict:
-    """The auto mode at BUDGET_FRACTION[name] x the configured run's peak, and the hand-configured run of its plan."""
-    peak = max(r["peak"] for r in timeline(out / name, rank) if r["event"] == "step")
-    budget = int(BUDGET_FRACTION[name] * peak)
+def auto(out: Path, name: str, rank: int) -> dict:
+    """The auto mode ``name`` of AUTO_RUNS at its share of the configured run's peak on this rank, and the
+    hand-configured run of its plan."""
+    configured, stage, offload, fraction = AUTO_RUNS[name]
+    seq = LONG_SEQ if configured.endswith("_long") else 32
+    peak = max(r["peak"] for r in timeline(out / configured, rank) if r["event"] == "step")
+    budget = int(fraction * peak)
     watch = MemWatch(auto=True, budget=budget, report=False, summary=False)
-    profiler = cpu_memory_profile(record_shapes=True) if profiled(f"{name}_auto") else None
+    profiler = cpu_memory_profile(record_shapes=True) if profiled(name) else None
     if profiler is not None:  # the planning's leftovers (caches) are no training bytes: marked, as estimate()'s
-        watch._auto.before_train = marked(watch._auto.before_train, ESTIMATE_MARK)
-    planned = build(out, f"{name}_auto", stage, [watch], offload=offload, profiler=profiler)
+        watch._auto.before_train = unrecorded(watch._auto.before_train, profiler)
+    planned = build(out, name, stage, [watch], offload=offload, profiler=profiler, seq=seq)
     truth = train_profiled(planned, profiler)
-    records = timeline(out / f"{name}_auto", rank)
+    records = timeline(out / name, rank)
     plans = [r for r in records if r["event"] == "plan"]
     plan = {k: plans[-1][k] for k in PLAN} if plans and plans[-1].get("status") != "failed" else None
     hand = None
     if plan is not None:
-        hand = build(out, f"{name}_hand", stage, [], plan, offload)
+        hand = build(out, name.replace("_auto", "_hand"), stage, [], plan, offload, seq=seq)
         hand.train()
-    return {"configured_peak": peak, "budget": budget, "plans": plans, **truth,
-            "step_peaks": [r["peak"] for r in records if r["event"] == "step"],
+    return {"configured": configured, "configured_peak": peak, "budget": budget, "fraction": fraction,
+            "plans": plans, **truth, "step_peaks": [r["peak"] for r in records if r["event"] == "step"],
             "losses": history(planned, "loss"), "grad_norms": history(planned, "grad_norm"),
             "hand_losses": None if hand is None else history(hand, "loss"),
             "hand_grad_norms": None if hand is None else history(hand, "grad_norm")}
@@ -306,9 +306,10 @@ def main() -> None:
     seconds: dict[str, list[float]] = {}
     facts = {f"zero{stage}": timed(seconds, f"zero{stage}", run, out, f"zero{stage}", stage) for stage in (1, 2, 3)}
     facts["zero3_offload"] = timed(seconds, "zero3_offload", run, out, "zero3_offload", 3, offload=True)
+    for name, stage, offload in (("zero2_long", 2, False), ("zero3_long", 3, False), ("zero3_offload_long", 3, True)):
+        facts[name] = timed(seconds, name, run, out, name, stage, offload=offload, seq=LONG_SEQ)
     rank = torch.distributed.get_rank()
-    facts["auto"] = {name: timed(seconds, f"{name}_auto", auto, out, name, stage, rank, offload=name.endswith("offload"))
-                     for name, stage in (("zero2", 2), ("zero3", 3), ("zero3_offload", 3))}
+    facts["auto"] = {name: timed(seconds, name, auto, out, name, rank) for name in AUTO_RUNS}
     facts["no_fit"] = timed(seconds, "zero2_tight", no_fit, out, "zero2", 2, rank)
     facts["seconds"] = seconds  # wall, CPU of each run (the auto ones with their hand run), for the launch's cost
     facts["world"] = [rank, torch.distributed.get_world_size()]

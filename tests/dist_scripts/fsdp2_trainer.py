@@ -19,6 +19,7 @@ into OUT_DIR (no assertion here: the test decides). Runs, each in OUT_DIR/<name>
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -37,8 +38,9 @@ from hf_memwatch.testing.fsdp_cpu import allow_fsdp_on_cpu_ranks  # noqa: E402
 from hf_memwatch.testing.truth import (  # noqa: E402
     StepMarker,
     alive_storages,
-    cpu_memory_deltas,
     cpu_memory_profile,
+    left_alive,
+    ops_unrecorded,
     step_peaks,
 )
 
@@ -159,12 +161,6 @@ class FsdpHoldings(TrainerCallback):
         self._record("step_end", state.global_step)
 
 
-def left_by(profiler, mark: str) -> int:
-    """Net CPU bytes allocated inside the ``mark`` range and still alive after it (the estimate's caches)."""
-    (start, end), = [(e.start_ns(), e.end_ns()) for e in profiler.profiler.kineto_results.events() if e.name() == mark]
-    return sum(delta for time, delta in cpu_memory_deltas(profiler) if start <= time <= end)
-
-
 def build(out: Path, name: str, callbacks: list, plan: dict | None = None, profiler=None,
           reshard_after_forward: bool = True) -> Trainer:
     """The Trainer of one run; with ``profiler`` the truth's window opens before the model is built."""
@@ -180,15 +176,17 @@ def build(out: Path, name: str, callbacks: list, plan: dict | None = None, profi
     return Trainer(model=gpt2_model(), args=args, train_dataset=dataset, callbacks=callbacks)
 
 
-def train(trainer: Trainer, profiler=None, predict: bool = False) -> dict:
-    """Train; the facts of the run (with ``profiler``: the reconciled per-step truth)."""
+def train(trainer: Trainer, profiler=None, predict: bool = False, marked: bool = False) -> dict:
+    """Train; the facts of the run (with ``profiler``: the reconciled per-step truth; ``predict``: with
+    the prediction, ``marked``: the planning already in an ``ESTIMATE_MARK`` span, whose leftovers are
+    taken out)."""
     started = time.perf_counter()
     run_config = RunConfig.from_trainer(trainer)  # before train(): no FSDP module yet
     distributed_type = str(trainer.accelerator.distributed_type)
     predicted = None
     if predict:
-        with torch.profiler.record_function(ESTIMATE_MARK):  # its leftovers (caches) are no training bytes
-            predicted = estimate(trainer).peak_bytes
+        with ops_unrecorded(profiler, ESTIMATE_MARK) if profiler else contextlib.nullcontext():
+            predicted = estimate(trainer).peak_bytes  # its leftovers (caches) are no training bytes
     alive = None
     try:
         trainer.train()
@@ -201,7 +199,7 @@ def train(trainer: Trainer, profiler=None, predict: bool = False) -> dict:
              "ignored": list(run_config.engine.ignored), "distributed_type": distributed_type,
              "predicted_peak": predicted, "seconds": round(time.perf_counter() - started, 2)}
     if profiler is not None:
-        left = left_by(profiler, ESTIMATE_MARK) if predict else 0
+        left = left_alive(profiler, ESTIMATE_MARK) if predict or marked else 0
         facts["truth_step_peaks"] = step_peaks(profiler, -left, reconcile=True, alive=alive)
         facts["truth_raw_step_peaks"] = step_peaks(profiler, -left)
     return facts
@@ -229,8 +227,15 @@ def main() -> None:
     peak = max(r["peak"] for r in timeline(out / "watch", rank) if r["event"] == "step")
     budget = int(BUDGET_FRACTION * peak)
     profiler = cpu_memory_profile(record_shapes=True)
-    planned = build(out, "auto", [MemWatch(auto=True, budget=budget, report=False, summary=False)], profiler=profiler)
-    facts["auto"] = train(planned, profiler)
+    watch = MemWatch(auto=True, budget=budget, report=False, summary=False)
+    planning = watch._auto.before_train  # not recorded operator by operator, its leftovers taken out
+
+    def unrecorded_planning(*args, **kwargs):
+        with ops_unrecorded(profiler, ESTIMATE_MARK):
+            return planning(*args, **kwargs)
+    watch._auto.before_train = unrecorded_planning
+    planned = build(out, "auto", [watch], profiler=profiler)
+    facts["auto"] = train(planned, profiler, marked=True)
     records = timeline(out / "auto", rank)
     plans = [r for r in records if r["event"] == "plan"]
     plan = {k: plans[-1][k] for k in PLAN} if plans and plans[-1].get("status") != "failed" else None
