@@ -2,9 +2,11 @@
 
 Launches ``tests/dist_scripts/deepspeed_zero.py`` with ``torchrun --nproc-per-node 2`` (gloo,
 DeepSpeed's CPU accelerator; test GPT-2, 590,336 fp32 parameters, micro-batch 4 x accumulation 2,
-32 tokens, buckets of 100,000 elements, 2 steps) and writes, per engine and rank, the prediction
-made before ``train()`` (``estimate(trainer)``, no DeepSpeed engine yet) against the step peak
-MemWatch measured on that rank, and the auto mode's run at the script's ``BUDGET_FRACTION`` x that peak.
+32 tokens and, for ZeRO-2, ZeRO-3 and ZeRO-3 + offload, 128 (``_long``: activations dominate),
+buckets of 100,000 elements, 2 steps) and writes, per engine and rank, the prediction made before
+``train()`` (``estimate(trainer)``, no DeepSpeed engine yet) against the step peak MemWatch measured
+on that rank, and the auto mode's runs (the script's ``AUTO_RUNS``: 0.7 x the 128-token runs' peaks,
+0.76 x the 32-token ZeRO-3 + offload run's).
 
 The reference is the profiler's per-rank step peak (each configured and each planned run profiled from
 the model's construction on, the auto mode's planning taken out as ``estimate()``'s leftovers are), with the frees gloo's worker threads make reconciled (``hf_memwatch.testing.truth``,
@@ -27,7 +29,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "dist_scripts" / "deepspeed_zero.py"
-ENGINES = ("zero1", "zero2", "zero3", "zero3_offload")
+ENGINES = ("zero1", "zero2", "zero3", "zero3_offload", "zero2_long", "zero3_long", "zero3_offload_long")
 
 
 def launch(out: Path) -> None:
@@ -75,7 +77,8 @@ def truth_table(out: Path, facts: list[dict]) -> list[str]:
             per_step = [m / t - 1 for m, t in zip(ours, truth)]
             watch_errors.extend(abs(e) for e in per_step)
             raw = facts[rank][engine].get("truth_raw_step_peaks") or []
-            lines.append(f"| {facts[rank][engine]['engine']} | {rank} | {', '.join(f'{t:,}' for t in truth)} | "
+            lines.append(f"| {facts[rank][engine]['engine']}, {facts[rank][engine]['seq_len']} tokens | {rank} | "
+                         f"{', '.join(f'{t:,}' for t in truth)} | "
                          f"{', '.join(f'{t:,}' for t in raw)} | "
                          f"{predicted:,} | {100 * error:+.2f}% | {', '.join(f'{100 * e:+.2f}%' for e in per_step)} |")
     if predicted_errors:
@@ -125,7 +128,8 @@ def table(out: Path) -> str:
             predicted, measured = facts[rank][engine]["predicted_peak"], step_peak(out / engine, rank)
             error = predicted / measured - 1
             errors.append(abs(error))
-            lines.append(f"| {facts[rank][engine]['engine']} | {rank} | {predicted:,} | {measured:,} | {100 * error:+.2f}% |")
+            lines.append(f"| {facts[rank][engine]['engine']}, {facts[rank][engine]['seq_len']} tokens | {rank} | "
+                         f"{predicted:,} | {measured:,} | {100 * error:+.2f}% |")
     lines += ["", f"median |error| {100 * statistics.median(errors):.2f}%, worst {100 * max(errors):.2f}%", ""]
     lines = (truth_table(out, facts) + planned_truth_table(facts)
              + ["## Against MemWatch's step peak, per rank", ""] + lines)
