@@ -1,7 +1,8 @@
 """Distributed runs (issue 7): real 2-process gloo runs launched with torchrun, and sharded estimates.
 
-The torchrun launches are module-scoped fixtures (one launch each, ~30 s and ~10 s on 2 cores); the
-scripts under ``tests/dist_scripts/`` only record facts, the assertions are here. A launch that does
+The torchrun launches are module-scoped fixtures: DDP (``ddp_trainer.py``, which also runs
+``agreement.py``'s scenarios and ``fsdp2_shards.py``'s step on its process group) and DeepSpeed ZeRO
+(``deepspeed_zero.py``); the scripts under ``tests/dist_scripts/`` only record facts, the assertions are here. A launch that does
 not finish in time is killed (its whole process group) and the test fails with what it printed.
 """
 
@@ -46,16 +47,16 @@ def ddp_runs(tmp_path_factory) -> tuple[Path, list[dict[str, Any]]]:
 
 
 @pytest.fixture(scope="module")
-def agreement(tmp_path_factory) -> list[dict[str, Any]]:
-    out = tmp_path_factory.mktemp("agreement")
-    torchrun(SCRIPTS / "agreement.py", out, timeout_s=120)
+def agreement(ddp_runs) -> list[dict[str, Any]]:
+    """``agreement.py``'s scenarios, run at the end of the DDP launch on its process group."""
+    out, _ = ddp_runs
     return [json.loads((out / f"agreement.rank{rank}.json").read_text()) for rank in (0, 1)]
 
 
 @pytest.fixture(scope="module")
-def fsdp2(tmp_path_factory) -> list[dict[str, Any]]:
-    out = tmp_path_factory.mktemp("fsdp2")
-    torchrun(SCRIPTS / "fsdp2_shards.py", out, timeout_s=120)
+def fsdp2(ddp_runs) -> list[dict[str, Any]]:
+    """``fsdp2_shards.py``'s FSDP2 step, run at the end of the DDP launch on its process group."""
+    out, _ = ddp_runs
     return [json.loads((out / f"fsdp2.rank{rank}.json").read_text()) for rank in (0, 1)]
 
 

@@ -19,6 +19,9 @@ Runs, each in its own output dir under OUT_DIR:
 * ``hand``: the ``auto`` run's plan configured by hand, without MemWatch (same losses and grad norms);
 * ``ckpt_bnb``: accumulation 2, checkpointing and 8-bit AdamW, 16 tokens on rank 0 and 64 on rank 1,
   MemWatch full, under the profiler (issue 19's planned run, by hand).
+
+Then, on the same process group, ``agreement.py``'s scenarios and ``fsdp2_shards.py``'s FSDP2 step
+(their files beside ``facts.rank<N>.json``).
 """
 
 from __future__ import annotations
@@ -169,6 +172,12 @@ def main() -> None:
     except PlanError as exc:
         facts["auto_fail"] = {"raised": type(exc).__name__, "message": str(exc)}
     (out / f"facts.rank{rank}.json").write_text(json.dumps(facts))
+    # The scripts beside this one, on this launch's process group (a launch each cost ~12 s of imports).
+    from agreement import scenarios
+    from fsdp2_shards import shards
+
+    scenarios(out)
+    shards(out)
     # Tear gloo down before interpreter exit: left to atexit, its threads can abort the process
     # ("terminate called without an active exception", seen intermittently).
     torch.distributed.barrier()

@@ -2,7 +2,8 @@
 
 Usage: ``torchrun --nproc-per-node 2 fsdp2_shards.py OUT_DIR``. A model sharded with FSDP2's
 ``fully_shard`` trains one step under a :class:`~hf_memwatch.measure.monitor.StepMonitor`; each rank writes
-``fsdp2.rank<N>.json`` with the full model's bytes and the monitor's figures after the step.
+``fsdp2.rank<N>.json`` with the full model's bytes and the monitor's figures after the step. The suite
+runs :func:`shards` at the end of ``ddp_trainer.py``'s launch, on its process group.
 """
 
 from __future__ import annotations
@@ -19,9 +20,8 @@ from hf_memwatch.measure.backends import backend_for
 from hf_memwatch.measure.monitor import StepMonitor
 
 
-def main() -> None:
-    out = Path(sys.argv[1])
-    dist.init_process_group("gloo")
+def shards(out: Path) -> None:
+    """One FSDP2 step on the default process group; ``fsdp2.rank<N>.json`` into ``out``."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256))
     full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -46,6 +46,11 @@ def main() -> None:
         "after_optimizer": after_optimizer,
     }
     (out / f"fsdp2.rank{dist.get_rank()}.json").write_text(json.dumps(result))
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    shards(Path(sys.argv[1]))
     dist.destroy_process_group()
 
 
