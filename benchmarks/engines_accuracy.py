@@ -29,7 +29,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "dist_scripts" / "deepspeed_zero.py"
-ENGINES = ("zero1", "zero2", "zero3", "zero3_offload", "zero2_long", "zero3_long", "zero3_offload_long")
+ENGINES = ("zero1", "zero2", "zero3", "zero3_offload", "zero3_offload_param", "zero2_long", "zero3_long",
+           "zero3_offload_long")
 
 
 def launch(out: Path) -> None:

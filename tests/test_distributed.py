@@ -351,16 +351,20 @@ def test_zero_step_peaks_per_rank_match_the_profiler(zero_runs, name):
             assert abs(measured - reference) / reference <= 0.02, (rank, ours, truth)
 
 
-ZERO_ENGINES = {"zero2": ("zero2", "none"), "zero3": ("zero3", "none"), "zero3_offload": ("zero3", "optimizer")}
-LONG_RUNS = [f"{name}_long" for name in ZERO_ENGINES]  # deepspeed_zero.LONG_SEQ tokens
+ZERO_ENGINES = {"zero2": ("zero2", "none"), "zero3": ("zero3", "none"), "zero3_offload": ("zero3", "optimizer"),
+                "zero3_offload_param": ("zero3", "params")}
+LONG_RUNS = ["zero2_long", "zero3_long", "zero3_offload_long"]  # deepspeed_zero.LONG_SEQ tokens
 
 
 @pytest.mark.parametrize("name", ZERO_ENGINES)
 def test_the_engine_is_read_before_deepspeed_builds_it(zero_runs, name):
-    """RunConfig before train(): the ZeRO stage and offload of the JSON, as the accelerator will build them."""
+    """RunConfig before train(): the ZeRO stage and offload of the JSON, as the accelerator will build them,
+    and which optimizer DeepSpeed will step: the Trainer's, with ``zero_force_ds_cpu_optimizer: false``
+    (DeepSpeed's default, true, makes accelerate step ``DeepSpeedCPUAdam``: tests/test_engine.py)."""
     _, facts = zero_runs
     for fact in facts:
         assert (fact[name]["shard"], fact[name]["offload"]) == ZERO_ENGINES[name], fact[name]["engine"]
+        assert not fact[name]["cpu_optimizer"] and fact[name]["optimizer_class"] == "AdamW", fact[name]
 
 
 @pytest.mark.parametrize("name", ["zero1", *ZERO_ENGINES, *LONG_RUNS])
@@ -567,7 +571,8 @@ def test_deepspeed_storages_without_deepspeed_is_empty():
 
 @pytest.mark.parametrize("name, shard, offload", [("zero2", "zero2", "none"), ("zero3", "zero3", "none"),
                                                   ("zero3_offload", "zero3", "optimizer"),
-                                                  ("zero3_offload_long", "zero3", "optimizer")])
+                                                  ("zero3_offload_long", "zero3", "optimizer"),
+                                                  ("zero3_offload_param", "zero3", "params")])
 def test_cli_estimate_agrees_with_the_auto_modes_prediction(zero_runs, tmp_path, capsys, name, shard, offload):
     """``hf-memwatch estimate --world-size 2 --shard ... --offload ...`` with the run's bucket settings against
     the prediction the auto mode made for the same run (``estimate(trainer)`` before train()) and against

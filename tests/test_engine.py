@@ -62,6 +62,29 @@ def test_deepspeed_json_buckets_auto_resolved_as_the_trainer_resolves_them():
     assert "8-bit AdamW" in unavailable_remedies(run)
 
 
+def test_offload_with_deepspeeds_default_steps_deepspeed_cpu_adam_and_8bit_adamw_is_no_remedy():
+    """``offload_optimizer`` without ``zero_force_ds_cpu_optimizer: false``: accelerate replaces the
+    Trainer's optimizer by ``DeepSpeedCPUAdam`` (measured on 2 gloo ranks, ZeRO-3: the class DeepSpeed's
+    ZeRO optimizer stepped). The planned 8-bit AdamW of ``deepspeed_zero.py``'s ``zero3_offload_auto``
+    without the flag trained those fp32 states over its budget: 13,249,436 B a rank, predicted 11,776,558
+    with 8-bit states, budget 12,096,114."""
+    from hf_memwatch.planning.catalogue import unavailable_remedies
+
+    offload = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}
+    default = engine_from_deepspeed_config(offload, world_size=2)
+    own = engine_from_deepspeed_config({**offload, "zero_force_ds_cpu_optimizer": False}, world_size=2)
+    assert default.cpu_optimizer and not own.cpu_optimizer
+    assert not engine_from_deepspeed_config({"zero_optimization": {"stage": 3}}, world_size=2).cpu_optimizer
+    assert not engine_from_deepspeed_config({**offload, "optimizer": {"type": "AdamW"}}, world_size=2).cpu_optimizer
+    env = engine_of_environment({"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2",
+                                 "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "cpu"}, device="cpu", world_size=2)
+    assert env.cpu_optimizer
+    unavailable = unavailable_remedies(RunConfig(micro_batch_size=4, world_size=2, shard="zero3", engine=default))
+    assert "DeepSpeedCPUAdam" in unavailable.get("8-bit AdamW", ""), unavailable
+    assert "8-bit AdamW" not in unavailable_remedies(RunConfig(micro_batch_size=4, world_size=2, shard="zero3",
+                                                               engine=own))
+
+
 def test_fsdp_planned_from_the_engine_the_accelerator_reports(tmp_path, monkeypatch):
     """accelerate's real FSDP2 plugin, as an accelerator on 2 GPUs would hold it: the run is planned sharded."""
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin

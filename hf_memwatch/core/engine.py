@@ -67,6 +67,9 @@ class Engine:
     offload_optimizer: str = "none"  # DeepSpeed's device: none | cpu | nvme
     offload_param: str = "none"
     engine_optimizer: bool = False  # DeepSpeed's JSON builds its own optimizer (its "optimizer" section)
+    # accelerate replaces the Trainer's optimizer by DeepSpeedCPUAdam: offload_optimizer with
+    # zero_force_ds_cpu_optimizer true, DeepSpeed's default (Accelerator._prepare_deepspeed)
+    cpu_optimizer: bool = False
     fsdp_version: int | None = None
     fsdp_strategy: str | None = None  # FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD
     fsdp_wrap: str | None = None  # TRANSFORMER_BASED_WRAP, SIZE_BASED_WRAP, NO_WRAP
@@ -138,10 +141,13 @@ def engine_from_deepspeed_config(config: Mapping[str, Any], world_size: int, hid
     buckets = {field: _elements(zero.get(key, ZERO_DEFAULTS[key]), autos[key], ZERO_DEFAULTS[key])
                for key, field in _BUCKET_FIELDS.items()}
     stage = _elements(zero.get("stage", 0), None, 0)
-    return Engine(kind="deepspeed", world_size=world_size, zero_stage=stage,
-                  offload_optimizer=_device_of(zero.get("offload_optimizer")),
+    offload_optimizer, engine_optimizer = _device_of(zero.get("offload_optimizer")), bool(config.get("optimizer"))
+    return Engine(kind="deepspeed", world_size=world_size, zero_stage=stage, offload_optimizer=offload_optimizer,
                   offload_param=_device_of(zero.get("offload_param")) if stage == 3 else "none",
-                  engine_optimizer=bool(config.get("optimizer")), source=source, **buckets)
+                  engine_optimizer=engine_optimizer,
+                  cpu_optimizer=(offload_optimizer != "none" and not engine_optimizer
+                                 and _true(config.get("zero_force_ds_cpu_optimizer", True))),
+                  source=source, **buckets)
 
 
 def _true(value: Any) -> bool:

@@ -112,6 +112,10 @@ def zero_optimizer_step(per_phase: dict[str, dict[str, int]], model: torch.nn.Mo
     trainable = [p for p in model.parameters() if p.requires_grad]
     if not trainable or any(p.dtype != torch.float32 for p in trainable):
         return per_phase  # DeepSpeed's 16-bit runs: the mixed-precision rules in shard.py
+    if engine.cpu_optimizer and optim != "adamw_torch":  # accelerate's DeepSpeedCPUAdam: fp32 moments + step
+        notes.append(f"offload optimizer: accelerate steps DeepSpeedCPUAdam, not {optim} "
+                     "(zero_force_ds_cpu_optimizer true); its states as fp32 AdamW's")
+        optim = "adamw_torch"
     step = flat_step(model, engine.world_size, optim, device)
     master = sum(4 * n for n in step.partitions)
     stepped = per_phase[AFTER_OPTIMIZER]["optimizer_states"]

@@ -142,6 +142,12 @@ def _eight_bit_unavailable(run: RunConfig) -> str | None:
         return None
     if run.engine is not None and run.engine.engine_optimizer:
         return "the DeepSpeed config builds its own optimizer (its 'optimizer' section): the Trainer's optim is not used"
+    if run.engine is not None and run.engine.cpu_optimizer:
+        # Run on 2 gloo ranks (ZeRO-3, offload_optimizer cpu, the JSON without zero_force_ds_cpu_optimizer):
+        # adamw_bnb_8bit configured by hand trained with DeepSpeedCPUAdam's fp32 states, 13,249,436 B a
+        # rank where 8-bit states were predicted at 11,776,558 (over a budget of 12,096,114).
+        return ("under offload_optimizer accelerate replaces the Trainer's optimizer by DeepSpeedCPUAdam "
+                "(zero_force_ds_cpu_optimizer is true, DeepSpeed's default): 8-bit AdamW would not run")
     if run.engine is not None and run.engine.kind == "fsdp" and run.engine.fsdp_version == 2:
         # Run on 2 gloo ranks through the Trainer (bitsandbytes 0.50.2, torch 2.13), without hf-memwatch:
         # the first step fails, "Operator bitsandbytes.optimizer_update_32bit.default does not have a

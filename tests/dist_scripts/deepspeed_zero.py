@@ -6,7 +6,8 @@ accelerator falls back to gloo without oneCCL. Each rank writes ``deepspeed.rank
 accumulation 2, 2 steps, MemWatch full, the prediction ``estimate(trainer)`` made before ``train()``
 (no DeepSpeed engine exists yet):
 
-* ``zero1``, ``zero2``, ``zero3``, ``zero3_offload`` (``offload_optimizer: cpu``) at 32 tokens; without
+* ``zero1``, ``zero2``, ``zero3``, ``zero3_offload`` (``offload_optimizer: cpu``), ``zero3_offload_param``
+  (``offload_param: cpu`` too) at 32 tokens; without
   offload, what DeepSpeed itself holds (read from its ZeRO optimizer and parameters, not through
   hf_memwatch) at the first step's ``step_begin``, first micro-step end (gradients still held) and
   ``step_end``;
@@ -85,15 +86,21 @@ CONFIGURED = {"micro_batch_size": 4, "gradient_accumulation_steps": 2, "activati
               "optim": "adamw_torch"}
 
 
-def deepspeed_config(stage: int, offload: bool = False) -> dict:
+def deepspeed_config(stage: int, offload: bool | str = False) -> dict:
+    """DeepSpeed's JSON; ``offload``: the optimizer's states to the host, ``"params"``: the parameters too,
+    stepped by the Trainer's own optimizer (``zero_force_ds_cpu_optimizer: false``). DeepSpeed's default
+    (true) makes accelerate step ``DeepSpeedCPUAdam`` instead (``Engine.cpu_optimizer``), a C++ extension
+    JIT-built on first use: about a CPU minute in a fresh checkout, so the launch does not run it."""
     zero = {"stage": stage, "reduce_bucket_size": BUCKET, "allgather_bucket_size": BUCKET}
     if stage == 3:
         zero.update(stage3_prefetch_bucket_size=BUCKET, stage3_param_persistence_threshold=0)
     config = {"zero_optimization": zero, "train_micro_batch_size_per_gpu": "auto",
               "gradient_accumulation_steps": "auto", "zero_allow_untested_optimizer": True}
-    if offload:  # ZeRO-Offload stepping the Trainer's own optimizer on the host partitions
+    if offload:  # ZeRO-Offload
         zero["offload_optimizer"] = {"device": "cpu"}
         config["zero_force_ds_cpu_optimizer"] = False
+    if offload == "params":
+        zero["offload_param"] = {"device": "cpu"}
     return config
 
 
@@ -174,7 +181,7 @@ class DeepSpeedHoldings(TrainerCallback):
 ESTIMATE_MARK = "deepspeed_zero.estimate"
 
 
-def build(out: Path, name: str, stage: int, callbacks: list, plan: dict | None = None, offload: bool = False,
+def build(out: Path, name: str, stage: int, callbacks: list, plan: dict | None = None, offload: bool | str = False,
           profiler=None, seq: int = 32) -> Trainer:
     """The Trainer of one run; with ``profiler`` (a ``cpu_memory_profile()``) the truth's window opens
     before the model is built, so every block the run allocates and frees on this thread is in it
@@ -222,7 +229,7 @@ def train_profiled(trainer: Trainer, profiler) -> dict:
             "truth_raw_step_peaks": raw, "truth_left_by_estimate": left}
 
 
-def run(out: Path, name: str, stage: int, offload: bool = False, seq: int = 32) -> dict:
+def run(out: Path, name: str, stage: int, offload: bool | str = False, seq: int = 32) -> dict:
     """A configured run (4 x 2) with MemWatch and its prediction before ``train()``; at 32 tokens what
     DeepSpeed holds is read too (the split tests; not under offload)."""
     holdings = [DeepSpeedHoldings()] if seq == 32 and not offload else []
@@ -236,7 +243,14 @@ def run(out: Path, name: str, stage: int, offload: bool = False, seq: int = 32) 
     return {"losses": loss_history(trainer), "deepspeed": holdings[0].records if holdings else {}, **truth,
             "full_param_numel": sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters()),
             "engine": run_config.engine.describe(), "shard": run_config.shard, "offload": run_config.engine.offload,
+            "cpu_optimizer": run_config.engine.cpu_optimizer, "optimizer_class": stepped_by(trainer),
             "predicted_peak": predicted, "seq_len": seq}
+
+
+def stepped_by(trainer: Trainer) -> str:
+    """The class of the optimizer DeepSpeed's ZeRO optimizer steps (accelerate may have replaced the Trainer's)."""
+    optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # accelerate's wrapper
+    return type(getattr(optimizer, "optimizer", optimizer)).__name__  # DeepSpeed's ZeRO optimizer
 
 
 def auto(out: Path, name: str, rank: int) -> dict:
@@ -306,6 +320,8 @@ def main() -> None:
     seconds: dict[str, list[float]] = {}
     facts = {f"zero{stage}": timed(seconds, f"zero{stage}", run, out, f"zero{stage}", stage) for stage in (1, 2, 3)}
     facts["zero3_offload"] = timed(seconds, "zero3_offload", run, out, "zero3_offload", 3, offload=True)
+    facts["zero3_offload_param"] = timed(seconds, "zero3_offload_param", run, out, "zero3_offload_param", 3,
+                                         offload="params")
     for name, stage, offload in (("zero2_long", 2, False), ("zero3_long", 3, False), ("zero3_offload_long", 3, True)):
         facts[name] = timed(seconds, name, run, out, name, stage, offload=offload, seq=LONG_SEQ)
     rank = torch.distributed.get_rank()
