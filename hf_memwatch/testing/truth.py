@@ -84,12 +84,16 @@ def remembered_allocations() -> profile:
 
 @contextmanager
 def ops_unrecorded(prof: profile, mark: str) -> Iterator[None]:
-    """Inside, ``prof`` records no operator but every memory event: for a replay on fake tensors inside
-    a profiled window (``estimate()``, the auto mode's planning), whose thousands of operators, each
-    with its input shapes under ``record_shapes``, doubled its cost (measured: two ZeRO-3 estimates of
-    the test GPT-2, 0.91 s unprofiled, 1.82 s profiled, 0.89 s so). Fake tensors allocate nothing, so no
-    byte of the truth is lost. The span is bracketed by two ranges, ``<mark>.begin`` and ``<mark>.end``,
-    for :func:`left_alive`."""
+    """Inside, ``prof`` records every memory event but no operator (``toggle_collection_dynamic``).
+
+    For a replay on fake tensors inside a profiled window (``estimate()``, the auto mode's planning):
+    recording its thousands of operators, each with its input shapes under ``record_shapes``, doubled
+    its cost (two ZeRO-3 estimates of the test GPT-2: 0.91 s unprofiled, 1.82 s profiled, 0.89 s inside
+    this span). Fake tensors allocate nothing, so no byte of the truth is lost. A real operator inside
+    is not recorded either, so ``reconcile`` does not know it read a block: a block freed on another
+    thread whose last reader ran here would be placed at an earlier reader, or at its reuse. The
+    planning's real operators are its agreement across ranks, on a few small tensors.
+    The span is bracketed by two ranges, ``<mark>.begin`` and ``<mark>.end``, for :func:`left_alive`."""
     with torch.profiler.record_function(f"{mark}.begin"):
         pass
     prof.toggle_collection_dynamic(False, [ProfilerActivity.CPU])
