@@ -56,7 +56,6 @@ from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile
-from transformers import TrainerCallback
 
 STEP_MARK = "hf_memwatch.testing.truth.step"
 
@@ -114,20 +113,15 @@ def left_alive(prof: profile, mark: str) -> int:
     return sum(delta for time, delta in cpu_memory_deltas(prof) if start <= time <= end)
 
 
-class StepMarker(TrainerCallback):
-    """Opens a profiler range at ``on_step_begin`` and closes it at ``on_step_end``."""
+def __getattr__(name: str) -> Any:
+    """:class:`~hf_memwatch.testing.step_marker.StepMarker`, imported on first use: it is a Trainer
+    callback, and importing transformers costs ~7 CPU s that a process reading the profiler alone
+    (the gloo subprocess of ``tests/test_tracker.py``) need not pay."""
+    if name == "StepMarker":
+        from .step_marker import StepMarker
 
-    def __init__(self) -> None:
-        self._range: Any = None
-
-    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._range = torch.profiler.record_function(STEP_MARK)
-        self._range.__enter__()
-
-    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self._range is not None:
-            self._range.__exit__(None, None, None)
-            self._range = None
+        return StepMarker
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def cpu_memory_deltas(prof: Any, reconcile: bool = False, alive: set[int] | None = None) -> list[tuple[int, int]]:
