@@ -92,7 +92,8 @@ def ops_unrecorded(prof: profile, mark: str) -> Iterator[None]:
     is not recorded either, so ``reconcile`` does not know it read a block: a block freed on another
     thread whose last reader ran here would be placed at an earlier reader, or at its reuse. The
     planning's real operators are its agreement across ranks, on a few small tensors.
-    The span is bracketed by two ranges, ``<mark>.begin`` and ``<mark>.end``, for :func:`left_alive`."""
+    The span is bracketed by two ranges, ``<mark>.begin`` and ``<mark>.end``, for :func:`left_alive`;
+    ``ops_unrecorded(prof, mark)(call)`` wraps a function in it (one span per call)."""
     with torch.profiler.record_function(f"{mark}.begin"):
         pass
     prof.toggle_collection_dynamic(False, [ProfilerActivity.CPU])

@@ -202,14 +202,6 @@ def profiled(name: str) -> bool:
     return os.environ.get("HF_MEMWATCH_ZERO_TRUTH") == "1" or name in SUITE_TRUTH
 
 
-def unrecorded(call, profiler):
-    """``call`` with ``profiler`` recording no operator inside (memory events it does: truth.ops_unrecorded)."""
-    def inside(*args, **kwargs):
-        with ops_unrecorded(profiler, ESTIMATE_MARK):
-            return call(*args, **kwargs)
-    return inside
-
-
 def train_profiled(trainer: Trainer, profiler) -> dict:
     """``trainer.train()``; with ``profiler`` (started by :func:`build`) the per-step truth: frees on
     gloo's threads reconciled (testing/truth.py), the raw sum beside it for the benchmark's table, the
@@ -237,7 +229,7 @@ def run(out: Path, name: str, stage: int, offload: bool | str = False, seq: int 
     profiler = cpu_memory_profile(record_shapes=True) if profiled(name) else None
     trainer = build(out, name, stage, [watch, *holdings], offload=offload, profiler=profiler, seq=seq)
     run_config = RunConfig.from_trainer(trainer)  # before train(): no DeepSpeed engine yet
-    predicted = unrecorded(estimate, profiler)(trainer).peak_bytes if profiler else estimate(trainer).peak_bytes
+    predicted = (ops_unrecorded(profiler, ESTIMATE_MARK)(estimate) if profiler else estimate)(trainer).peak_bytes
     truth = train_profiled(trainer, profiler)
     model = trainer.model
     return {"losses": loss_history(trainer), "deepspeed": holdings[0].records if holdings else {}, **truth,
@@ -263,7 +255,7 @@ def auto(out: Path, name: str, rank: int) -> dict:
     watch = MemWatch(auto=True, budget=budget, report=False, summary=False)
     profiler = cpu_memory_profile(record_shapes=True) if profiled(name) else None
     if profiler is not None:  # the planning's leftovers (caches) are no training bytes: marked, as estimate()'s
-        watch._auto.before_train = unrecorded(watch._auto.before_train, profiler)
+        watch._auto.before_train = ops_unrecorded(profiler, ESTIMATE_MARK)(watch._auto.before_train)
     planned = build(out, name, stage, [watch], offload=offload, profiler=profiler, seq=seq)
     truth = train_profiled(planned, profiler)
     records = timeline(out / name, rank)

@@ -228,12 +228,8 @@ def main() -> None:
     budget = int(BUDGET_FRACTION * peak)
     profiler = cpu_memory_profile(record_shapes=True)
     watch = MemWatch(auto=True, budget=budget, report=False, summary=False)
-    planning = watch._auto.before_train  # not recorded operator by operator, its leftovers taken out
-
-    def unrecorded_planning(*args, **kwargs):
-        with ops_unrecorded(profiler, ESTIMATE_MARK):
-            return planning(*args, **kwargs)
-    watch._auto.before_train = unrecorded_planning
+    # the planning not recorded operator by operator, its leftovers taken out
+    watch._auto.before_train = ops_unrecorded(profiler, ESTIMATE_MARK)(watch._auto.before_train)
     planned = build(out, "auto", [watch], profiler=profiler)
     facts["auto"] = train(planned, profiler, marked=True)
     records = timeline(out / "auto", rank)
