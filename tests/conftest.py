@@ -174,7 +174,7 @@ def records_match_their_definitions(check_every_timeline_record):
 # worker holding the next file while the other one idles is the tail. A file not named keeps its place after
 # these (Python's sort is stable); a new file of more than ~15 s belongs here.
 SLOWEST_FIRST = (
-    "test_distributed.py", "test_fsdp2.py", "test_gpu_check.py", "test_auto.py", "test_trl_trainers.py",
+    "test_deepspeed_zero.py", "test_distributed.py", "test_gpu_check.py", "test_auto.py", "test_trl_trainers.py",
     "test_estimate.py", "test_trl_auto_more.py", "test_safety_net.py", "test_online_dpo.py", "test_eval.py",
     "test_example.py", "test_equivalence.py", "test_memwatch.py", "test_auto_prediction.py", "test_gkd_auto.py",
     "test_trl_online.py", "test_bad_input.py", "test_kto_auto.py", "test_qlora.py", "test_cli_estimate.py",

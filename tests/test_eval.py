@@ -1,4 +1,5 @@
-"""Evaluation and prediction loops: watched (profiler truth), predicted (estimator), post-mortem."""
+"""Evaluation and prediction loops: watched (profiler truth), predicted (estimator), post-mortem (a real
+CPU OOM in an eval loop: tests/test_oom.py, beside the training one, in the same subprocess)."""
 
 from __future__ import annotations
 
@@ -143,82 +144,6 @@ def test_monitoring_changes_neither_eval_metrics_nor_eval_memory(tmp_path):
 @pytest.fixture(autouse=True)
 def _threads():
     torch.set_num_threads(min(2, torch.get_num_threads()))
-
-
-# -- post-mortem of an eval loop: a real CPU OOM under RLIMIT_AS in a subprocess ---------------------
-
-EVAL_OOM_SCRIPT = r"""
-import json, os, resource, sys, traceback
-sys.path.insert(0, sys.argv[3])
-import torch
-torch.set_num_threads(2)
-from conftest import gpt2_model, token_dataset, training_args
-from transformers import Trainer
-from hf_memwatch import MemWatch, PlanError
-
-out, margin = sys.argv[1], int(sys.argv[2]) << 20
-
-def vm_size():
-    with open("/proc/self/status") as fh:
-        return next(int(line.split()[1]) * 1024 for line in fh if line.startswith("VmSize:"))
-
-def metrics(prediction):
-    return {"n": float(prediction.predictions.shape[0])}
-
-def trainer(name, samples):
-    args = training_args(os.path.join(out, name), per_device_eval_batch_size=64)
-    return Trainer(model=gpt2_model(n_layer=2, n_embd=32, vocab=1000), args=args,
-                   eval_dataset=token_dataset(samples, 64, 1000), compute_metrics=metrics,
-                   callbacks=[MemWatch(report=False, summary=False)])
-
-small, big = trainer("small", 128), trainer("big", 4096)
-resource.setrlimit(resource.RLIMIT_AS, (vm_size() + margin, resource.getrlimit(resource.RLIMIT_AS)[1]))
-facts = {"small": small.evaluate()["eval_n"]}
-try:
-    big.evaluate()
-    facts["big"] = "evaluated"
-except BaseException as exc:
-    frames = traceback.extract_tb(exc.__traceback__)
-    facts.update(type=type(exc).__name__, message=str(exc), innermost=frames[-1].filename)
-print("FACTS" + json.dumps(facts))
-"""
-
-
-def test_a_real_cpu_oom_in_evaluate_names_the_loop_the_batch_the_outputs_and_the_remedies(tmp_path):
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    tests = Path(__file__).resolve().parent
-    # 4096 x 64 tokens x 1000 fp32 logits = 1 GiB accumulated: the cat fails well before the end.
-    proc = subprocess.run([sys.executable, "-c", EVAL_OOM_SCRIPT, str(tmp_path), "400", str(tests)],
-                          capture_output=True, text=True, timeout=600)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("FACTS")]
-    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-3000:]
-    facts = json.loads(lines[0][len("FACTS"):])
-    assert facts["small"] == 128  # the limit alone does not break a loop that fits
-    assert "DefaultCPUAllocator: can't allocate memory" in facts["message"]
-    assert "hf_memwatch" not in facts["innermost"]  # the user's error, unchanged
-
-    memwatch = tmp_path / "big" / "memwatch"
-    report = (memwatch / "oom_report.md").read_text()
-    records = [json.loads(line) for line in (memwatch / "timeline.jsonl").read_text().splitlines()]
-    (oom,) = [r for r in records if r["event"] == "oom"]
-    (loop,) = [r for r in records if r["event"] == "eval"]
-    assert oom["stage"] == "eval" and oom["batch"] == loop["batches"] > 1
-    assert oom["outputs_at_failure"] >= (oom["batch"] - 1) * 64 * 64 * 1000 * 4  # the logits held so far
-    assert sum(oom["live_at_failure"].values()) == oom["allocated_at_failure"]
-    assert f"the eval loop (`Trainer.evaluate()`) at global step 0, eval batch {oom['batch']} of 64" in report
-    assert f"{oom['outputs_at_failure'] / 2**20:.2f} MiB accumulated outputs" in report
-    section = report.split("## Eval remedies and what each would save", 1)[1]
-    assert "Predicted peak of this loop" in section, section
-    for remedy in ("per_device_eval_batch_size 64 → 32", "eval_accumulation_steps=1",
-                   "logits.argmax(-1)", "prediction_loss_only=True"):
-        assert remedy in section
-    # argmax keeps 8 bytes a token instead of 4000: it saves nearly the whole 1 GiB of logits.
-    row = next(line for line in section.splitlines() if "argmax" in line)
-    assert "GiB" in row.split("|")[3] or float(row.split("|")[3].split()[0]) > 900, row
 
 
 # -- predicted: the estimator's eval loop against real Trainer.evaluate() runs ------------------------

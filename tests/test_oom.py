@@ -1,4 +1,5 @@
-"""OOM post-mortem on a real CPU out-of-memory: a subprocess under ``RLIMIT_AS`` (no mocks)."""
+"""OOM post-mortem on a real CPU out-of-memory: a subprocess under ``RLIMIT_AS`` (no mocks), in a training
+step and in an evaluation loop."""
 
 from __future__ import annotations
 
@@ -28,14 +29,17 @@ TESTS = Path(__file__).resolve().parent
 # lets the small run train and makes the big one fail in its first forward pass.
 MARGIN_MIB = 300
 
+# Both real OOMs in one subprocess (one import of torch and transformers, ~10 CPU s, instead of two), each
+# under its own limit above the process's mapped size then: a training step, then an evaluation loop.
 OOM_SCRIPT = r"""
-import functools, json, os, resource, sys, traceback
+import functools, gc, json, os, resource, sys, traceback
 sys.path.insert(0, sys.argv[3])
 from conftest import gpt2_model, token_dataset, training_args
 from transformers import Trainer
 from hf_memwatch import MemWatch
 
-out, margin = sys.argv[1], int(sys.argv[2]) << 20
+out, margin, eval_margin = sys.argv[1], int(sys.argv[2]) << 20, int(sys.argv[4]) << 20
+unlimited = resource.getrlimit(resource.RLIMIT_AS)
 
 def vm_size():
     with open("/proc/self/status") as fh:
@@ -45,6 +49,11 @@ def trainer(name, batch, seq):
     args = training_args(os.path.join(out, name), per_device_train_batch_size=batch, max_steps=2)
     return Trainer(model=gpt2_model(), args=args, train_dataset=token_dataset(2 * batch, seq, 1000),
                    callbacks=[MemWatch(report=False, summary=False)])
+
+def failure(exc, **more):
+    frames = traceback.extract_tb(exc.__traceback__)
+    return dict(type=type(exc).__name__, message=str(exc), innermost=frames[-1].filename,
+                frames=[f.filename for f in frames], **more)
 
 small, big = trainer("small", 4, 32), trainer("big", 32, 256)
 raised = []  # the exception as it left the model, to compare with what reaches the caller
@@ -59,26 +68,59 @@ def forward_recording(*args, **kwargs):
         raise
 
 big.model.forward = forward_recording
-resource.setrlimit(resource.RLIMIT_AS, (vm_size() + margin, resource.getrlimit(resource.RLIMIT_AS)[1]))
+resource.setrlimit(resource.RLIMIT_AS, (vm_size() + margin, unlimited[1]))
 small.train()
 facts = {"small_steps": small.state.global_step, "rlimit_as": resource.getrlimit(resource.RLIMIT_AS)[0]}
 try:
     big.train()
     facts["big"] = "trained"
 except BaseException as exc:
-    frames = traceback.extract_tb(exc.__traceback__)
-    facts.update(type=type(exc).__name__, message=str(exc), same_object=bool(raised) and raised[0] is exc,
-                 innermost=frames[-1].filename, frames=[f.filename for f in frames])
-print("FACTS" + json.dumps(facts))
+    facts.update(failure(exc, same_object=bool(raised) and raised[0] is exc))
+resource.setrlimit(resource.RLIMIT_AS, unlimited)
+print("FACTS" + json.dumps(facts), flush=True)
+del small, big, raised
+gc.collect()
+
+# The eval loop: 4096 x 64 tokens x 1000 fp32 logits = 1 GiB accumulated, the cat fails well before the end.
+import torch
+torch.set_num_threads(2)
+
+def metrics(prediction):
+    return {"n": float(prediction.predictions.shape[0])}
+
+def evaluator(name, samples):
+    args = training_args(os.path.join(out, "eval", name), per_device_eval_batch_size=64)
+    return Trainer(model=gpt2_model(n_layer=2, n_embd=32, vocab=1000), args=args,
+                   eval_dataset=token_dataset(samples, 64, 1000), compute_metrics=metrics,
+                   callbacks=[MemWatch(report=False, summary=False)])
+
+small, big = evaluator("small", 128), evaluator("big", 4096)
+resource.setrlimit(resource.RLIMIT_AS, (vm_size() + eval_margin, unlimited[1]))
+facts = {"small": small.evaluate()["eval_n"]}
+try:
+    big.evaluate()
+    facts["big"] = "evaluated"
+except BaseException as exc:
+    facts.update(failure(exc))
+print("EVAL" + json.dumps(facts), flush=True)
 """
+EVAL_MARGIN_MIB = 400
 
 
-def test_real_cpu_oom_writes_the_post_mortem_and_the_error_reaches_the_user_unchanged(tmp_path):
-    proc = subprocess.run([sys.executable, "-c", OOM_SCRIPT, str(tmp_path), str(MARGIN_MIB), str(TESTS)],
-                          capture_output=True, text=True, timeout=600)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("FACTS")]
-    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-3000:]
-    facts = json.loads(lines[0][len("FACTS"):])
+@pytest.fixture(scope="module")
+def ooms(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, dict]:
+    """The subprocess's folder, the training OOM's facts and the eval loop's."""
+    folder = tmp_path_factory.mktemp("oom")
+    proc = subprocess.run([sys.executable, "-c", OOM_SCRIPT, str(folder), str(MARGIN_MIB), str(TESTS),
+                           str(EVAL_MARGIN_MIB)], capture_output=True, text=True, timeout=600)
+    found = {tag: json.loads(line[len(tag):]) for line in proc.stdout.splitlines()
+             for tag in ("FACTS", "EVAL") if line.startswith(tag)}
+    assert proc.returncode == 0 and len(found) == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return folder, found["FACTS"], found["EVAL"]
+
+
+def test_real_cpu_oom_writes_the_post_mortem_and_the_error_reaches_the_user_unchanged(ooms):
+    tmp_path, facts, _ = ooms
 
     assert facts["small_steps"] == 2  # the limit alone does not break a run that fits
     assert "DefaultCPUAllocator: can't allocate memory" in facts["message"]
@@ -116,6 +158,35 @@ def test_real_cpu_oom_writes_the_post_mortem_and_the_error_reaches_the_user_unch
     section = report.split("## What would have saved how much", 1)[1].split("## Plan in force", 1)[0]
     assert "CPU memory was exhausted" in section
     assert "hf-memwatch estimate" in section and "--batch-size 32 --seq-len 256" in section, section
+
+
+def test_a_real_cpu_oom_in_evaluate_names_the_loop_the_batch_the_outputs_and_the_remedies(ooms):
+    """The eval loop of the subprocess: 4096 x 64 tokens x 1000 fp32 logits (1 GiB) accumulated under a
+    limit 400 MiB above the process: the outputs' cat fails well before the end."""
+    folder, _, facts = ooms
+    tmp_path = folder / "eval"
+    assert facts["small"] == 128  # the limit alone does not break a loop that fits
+    assert "DefaultCPUAllocator: can't allocate memory" in facts["message"]
+    assert "hf_memwatch" not in facts["innermost"]  # the user's error, unchanged
+
+    memwatch = tmp_path / "big" / "memwatch"
+    report = (memwatch / "oom_report.md").read_text()
+    records = [json.loads(line) for line in (memwatch / "timeline.jsonl").read_text().splitlines()]
+    (oom,) = [r for r in records if r["event"] == "oom"]
+    (loop,) = [r for r in records if r["event"] == "eval"]
+    assert oom["stage"] == "eval" and oom["batch"] == loop["batches"] > 1
+    assert oom["outputs_at_failure"] >= (oom["batch"] - 1) * 64 * 64 * 1000 * 4  # the logits held so far
+    assert sum(oom["live_at_failure"].values()) == oom["allocated_at_failure"]
+    assert f"the eval loop (`Trainer.evaluate()`) at global step 0, eval batch {oom['batch']} of 64" in report
+    assert f"{oom['outputs_at_failure'] / 2**20:.2f} MiB accumulated outputs" in report
+    section = report.split("## Eval remedies and what each would save", 1)[1]
+    assert "Predicted peak of this loop" in section, section
+    for remedy in ("per_device_eval_batch_size 64 → 32", "eval_accumulation_steps=1",
+                   "logits.argmax(-1)", "prediction_loss_only=True"):
+        assert remedy in section
+    # argmax keeps 8 bytes a token instead of 4000: it saves nearly the whole 1 GiB of logits.
+    row = next(line for line in section.splitlines() if "argmax" in line)
+    assert "GiB" in row.split("|")[3] or float(row.split("|")[3].split()[0]) > 900, row
 
 
 def test_remedy_estimates_for_the_failing_configuration():

@@ -21,7 +21,8 @@ Runs, each in its own output dir under OUT_DIR:
   MemWatch full, under the profiler (issue 19's planned run, by hand).
 
 Then, on the same process group, ``agreement.py``'s scenarios and ``fsdp2_shards.py``'s FSDP2 step
-(their files beside ``facts.rank<N>.json``).
+(their files beside ``facts.rank<N>.json``), and last ``fsdp2_trainer.py``'s FSDP2 runs through the
+Trainer (in OUT_DIR/fsdp2_trainer; last because it lets accelerate build FSDP on these CPU ranks).
 """
 
 from __future__ import annotations
@@ -175,9 +176,11 @@ def main() -> None:
     # The scripts beside this one, on this launch's process group (a launch each cost ~12 s of imports).
     from agreement import scenarios
     from fsdp2_shards import shards
+    from fsdp2_trainer import runs as fsdp2_runs
 
     scenarios(out)
     shards(out)
+    fsdp2_runs(out / "fsdp2_trainer")  # FSDP2 through the Trainer, last: it changes accelerate's state
     # Tear gloo down before interpreter exit: left to atexit, its threads can abort the process
     # ("terminate called without an active exception", seen intermittently).
     torch.distributed.barrier()

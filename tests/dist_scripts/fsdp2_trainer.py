@@ -1,6 +1,6 @@
-"""Launched by ``tests/test_fsdp2.py`` with ``torchrun --nproc-per-node 2``: FSDP2 through the Trainer on gloo.
+"""FSDP2 through the Trainer on gloo: run at the end of ``ddp_trainer.py``'s launch (``tests/test_distributed.py``).
 
-Usage: ``torchrun --nproc-per-node 2 fsdp2_trainer.py OUT_DIR``. accelerate builds FSDP for accelerator
+Alone: ``torchrun --nproc-per-node 2 fsdp2_trainer.py OUT_DIR``. accelerate builds FSDP for accelerator
 device types only; :func:`hf_memwatch.testing.fsdp_cpu.allow_fsdp_on_cpu_ranks` flips that one switch, so
 the Trainer runs accelerate's ``fsdp2_prepare_model`` (``fully_shard`` on every ``GPT2Block`` and the
 root), FSDP2's all-gathers and reduce-scatters on 2 CPU ranks. Each rank writes ``fsdp2.rank<N>.json``
@@ -205,9 +205,18 @@ def train(trainer: Trainer, profiler=None, predict: bool = False, marked: bool =
     return facts
 
 
-def main() -> None:
-    allow_fsdp_on_cpu_ranks()
-    out = Path(sys.argv[1])
+def runs(out: Path) -> None:
+    """Every run above into ``out`` on this rank (``fsdp2.rank<N>.json``), on the launch's process group:
+    ``ddp_trainer.py`` calls it after its own runs (one launch: a launch of its own cost ~23 CPU s of imports)."""
+    undo = allow_fsdp_on_cpu_ranks()
+    try:
+        _runs(out)
+    finally:
+        undo()
+
+
+def _runs(out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else int(os.environ["RANK"])
     facts: dict = {"plain": train(build(out, "plain", []))}
     monitor = MemWatch(detail="full", report=False, summary=False)
@@ -239,6 +248,10 @@ def main() -> None:
     facts["hand"] = None if plan is None else train(build(out, "hand", [], plan))
     facts["world"] = [rank, torch.distributed.get_world_size()]
     (out / f"fsdp2.rank{rank}.json").write_text(json.dumps(facts))
+
+
+def main() -> None:
+    runs(Path(sys.argv[1]))
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
