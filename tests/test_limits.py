@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import subprocess
 import sys
@@ -208,13 +209,17 @@ def test_host_sizes_agree_with_proc_status_and_follow_a_real_allocation():
     status = parse_proc_status(Path("/proc/self/status").read_text())
     assert vms is not None and rss is not None
     assert abs(vms - status["VmSize"]) <= 64 * MiB and abs(rss - status["VmRSS"]) <= 64 * MiB
+    # A fresh mapping, written through torch: its pages become resident whatever malloc already holds (a
+    # torch.ones of 64 MiB reused pages the process had freed, and RSS did not move, in one suite run).
+    region = mmap.mmap(-1, 64 * MiB)
     before = read_footprint(allocated=0)
-    block = torch.ones(64 * MiB // 4)  # 64 MiB, touched
+    block = torch.frombuffer(region, dtype=torch.float32).fill_(1.0)  # 64 MiB, touched
     after_alloc = read_footprint(allocated=block.nbytes)
     assert after_alloc.rss - before.rss >= 60 * MiB
     # The footprint followed the allocation: no growth of the gap beyond a few MiB.
     assert abs(footprint_gap([before, after_alloc])) < 16 * MiB
     del block
+    region.close()
 
 
 def test_footprint_gap_is_the_growth_of_footprint_over_allocated():

@@ -34,9 +34,10 @@ MARGIN_MIB = 300
 OOM_SCRIPT = r"""
 import functools, gc, json, os, resource, sys, traceback
 sys.path.insert(0, sys.argv[3])
-from conftest import gpt2_model, token_dataset, training_args
+from conftest import freeze_imported_objects, gpt2_model, token_dataset, training_args
 from transformers import Trainer
 from hf_memwatch import MemWatch
+freeze_imported_objects()
 
 out, margin, eval_margin = sys.argv[1], int(sys.argv[2]) << 20, int(sys.argv[4]) << 20
 unlimited = resource.getrlimit(resource.RLIMIT_AS)

@@ -24,9 +24,10 @@ TESTS = Path(__file__).resolve().parent
 SCRIPT = r"""
 import gc, json, os, resource, sys
 sys.path.insert(0, sys.argv[1])
-from conftest import gpt2_model, loss_history, token_dataset, training_args
+from conftest import freeze_imported_objects, gpt2_model, loss_history, token_dataset, training_args
 from transformers import Trainer
 from hf_memwatch import MemWatch
+freeze_imported_objects()
 
 unlimited = resource.getrlimit(resource.RLIMIT_AS)
 for out, budget, detail in json.loads(sys.argv[2]):

@@ -184,7 +184,10 @@ def _repay_none() -> None:
 
 
 def alive_storages() -> set[int]:
-    """Data pointers of every tensor storage Python can reach now (``gc``), for ``reconcile``'s ``alive``."""
+    """Data pointers of every tensor storage Python can reach now (``gc``), for ``reconcile``'s ``alive``.
+
+    Objects frozen by ``gc.freeze()`` are not listed (the suite freezes what its imports made, before any
+    run: ``tests/conftest.py``); a measured window's tensors are made after such a freeze."""
     from torch._subclasses.fake_tensor import FakeTensor
 
     gc.collect()

@@ -35,7 +35,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for conftest's builders
 
 import torch  # noqa: E402
-from conftest import gpt2_model, loss_history, token_dataset, training_args  # noqa: E402
+from conftest import freeze_imported_objects, gpt2_model, loss_history, token_dataset, training_args  # noqa: E402
 from transformers import Trainer, TrainerCallback  # noqa: E402
 
 from hf_memwatch import MemWatch, PlanError  # noqa: E402
@@ -136,6 +136,7 @@ def run(out: Path, name: str, callbacks: list, bucket_view: bool = False, profil
 
 
 def main() -> None:
+    freeze_imported_objects()
     out = Path(sys.argv[1])
     torch.manual_seed(0)
     facts: dict = {}

@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for conft
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before DeepSpeed picks its accelerator on first use
 
 import torch  # noqa: E402
-from conftest import gpt2_model, loss_history, token_dataset, training_args  # noqa: E402
+from conftest import freeze_imported_objects, gpt2_model, loss_history, token_dataset, training_args  # noqa: E402
 from transformers import Trainer, TrainerCallback  # noqa: E402
 
 from hf_memwatch import MemWatch, PlanError, estimate  # noqa: E402
@@ -309,6 +309,7 @@ def timed(seconds: dict, name: str, call, *args, **kwargs):
 def main() -> None:
     out = Path(sys.argv[1])
     without_shm_comm()
+    freeze_imported_objects()  # DeepSpeed imported too
     seconds: dict[str, list[float]] = {}
     facts = {f"zero{stage}": timed(seconds, f"zero{stage}", run, out, f"zero{stage}", stage) for stage in (1, 2, 3)}
     facts["zero3_offload"] = timed(seconds, "zero3_offload", run, out, "zero3_offload", 3, offload=True)

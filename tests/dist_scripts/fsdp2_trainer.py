@@ -29,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for conftest's builders
 
 import torch  # noqa: E402
-from conftest import gpt2_model, hand_configured, loss_history, token_dataset, training_args  # noqa: E402
+from conftest import freeze_imported_objects, gpt2_model, hand_configured, loss_history, token_dataset, training_args  # noqa: E402
 from transformers import Trainer, TrainerCallback  # noqa: E402
 
 from hf_memwatch import MemWatch, estimate  # noqa: E402
@@ -251,6 +251,7 @@ def _runs(out: Path) -> None:
 
 
 def main() -> None:
+    freeze_imported_objects()
     runs(Path(sys.argv[1]))
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
