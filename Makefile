@@ -37,6 +37,7 @@ demo: venv
 bench: venv
 	$(PY) benchmarks/overhead.py --out benchmarks/results/overhead.md
 	$(PY) benchmarks/fixed_cost.py --out benchmarks/results/fixed_cost.md
+	$(PY) benchmarks/estimate_cost.py --out benchmarks/results/estimate_cost.md
 	$(PY) benchmarks/accuracy.py
 	$(PY) benchmarks/peft_accuracy.py
 	$(PY) benchmarks/trl_accuracy.py

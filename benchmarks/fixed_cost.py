@@ -30,7 +30,7 @@ from transformers.utils import logging as hf_logging  # noqa: E402
 from hf_memwatch import MemWatch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from overhead import Tokens  # noqa: E402  (the same synthetic batches as the overhead benchmark)
+from overhead import Tokens, publish  # noqa: E402  (the same synthetic batches as the overhead benchmark)
 
 VARIANTS = {
     "none": None,
@@ -103,11 +103,7 @@ def main() -> int:
         *rows,
         "",
     ]
-    text = "\n".join(lines)
-    print(text)
-    if opts.out:
-        opts.out.parent.mkdir(parents=True, exist_ok=True)
-        opts.out.write_text(text)
+    publish(lines, opts.out)
     return 0
 
 

@@ -145,12 +145,17 @@ def main() -> int:
         f"--batch {opts.batch} --seq-len {opts.seq_len} --out benchmarks/results/overhead.md`",
         "",
     ]
+    publish(lines, opts.out)
+    return 0
+
+
+def publish(lines: list[str], out: Path | None) -> None:
+    """Print a benchmark's Markdown table and write it to ``out`` (its committed result) when given."""
     text = "\n".join(lines)
     print(text)
-    if opts.out:
-        opts.out.parent.mkdir(parents=True, exist_ok=True)
-        opts.out.write_text(text)
-    return 0
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)
 
 
 if __name__ == "__main__":

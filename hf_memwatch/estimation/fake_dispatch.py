@@ -39,6 +39,7 @@ LOGITS_FP32 = "logits_fp32_upcast"
 
 # ``tensor.device`` asked from C++ (autograd, argument parsing) of a fake tensor: dispatched to every mode
 # on the stack. 72% of a replay's dispatches (1,757 of 2,439 in a 2-layer GPT-2 step); it allocates nothing.
+# Answered at the top of the mode: an estimate 9-12% cheaper (benchmarks/results/estimate_cost.md).
 _DEVICE_QUERY = torch.ops.prim.device.default
 
 
