@@ -29,7 +29,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for conftest's builders
 
 import torch  # noqa: E402
-from conftest import freeze_imported_objects, gpt2_model, hand_configured, loss_history, token_dataset, training_args  # noqa: E402
+from conftest import (  # noqa: E402
+    freeze_imported_objects,
+    gpt2_model,
+    hand_configured,
+    loss_history,
+    token_dataset,
+    training_args,
+)
 from transformers import Trainer, TrainerCallback  # noqa: E402
 
 from hf_memwatch import MemWatch, estimate  # noqa: E402
