@@ -102,10 +102,16 @@ def torchrun(script: Path, out: Path, timeout_s: int = LAUNCH_TIMEOUT_S) -> str:
 
 
 def rank_timeline(run_dir: Path, rank: int) -> list[dict[str, Any]]:
-    """The records one rank of a torchrun launch wrote under ``run_dir/memwatch``."""
-    name = "timeline.jsonl" if rank == 0 else f"timeline.rank{rank}.jsonl"
-    path = run_dir / "memwatch" / name
+    """The records one rank of a torchrun launch wrote under ``run_dir/memwatch`` (every line must parse)."""
+    from hf_memwatch.core.timeline import TIMELINE_DIRNAME, timeline_filename
+
+    path = run_dir / TIMELINE_DIRNAME / timeline_filename(rank)
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def rank_step_peaks(run_dir: Path, rank: int) -> list[int]:
+    """MemWatch's peak of each optimizer step on one rank (its ``step`` records)."""
+    return [r["peak"] for r in rank_timeline(run_dir, rank) if r["event"] == "step"]
 
 
 def read_records(output_dir: Path | str, name: str = "timeline.jsonl") -> list[dict[str, Any]]:

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import gpt2_model, torchrun
+from conftest import rank_step_peaks as step_peaks
 from conftest import rank_timeline as timeline
 
 SCRIPTS = Path(__file__).parent / "dist_scripts"
@@ -103,7 +104,7 @@ def test_zero_step_peaks_per_rank_match_the_profiler(zero_runs, name):
     (``deepspeed_zero.SUITE_TRUTH``; ``benchmarks/engines_accuracy.py`` profiles every run)."""
     out, facts = zero_runs
     for rank, fact in enumerate(facts):
-        ours = [r["peak"] for r in timeline(out / name, rank) if r["event"] == "step"]
+        ours = step_peaks(out / name, rank)
         truth = fact["auto"][name]["truth_step_peaks"]
         assert len(ours) == len(truth) == 2
         for measured, reference in zip(ours, truth):
@@ -136,7 +137,7 @@ def test_zero_prediction_before_the_engine_exists_matches_the_measured_peak(zero
     outside the backward)."""
     out, facts = zero_runs
     for rank, fact in enumerate(facts):
-        measured = max(r["peak"] for r in timeline(out / name, rank) if r["event"] == "step")
+        measured = max(step_peaks(out / name, rank))
         error = fact[name]["predicted_peak"] / measured - 1
         assert abs(error) <= 0.01, (name, rank, fact[name]["predicted_peak"], measured)
 
@@ -271,5 +272,5 @@ def test_cli_estimate_agrees_with_the_auto_modes_prediction(zero_runs, tmp_path,
     auto = facts[0][name]["predicted_peak"]
     assert abs(predicted / auto - 1) <= 0.01, (predicted, auto)
     for rank in (0, 1):
-        measured = max(r["peak"] for r in timeline(out / name, rank) if r["event"] == "step")
+        measured = max(step_peaks(out / name, rank))
         assert -0.01 <= predicted / measured - 1 <= 0.03, (predicted, measured)

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import gpt2_model, torchrun
+from conftest import rank_step_peaks as step_peaks
 from conftest import rank_timeline as timeline
 
 from hf_memwatch.estimation.estimate import estimate
@@ -154,7 +155,7 @@ def test_bucket_view_gradients_equal_local_parameter_bytes(ddp_runs):
 def test_ddp_step_peaks_per_rank_match_the_profiler(ddp_runs):
     out, facts = ddp_runs
     for rank in (0, 1):
-        ours = [r["peak"] for r in timeline(out / "watch", rank) if r["event"] == "step"]
+        ours = step_peaks(out / "watch", rank)
         truth = facts[rank]["watch"]["truth_step_peaks"]
         assert len(ours) == len(truth) == 3
         for measured, reference in zip(ours, truth):
@@ -170,7 +171,7 @@ def test_planned_ddp_step_peaks_per_rank_match_the_profiler(ddp_runs, run):
     8-bit step's fp32 temporaries made the peak (unseen inside bitsandbytes' kernel: -5.8%)."""
     out, facts = ddp_runs
     for rank in (0, 1):
-        ours = [r["peak"] for r in timeline(out / run, rank) if r["event"] == "step"]
+        ours = step_peaks(out / run, rank)
         truth = facts[rank][run]["truth_step_peaks"]
         assert len(ours) == len(truth) == 3
         for measured, reference in zip(ours, truth):
@@ -179,7 +180,7 @@ def test_planned_ddp_step_peaks_per_rank_match_the_profiler(ddp_runs, run):
 
 def test_scalars_figure_is_the_maximum_over_ranks(ddp_runs):
     out, facts = ddp_runs
-    peaks = [max(r["peak"] for r in timeline(out / "watch", rank) if r["event"] == "step") for rank in (0, 1)]
+    peaks = [max(step_peaks(out / "watch", rank)) for rank in (0, 1)]
     assert facts[0]["max_peak_over_ranks"] == facts[1]["max_peak_over_ranks"] == max(peaks)
 
 
@@ -189,7 +190,7 @@ def test_ddp_estimate_matches_the_measured_rank_peak(ddp_runs):
     predicted = estimate(gpt2_model().config, batch_size=8, seq_len=32, world_size=2, shard="none",
                          optim="adamw_torch_fused").peak_bytes
     for rank in (0, 1):
-        measured = max(r["peak"] for r in timeline(out / "watch", rank) if r["event"] == "step")
+        measured = max(step_peaks(out / "watch", rank))
         assert abs(predicted - measured) / measured <= 0.03, (predicted, measured)
 
 
@@ -205,7 +206,7 @@ def test_auto_mode_agrees_one_plan_when_only_one_rank_must_act(ddp_runs):
     assert configured["micro_batch_size"] == 8
     assert first[0] != configured  # the plan acted, for rank 1's sake
     assert first[0]["micro_batch_size"] * first[0]["gradient_accumulation_steps"] == 8  # effective batch kept
-    rank1_peak = max(r["peak"] for r in timeline(out / "auto", 1) if r["event"] == "step")
+    rank1_peak = max(step_peaks(out / "auto", 1))
     assert rank1_peak <= facts[1]["auto_budget"], (rank1_peak, facts[1]["auto_budget"])
     # The prediction the plan was chosen by covers what the rank measured (DDP buckets included),
     # and so does PyTorch's own accounting of the planned run.
@@ -362,10 +363,6 @@ def test_deepspeed_storages_without_deepspeed_is_empty():
 # profiler's step peaks, the prediction made before ``train()``, the auto mode's plan and its
 # hand-configured run.
 PHASES = ("step_begin", "after_forward", "after_backward", "after_optimizer", "step_end")
-
-
-def step_peaks(run_dir: Path, rank: int) -> list[int]:
-    return [r["peak"] for r in timeline(run_dir, rank) if r["event"] == "step"]
 
 
 @pytest.fixture(scope="module")

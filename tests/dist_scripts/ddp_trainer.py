@@ -35,7 +35,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for conftest's builders
 
 import torch  # noqa: E402
-from conftest import freeze_imported_objects, gpt2_model, loss_history, token_dataset, training_args  # noqa: E402
+from conftest import (  # noqa: E402
+    freeze_imported_objects,
+    gpt2_model,
+    loss_history,
+    rank_step_peaks,
+    rank_timeline,
+    token_dataset,
+    training_args,
+)
 from transformers import Trainer, TrainerCallback  # noqa: E402
 
 from hf_memwatch import MemWatch, PlanError  # noqa: E402
@@ -146,15 +154,13 @@ def main() -> None:
     rank, world_size = world()
     facts["world"] = [rank, world_size]
     # The step peak of the configured run, the same on both ranks; rank 1 gets 0.7 of it as budget (issue 19).
-    peaks = [json.loads(line) for line in (out / "watch" / "memwatch" / ("timeline.jsonl" if rank == 0 else f"timeline.rank{rank}.jsonl")).read_text().splitlines()]
-    peak = max(r["peak"] for r in peaks if r["event"] == "step")
+    peak = max(rank_step_peaks(out / "watch", rank))
     facts["max_peak_over_ranks"] = max_over_ranks(peak)
     budget = 8 * 2**30 if rank == 0 else int(0.7 * peak)
     facts["auto_budget"] = budget
     facts["auto"] = run(out, "auto", [MemWatch(auto=True, budget=budget, report=False, summary=False)],
                         profiled=True)
-    plans = [json.loads(line) for line in (out / "auto" / "memwatch" / ("timeline.jsonl" if rank == 0 else f"timeline.rank{rank}.jsonl")).read_text().splitlines()]
-    agreed = [r for r in plans if r["event"] == "plan"][-1]
+    agreed = [r for r in rank_timeline(out / "auto", rank) if r["event"] == "plan"][-1]
     facts["hand"] = run(out, "hand", [], plan={k: agreed[k] for k in ("micro_batch_size", "gradient_accumulation_steps",
                                                                        "activation_checkpointing", "optim")})
     # Issue 19's planned run, configured by hand: accumulation 2, checkpointing, 8-bit AdamW, ranks

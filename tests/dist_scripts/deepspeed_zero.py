@@ -40,7 +40,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for conft
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before DeepSpeed picks its accelerator on first use
 
 import torch  # noqa: E402
-from conftest import freeze_imported_objects, gpt2_model, loss_history, token_dataset, training_args  # noqa: E402
+from conftest import (  # noqa: E402
+    freeze_imported_objects,
+    gpt2_model,
+    loss_history,
+    rank_step_peaks,
+    token_dataset,
+    training_args,
+)
+from conftest import rank_timeline as timeline  # noqa: E402
 from transformers import Trainer, TrainerCallback  # noqa: E402
 
 from hf_memwatch import MemWatch, PlanError, estimate  # noqa: E402
@@ -102,11 +110,6 @@ def deepspeed_config(stage: int, offload: bool | str = False) -> dict:
     if offload == "params":
         zero["offload_param"] = {"device": "cpu"}
     return config
-
-
-def timeline(run_dir: Path, rank: int) -> list[dict]:
-    name = "timeline.jsonl" if rank == 0 else f"timeline.rank{rank}.jsonl"
-    return [json.loads(line) for line in (run_dir / "memwatch" / name).read_text().splitlines() if line.strip()]
 
 
 def history(trainer, key: str) -> list[float]:
@@ -250,7 +253,7 @@ def auto(out: Path, name: str, rank: int) -> dict:
     hand-configured run of its plan."""
     configured, stage, offload, fraction = AUTO_RUNS[name]
     seq = LONG_SEQ if configured.endswith("_long") else 32
-    peak = max(r["peak"] for r in timeline(out / configured, rank) if r["event"] == "step")
+    peak = max(rank_step_peaks(out / configured, rank))
     budget = int(fraction * peak)
     watch = MemWatch(auto=True, budget=budget, report=False, summary=False)
     profiler = cpu_memory_profile(record_shapes=True) if profiled(name) else None
@@ -275,7 +278,7 @@ def auto(out: Path, name: str, rank: int) -> dict:
 def no_fit(out: Path, name: str, stage: int, rank: int) -> dict:
     """The auto mode at NO_FIT_FRACTION x the configured run's peak, where no plan fits: it must stop
     before training with a ``PlanError`` on every rank (planning only: no step runs)."""
-    peak = max(r["peak"] for r in timeline(out / name, rank) if r["event"] == "step")
+    peak = max(rank_step_peaks(out / name, rank))
     budget = int(NO_FIT_FRACTION * peak)
     trainer = build(out, f"{name}_tight", stage, [MemWatch(auto=True, budget=budget, report=False, summary=False)])
     raised = None

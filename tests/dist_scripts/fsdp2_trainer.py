@@ -34,9 +34,11 @@ from conftest import (  # noqa: E402
     gpt2_model,
     hand_configured,
     loss_history,
+    rank_step_peaks,
     token_dataset,
     training_args,
 )
+from conftest import rank_timeline as timeline  # noqa: E402
 from transformers import Trainer, TrainerCallback  # noqa: E402
 
 from hf_memwatch import MemWatch, estimate  # noqa: E402
@@ -58,11 +60,6 @@ CONFIGURED = {"micro_batch_size": 4, "gradient_accumulation_steps": 1, "activati
               "optim": "adamw_torch"}
 FSDP_CONFIG = {"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["GPT2Block"], "reshard_after_forward": True}
 ESTIMATE_MARK = "fsdp2_trainer.estimate"
-
-
-def timeline(run_dir: Path, rank: int) -> list[dict]:
-    name = "timeline.jsonl" if rank == 0 else f"timeline.rank{rank}.jsonl"
-    return [json.loads(line) for line in (run_dir / "memwatch" / name).read_text().splitlines() if line.strip()]
 
 
 def history(trainer, key: str) -> list[float]:
@@ -240,7 +237,7 @@ def _runs(out: Path) -> None:
     facts["no_reshard"] = train(build(out, "no_reshard", [monitor, holdings], profiler=profiler,
                                       reshard_after_forward=False), profiler)
     facts["no_reshard"]["holdings"] = holdings.records
-    peak = max(r["peak"] for r in timeline(out / "watch", rank) if r["event"] == "step")
+    peak = max(rank_step_peaks(out / "watch", rank))
     budget = int(BUDGET_FRACTION * peak)
     profiler = cpu_memory_profile(record_shapes=True)
     watch = MemWatch(auto=True, budget=budget, report=False, summary=False)
