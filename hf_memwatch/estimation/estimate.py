@@ -35,6 +35,7 @@ from ..measure.tracker import recording_allocations
 from .cuda_device import cuda_step_reserve
 from .fake_model import auto_class, count_params, fake_copy, fake_model, load_config, resolve_adapter
 from .fsdp_replay import fsdp_applies, fsdp_flow
+from .gpus import target_gpu
 from .layers import AUTO_MIN_LAYERS, SHORT_DEPTHS, extrapolate, homogeneous_layers, truncated
 from .peft import LoraSpec
 from .quantized import QuantSpec
@@ -135,7 +136,7 @@ def estimate(
     eval_seq_len: int | None = None, prediction_loss_only: bool = False, eval_in_training: bool = True,
     predict_with_generate: bool | None = None, generation_max_length: int | None = None,
     generation_num_beams: int | None = None, optimizer_step: bool = True, engine: Any = None,
-    top_tensors: int = 0, **unknown: Any,
+    top_tensors: int = 0, gpu: Any = None, **unknown: Any,
 ) -> MemoryEstimate:
     """Predict the peak memory of one Trainer optimizer step (per device), split by class.
 
@@ -165,7 +166,7 @@ def estimate(
         prediction_loss_only=prediction_loss_only, eval_in_training=eval_in_training,
         predict_with_generate=predict_with_generate, generation_max_length=generation_max_length,
         generation_num_beams=generation_num_beams, optimizer_step=optimizer_step, engine=engine,
-        top_tensors=top_tensors)
+        top_tensors=top_tensors, gpu=gpu)
     return estimate_request(model_or_config, request)
 
 
@@ -181,6 +182,11 @@ def estimate_request(model_or_config: Any, request: EstimateRequest) -> MemoryEs
         request, sample = _trainer_batch(trainer, request, notes)
         model_or_config = trainer.model
     request.validate()
+    if request.device == "cuda":  # the card every architecture choice of the replay reads
+        card, assumed = target_gpu(request.gpu)
+        request = request.replace(gpu=card)
+        if assumed:
+            notes.append(assumed)
     model_or_config, peft_config = resolve_adapter(model_or_config, request.lora, request.adapter)
     _check_quantization(request.quantization, model_or_config)
     from torch._subclasses.fake_tensor import FakeTensorMode

@@ -60,6 +60,7 @@ class EstimateTracker(StorageTracker):
         self.bnb_cpu_kernels = bnb_cpu_kernels
         self.snapshot: tuple[dict[int, Any], set[int]] | None = None
         self.kernel_workspaces = device_type == "cpu" and round_to == 1
+        self.gpu: Any = None  # a CUDA target's card (estimation.gpus.GpuSpec), set by replay.new_tracker
         self.named: dict[int, tuple[Any, str]] = {}  # storage key -> (its ref, detail name)
         # storage key -> its ref: gradients an engine holds outside ``.grad`` (ZeRO's buckets, partitions)
         self.engine_gradients: dict[int, Any] = {}

@@ -66,8 +66,10 @@ def mode_of(request: Any) -> ReplayMode:
 def new_tracker(request: Any, saved: SavedTensorRegistry | None = None, *, bnb_cpu_kernels: bool = False
                 ) -> EstimateTracker:
     """The tracker of one replay (``saved``: the registry of tensors saved for backward)."""
-    return EstimateTracker(REPLAY_DEVICE, saved if saved is not None else SavedTensorRegistry(),
-                           round_to=CUDA_BLOCK if request.device == "cuda" else 1, bnb_cpu_kernels=bnb_cpu_kernels)
+    tracker = EstimateTracker(REPLAY_DEVICE, saved if saved is not None else SavedTensorRegistry(),
+                              round_to=CUDA_BLOCK if request.device == "cuda" else 1, bnb_cpu_kernels=bnb_cpu_kernels)
+    tracker.gpu = getattr(request, "gpu", None) if request.device == "cuda" else None
+    return tracker
 
 
 @contextlib.contextmanager

@@ -65,6 +65,7 @@ class EstimateRequest:
     generation_max_length: int | None = None
     generation_num_beams: int | None = None
     engine: Any = None
+    gpu: Any = None  # a CUDA target's card: a name of estimation.gpus.GPUS or a GpuSpec (None: the local one, else assumed)
     # -- the estimate's own --
     budget: int | str | None = None
     extrapolate_layers: bool | None = None
@@ -154,6 +155,13 @@ class EstimateRequest:
         if self.optim not in SUPPORTED_OPTIMS:
             raise MemWatchConfigError(f"unsupported optim {self.optim!r}; choose one of {', '.join(SUPPORTED_OPTIMS)}")
         check_choice("device", self.device, DEVICES)
+        if self.gpu is not None:
+            from .gpus import GpuSpec, gpu_spec
+
+            if self.device != "cuda":
+                raise MemWatchConfigError(f"gpu={self.gpu!r} is for a CUDA target: pass device='cuda'")
+            if not isinstance(self.gpu, GpuSpec):
+                gpu_spec(self.gpu)
         check_choice("shard", self.shard, SHARDS)
         if self.shard != "none" and self.world_size < 2:
             raise MemWatchConfigError(f"shard={self.shard!r} needs world_size >= 2; got {self.world_size}")
