@@ -1,0 +1,69 @@
+"""The CPU target's estimates, byte for byte: a golden file that CUDA-side work must leave unchanged.
+
+A CUDA target's replay differs from a CPU target's by design (CUDA's autocast lists, kernels,
+optimizer implementations, allocator); a CPU target's figures are checked against the profiler
+(``benchmarks/accuracy.py``) and must not move when the CUDA side changes. This writes, or checks,
+the estimate of every case of the accuracy benchmark's zoo (``accuracy.cases()``: 7 architectures x 5
+settings) on a CPU target: peak, peak phase, the split at the peak and the phase peaks.
+
+Run: ``python benchmarks/cpu_golden.py --check`` (about a minute on 2 cores; exit 1 on any difference),
+``--write`` after a change that is meant to move a CPU figure (and say why in the commit).
+``tests/test_cpu_golden.py`` checks the first case of each architecture in the suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from accuracy import ZOO, cases  # noqa: E402
+
+from hf_memwatch.estimation.estimate import estimate  # noqa: E402
+from hf_memwatch.estimation.fake_model import auto_class  # noqa: E402
+
+GOLDEN = Path(__file__).parents[1] / "tests" / "data" / "cpu_estimates.json"
+
+
+def case_key(case: dict) -> str:
+    """One case's name in the golden file."""
+    return (f"{case['name']} b{case['batch_size']} s{case['seq_len']} {case['precision']} "
+            f"{'ckpt' if case['checkpointing'] else 'nockpt'} {case['optim']}")
+
+
+def figures(case: dict) -> dict:
+    """The CPU target's estimate of ``case``: what the golden file keeps."""
+    task, make_config = ZOO[case["name"]]
+    config = make_config()
+    model = auto_class(task).from_config(config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        e = estimate(model, task=task, seq2seq_target_len=case["target_len"], batch_size=case["batch_size"],
+                     seq_len=case["seq_len"], precision=case["precision"], checkpointing=case["checkpointing"],
+                     optim=case["optim"], device="cpu")
+    return dict(peak_bytes=e.peak_bytes, peak_phase=e.peak_phase, classes=e.classes, phase_peaks=e.phase_peaks)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--write", action="store_true", help="write the golden file instead of checking it")
+    args = parser.parse_args()
+    got = {case_key(case): figures(case) for case in cases()}
+    if args.write:
+        GOLDEN.write_text(json.dumps(got, indent=1, sort_keys=True) + "\n")
+        print(f"wrote {len(got)} cases to {GOLDEN}")
+        return 0
+    want = json.loads(GOLDEN.read_text())
+    differ = [key for key in want if got.get(key) != want[key]]
+    for key in differ:
+        print(f"DIFFERS {key}: golden {want[key]['peak_bytes']:,} now {got[key]['peak_bytes']:,}")
+    print(f"{len(want) - len(differ)} of {len(want)} CPU estimates byte-identical")
+    return 1 if differ else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
