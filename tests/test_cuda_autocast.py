@@ -20,6 +20,7 @@ from hf_memwatch.estimation.cuda_autocast import (
     CUDA_AUTOCAST_TABLES,
     OUTSIDE_HEADER,
     cuda_autocast_policy,
+    policy_notes,
     policy_table,
     registered_ops,
     table_for,
@@ -268,6 +269,8 @@ def test_an_unknown_torch_gets_a_named_table_and_a_warning(caplog: pytest.LogCap
     with caplog.at_level("WARNING", logger="hf_memwatch"):
         policy_table("9.1.0")
     assert any("9.1.0" in record.getMessage() for record in caplog.records)
+    assert "9.1.0" in policy_notes("bf16", "9.1.0")[0]  # an estimate's notes carry it too
+    assert policy_notes("fp32", "9.1.0") == () and policy_notes("bf16") == ()
 
 
 # -- end to end -----------------------------------------------------------------------------------
