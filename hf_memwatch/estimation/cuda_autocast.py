@@ -122,12 +122,8 @@ APPEND_DTYPE_REDISPATCH = {"norm.Scalar": "norm.ScalarOpt_dtype", "norm.ScalarOp
 # autocast_mode.cpp's own registrations for AutocastCUDA, beside the header's macro lists.
 OUTSIDE_HEADER = ("cudnn_convolution", "cudnn_convolution_transpose", "binary_cross_entropy")
 
-_BANNED_MESSAGE = (  # autocast_mode.cpp, binary_cross_entropy_banned
-    "torch.nn.functional.binary_cross_entropy and torch.nn.BCELoss are unsafe to autocast.\n"
-    "Many models use a sigmoid layer right before the binary cross entropy layer.\n"
-    "In this case, combine the two layers using torch.nn.functional.binary_cross_entropy_with_logits\n"
-    "or torch.nn.BCEWithLogitsLoss.  binary_cross_entropy_with_logits and BCEWithLogits are\n"
-    "safe to autocast.")
+_BANNED_MESSAGE = ("binary_cross_entropy is banned under CUDA autocast, where a real run fails on it "
+                   "(autocast_mode.cpp, binary_cross_entropy_banned): use binary_cross_entropy_with_logits")
 
 
 def version_key(version: str) -> tuple[int, int]:
