@@ -32,6 +32,7 @@ from ..core.units import format_bytes
 from ..measure.attribution import weight_storages
 from ..measure.peak_tensors import PeakTensors
 from ..measure.tracker import recording_allocations
+from .cuda_autocast import policy_notes
 from .cuda_device import cuda_step_reserve
 from .fake_model import auto_class, count_params, fake_copy, fake_model, load_config, resolve_adapter
 from .fsdp_replay import fsdp_applies, fsdp_flow
@@ -187,6 +188,7 @@ def estimate_request(model_or_config: Any, request: EstimateRequest) -> MemoryEs
         request = request.replace(gpu=card)
         if assumed:
             notes.append(assumed)
+        notes.extend(policy_notes(request.precision))  # CUDA autocast's table borrowed from another torch
     model_or_config, peft_config = resolve_adapter(model_or_config, request.lora, request.adapter)
     _check_quantization(request.quantization, model_or_config)
     from torch._subclasses.fake_tensor import FakeTensorMode

@@ -9,8 +9,9 @@ generation mode, ``generate`` (:mod:`.generation`). What the modes share lives h
   512-byte blocks);
 * :func:`model_in_mode`: the model as the mode's Trainer code runs it — ``train()`` or ``eval()``,
   ``config.use_cache`` as ``Trainer.__init__`` sets it (``args.use_cache``, default False), and
-  under mixed precision accelerate's autocast wrapper around ``forward`` — put back on every exit
-  path (the same fake model is replayed again at other depths);
+  under mixed precision accelerate's autocast wrapper around ``forward`` (CPU autocast, casting as
+  CUDA autocast does for a CUDA target: :mod:`.cuda_autocast`) — put back on every exit path (the
+  same fake model is replayed again at other depths);
 * :func:`tracked`: warnings silenced, transformers' masks as the real batch takes them, the fake
   mode and the tracker entered.
 
@@ -31,6 +32,7 @@ from typing import Any
 import torch
 
 from ..measure.saved_tensors import SavedTensorRegistry
+from .cuda_autocast import cuda_autocast_policy
 from .fake_dispatch import CUDA_BLOCK, EstimateTracker
 from .trainer_mirror import (
     MIXED_DTYPES,
@@ -83,8 +85,10 @@ def model_in_mode(model: torch.nn.Module, request: Any, mode: ReplayMode, use_ca
         model.config.use_cache = True
     if request.precision in MIXED_DTYPES:  # a CUDA target is replayed on fake CPU tensors: CPU autocast
         wrap_autocast(model, REPLAY_DEVICE, request.precision)
+    cuda_casts = request.device == "cuda" and request.precision in MIXED_DTYPES  # ... casting as CUDA's does
     try:
-        yield
+        with cuda_autocast_policy() if cuda_casts else contextlib.nullcontext():
+            yield
     finally:
         restore_forward(model, saved_forward)
         restore_kv_cache(model, saved_use_cache)

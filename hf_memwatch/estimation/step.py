@@ -13,8 +13,9 @@ A CUDA target is simulated on fake CPU tensors (fake CUDA tensors need a CUDA bu
 with what differs on CUDA modelled: every storage rounded up to 512 bytes as the caching
 allocator rounds blocks; the optimizer implementation torch picks for CUDA tensors (``foreach``
 unless the Trainer asks for ``fused``); bitsandbytes' fused CUDA kernels (no temporaries) instead
-of its Python CPU kernels. Autocast runs with CPU autocast's op lists at the same dtype, and SDPA
-with the CPU flash kernel, which saves what the CUDA flash / memory-efficient kernels save (the
+of its Python CPU kernels. Autocast is CPU autocast casting as CUDA autocast does (its op lists:
+:mod:`.cuda_autocast`; softmax, norms, ``pow``, losses in fp32), and SDPA with the CPU flash
+kernel, which saves what the CUDA flash / memory-efficient kernels save (the
 output and the log-sum-exp), not the attention matrix.
 
 Phase names are those of the timeline snapshot that closes each interval: ``after_forward``
