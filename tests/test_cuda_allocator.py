@@ -144,9 +144,154 @@ def test_over_the_limit_the_cache_is_freed_once_then_it_is_an_oom():
 
 
 def test_roundup_power2_divisions():
+    """round_size / roundup_power2_next_division: 1200 KiB in the 1-2 MiB interval's quarters."""
     assert round_size(1200 * KiB, divisions=4) == 1280 * KiB  # 1 MiB .. 2 MiB in quarters
     assert round_size(1200 * KiB) == 1200 * KiB
-    assert AllocatorConfig.parse("roundup_power2_divisions:4").roundup_power2_divisions == 4
+    config = AllocatorConfig.parse("roundup_power2_divisions:4")  # the single number: every interval
+    assert {config.divisions(n * MiB) for n in (1, 64, 2048)} == {4}
+    assert round_size(1200 * KiB, config) == 1280 * KiB
+
+
+def test_roundup_power2_divisions_per_size_interval():
+    """AcceleratorAllocatorConfig::roundup_power2_divisions(size) and parseRoundUpPower2Divisions: one
+    interval per power of two from 1 MiB; the first value also below it, ``>`` after the last named one
+    (the expectations of c10/test/core/AllocatorConfig_test.cpp)."""
+    config = AllocatorConfig.parse("roundup_power2_divisions:[64:8,128:2,256:4,512:2,1024:4,>:1]")
+    assert [config.divisions(n * MiB) for n in (32, 64, 128, 256, 512, 1024, 2048, 8192)] == [8, 8, 2, 4, 2, 4, 1, 1]
+    gaps = AllocatorConfig.parse("roundup_power2_divisions:[128:8,256:16,512:1,2048:8,>:2]")
+    assert [gaps.divisions(n * MiB) for n in (64, 128, 256, 512, 1024, 2048, 4096)] == [8, 8, 16, 1, 0, 8, 2]
+    # the interval decides the step: 300 MiB in [256, 512) by 4 -> 320; 100 MiB in [64, 128) by 8 -> 104
+    assert round_size(300 * MiB + 1, config) == 320 * MiB
+    assert round_size(100 * MiB + 1, config) == 104 * MiB
+    assert round_size(3000 * MiB + 1, config) == 3000 * MiB + 512  # [2048, 4096) by 1: only the 512 B rounding
+
+
+def test_max_non_split_rounding_mb_widens_what_an_oversize_request_may_round_up_to():
+    """get_free_block: a request at or above max_split_size takes a block less than
+    max_non_split_rounding_size larger (default kLargeBuffer, 20 MiB)."""
+    wide = CachingAllocator(AllocatorConfig.parse("max_split_size_mb:20,max_non_split_rounding_mb:40"))
+    wide.malloc("big", 60 * MiB)
+    wide.free("big")
+    wide.malloc("x", 30 * MiB)  # 60 < 30 + 40: taken whole
+    assert wide.reserved == 60 * MiB and wide.allocated == 60 * MiB
+
+
+def test_large_segment_size_mb_sizes_the_segment_of_a_1_to_10_mib_request():
+    """get_allocation_size: a request in (1, 10) MiB gets a large_segment_size segment (default 20 MiB)."""
+    a = CachingAllocator(AllocatorConfig.parse("large_segment_size_mb:32"))
+    a.malloc("x", 3 * MiB)
+    assert a.reserved == 32 * MiB
+    a.malloc("y", 30 * MiB)  # at or above kMinLargeAlloc: its own size, 2 MiB-rounded, as before
+    assert a.reserved == 32 * MiB + 30 * MiB
+
+
+def test_expandable_best_fit_ranks_the_block_bordering_unmapped_space_by_its_reach():
+    """get_free_block's expandable_size: the free tail that borders unmapped space ranks as its size
+    plus that space, so a larger hole is taken first and the tail is kept for growth."""
+    a = CachingAllocator(AllocatorConfig(expandable_segments=True))
+    a.malloc("A", 30 * MiB)  # 2 pages of 20 MiB; 10 MiB free tail
+    a.malloc("B", 12 * MiB)  # the tail and one more page: B at 30 MiB, an 18 MiB free tail
+    a.free("A")  # a 30 MiB hole at the start
+    a.malloc("C", 15 * MiB)  # plain best fit: the 18 MiB tail; torch: the 30 MiB hole (15 MiB left)
+    assert a.live["C"].addr == a.live["B"].addr - 30 * MiB
+    a.malloc("D", 25 * MiB)  # no block holds 25 MiB: the tail grows by a page (plain best fit: the hole)
+    assert a.reserved == 80 * MiB
+
+
+def test_expandable_release_unmaps_every_whole_free_page_of_the_segment():
+    """release_blocks/unmap_block: empty_cache unmaps the whole free pages anywhere in the segment,
+    not only at its end; a free block's part-pages stay mapped."""
+    a = CachingAllocator(AllocatorConfig(expandable_segments=True))
+    a.malloc("A", 30 * MiB)
+    a.malloc("B", 50 * MiB)  # B at 30 MiB .. 80 MiB: 4 pages mapped
+    a.free("A")  # 0 .. 30 MiB free: one whole page (0 .. 20) and half of the next
+    a.empty_cache()
+    assert a.reserved == 60 * MiB
+
+
+def test_expandable_maps_the_lowest_unmapped_hole_first():
+    """find_expandable_block: new pages go at the lowest address where free and unmapped space hold
+    the request, so an unmapped hole inside the segment is filled before the end grows."""
+    a = CachingAllocator(AllocatorConfig(expandable_segments=True))
+    for key in "ABC":
+        a.malloc(key, 20 * MiB)
+    a.free("B")
+    a.empty_cache()  # B's page unmapped: a hole between A and C
+    assert a.reserved == 40 * MiB
+    a.malloc("D", 20 * MiB)
+    assert a.live["D"].addr == a.live["A"].addr + 20 * MiB and a.reserved == 60 * MiB
+
+
+def test_expandable_out_of_memory_unmaps_free_pages_and_maps_again():
+    """malloc: a failed map (cuMemCreate out of memory) is followed by release_cached_blocks, which
+    unmaps the free pages inside the segment, and one retry (num_alloc_retries)."""
+    a = CachingAllocator(AllocatorConfig(expandable_segments=True), limit=120 * MiB)
+    a.malloc("A", 30 * MiB)
+    a.malloc("B", 50 * MiB)  # 80 MiB mapped
+    a.free("A")
+    a.malloc("C", 45 * MiB)  # 3 more pages: 140 > 120; A's whole page unmapped (60), then 120 fits
+    assert (a.reserved, a.num_alloc_retries) == (120 * MiB, 1)
+    with pytest.raises(AllocatorOOM):
+        a.malloc("D", 30 * MiB)
+
+
+def test_release_available_cached_blocks_frees_the_smallest_oversize_block_that_suffices():
+    """malloc -> release_available_cached_blocks (max_split_size set): after a failed cudaMalloc the
+    smallest cached block of at least max(size, max_split_size) is freed, and cudaMalloc tried again,
+    before the whole cache is (num_alloc_retries stays 0)."""
+    a = CachingAllocator(AllocatorConfig(max_split_size=40 * MiB), limit=130 * MiB)
+    a.malloc("x", 50 * MiB)
+    a.malloc("y", 60 * MiB)
+    a.free("x")
+    a.free("y")
+    a.malloc("r", 25 * MiB)  # below max_split_size: no oversize block for it; 110 + 26 > 130
+    assert (a.reserved, a.num_alloc_retries) == (60 * MiB + 26 * MiB, 0)  # x freed, y kept
+
+
+def test_release_available_cached_blocks_frees_oversize_blocks_from_the_largest_down():
+    """release_available_cached_blocks: no single block is large enough: oversize blocks are freed
+    from the largest down until the request's size is, the smaller ones kept."""
+    a = CachingAllocator(AllocatorConfig(max_split_size=40 * MiB), limit=140 * MiB)
+    for key, size in (("p", 42), ("q", 44), ("s", 46)):
+        a.malloc(key, size * MiB)
+    for key in "pqs":
+        a.free(key)
+    a.malloc("r", 80 * MiB)  # 132 + 80 > 140: 46 and 44 freed (90 >= 80), 42 kept
+    assert (a.reserved, a.num_alloc_retries) == (42 * MiB + 80 * MiB, 0)
+
+
+def test_a_memory_fraction_fails_cudamalloc_past_its_allowance():
+    """alloc_block: with set_per_process_memory_fraction, a segment that would take the reserve past
+    fraction x the card's memory fails as cudaMalloc would."""
+    a = CachingAllocator(total_memory=100 * MiB, memory_fraction=0.5)
+    a.malloc("x", 30 * MiB)
+    with pytest.raises(AllocatorOOM):
+        a.malloc("y", 30 * MiB)  # 60 > 50, though the card has 100
+    assert a.reserved == 30 * MiB
+
+
+def test_garbage_collection_frees_the_oldest_cached_segments_over_the_threshold():
+    """garbage_collect_cached_blocks: with a memory fraction and garbage_collection_threshold, a
+    malloc that needs a segment while the reserve is over threshold x the allowance first frees the
+    large pool's wholly free segments of at least the mean age (get_free_block calls since cached)."""
+    config = AllocatorConfig.parse("garbage_collection_threshold:0.5")
+
+    def run(**kwargs):
+        a = CachingAllocator(config, **kwargs)
+        a.malloc("a", 12 * MiB)
+        a.free("a")  # cached at call 1
+        a.malloc("b", 14 * MiB)
+        a.malloc("c", 16 * MiB)
+        a.free("b")
+        a.free("c")  # cached at call 3
+        a.malloc("d", 18 * MiB)  # 42 MiB reserved, under the 50 MiB threshold: no collection
+        a.malloc("e", 22 * MiB)  # 60 > 50 at call 5: ages a 4, b 2, c 2 (mean 2.7): a freed, 12 >= 10
+        return a
+
+    collected = run(total_memory=100 * MiB, memory_fraction=1.0)
+    assert collected.reserved == 70 * MiB
+    assert sorted(size for size, _ in collected.pools[False].free) == [14 * MiB, 16 * MiB]
+    assert run().reserved == 82 * MiB  # no fraction set: garbage collection never runs
 
 
 def test_the_settings_are_read_from_the_environment(monkeypatch):
