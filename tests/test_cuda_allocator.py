@@ -17,7 +17,16 @@ from hf_memwatch.estimation.cuda_allocator import (
     replay,
     round_size,
 )
-from hf_memwatch.estimation.cuda_device import nccl_buffer_bytes, predict_reserved
+from hf_memwatch.estimation.cuda_device import (
+    PUBLISHED_CONTEXTS,
+    cuda_step_reserve,
+    ddp_bucket_bytes,
+    lazy_loading,
+    nccl_buffer_bytes,
+    predict_reserved,
+    published_context,
+)
+from hf_memwatch.estimation.gpus import GpuSpec, gpu_spec
 from hf_memwatch.measure.tracker import StorageTracker, recording_allocations
 
 KiB = 1 << 10
@@ -141,29 +150,6 @@ def test_over_the_limit_the_cache_is_freed_once_then_it_is_an_oom():
     with pytest.raises(AllocatorOOM):
         a.malloc("z", 10 * MiB)
     assert a.num_ooms == 1
-
-
-def test_roundup_power2_divisions():
-    """round_size / roundup_power2_next_division: 1200 KiB in the 1-2 MiB interval's quarters."""
-    assert round_size(1200 * KiB, divisions=4) == 1280 * KiB  # 1 MiB .. 2 MiB in quarters
-    assert round_size(1200 * KiB) == 1200 * KiB
-    config = AllocatorConfig.parse("roundup_power2_divisions:4")  # the single number: every interval
-    assert {config.divisions(n * MiB) for n in (1, 64, 2048)} == {4}
-    assert round_size(1200 * KiB, config) == 1280 * KiB
-
-
-def test_roundup_power2_divisions_per_size_interval():
-    """AcceleratorAllocatorConfig::roundup_power2_divisions(size) and parseRoundUpPower2Divisions: one
-    interval per power of two from 1 MiB; the first value also below it, ``>`` after the last named one
-    (the expectations of c10/test/core/AllocatorConfig_test.cpp)."""
-    config = AllocatorConfig.parse("roundup_power2_divisions:[64:8,128:2,256:4,512:2,1024:4,>:1]")
-    assert [config.divisions(n * MiB) for n in (32, 64, 128, 256, 512, 1024, 2048, 8192)] == [8, 8, 2, 4, 2, 4, 1, 1]
-    gaps = AllocatorConfig.parse("roundup_power2_divisions:[128:8,256:16,512:1,2048:8,>:2]")
-    assert [gaps.divisions(n * MiB) for n in (64, 128, 256, 512, 1024, 2048, 4096)] == [8, 8, 16, 1, 0, 8, 2]
-    # the interval decides the step: 300 MiB in [256, 512) by 4 -> 320; 100 MiB in [64, 128) by 8 -> 104
-    assert round_size(300 * MiB + 1, config) == 320 * MiB
-    assert round_size(100 * MiB + 1, config) == 104 * MiB
-    assert round_size(3000 * MiB + 1, config) == 3000 * MiB + 512  # [2048, 4096) by 1: only the 512 B rounding
 
 
 def test_max_non_split_rounding_mb_widens_what_an_oversize_request_may_round_up_to():
@@ -294,14 +280,6 @@ def test_garbage_collection_frees_the_oldest_cached_segments_over_the_threshold(
     assert run().reserved == 82 * MiB  # no fraction set: garbage collection never runs
 
 
-def test_the_settings_are_read_from_the_environment(monkeypatch):
-    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True,max_split_size_mb:64")
-    assert AllocatorConfig.from_env() == AllocatorConfig(max_split_size=64 * MiB, expandable_segments=True)
-    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
-    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
-    assert AllocatorConfig.from_env() == AllocatorConfig()
-
-
 def test_nccl_buffers_come_from_the_documented_settings():
     assert nccl_buffer_bytes(1, {}) == 0
     assert nccl_buffer_bytes(4, {}) == 16 * 2 * 4 * MiB
@@ -324,19 +302,114 @@ def test_the_tracker_records_the_sequence_the_replay_needs():
     del z, w
 
 
-def test_the_estimate_predicts_the_reserve_on_cuda_only():
+def test_the_estimate_predicts_the_reserve_on_cuda_only(monkeypatch):
     from transformers import GPT2Config
 
     from hf_memwatch.estimation.estimate import estimate
 
+    monkeypatch.delenv("CUDA_MODULE_LOADING", raising=False)
     config = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=1000, n_positions=128)
     cuda = estimate(config, task="causal-lm", batch_size=2, seq_len=32, device="cuda")
     assert cuda.reserved_bytes >= cuda.peak_bytes and cuda.reserved_bytes % (2 * MiB) == 0
-    if not torch.cuda.is_available():
-        assert cuda.device_bytes is None and cuda.device_overheads["cuda_context"] is None
-        assert any("device_bytes is unknown" in note for note in cuda.notes)
+    if not torch.cuda.is_available():  # the context from the published table, the card assumed (H100)
+        lazy = published_context(90, lazy=True)
+        assert cuda.device_overheads["cuda_context"] == lazy.context
+        assert cuda.device_bytes == cuda.reserved_bytes + lazy.context
+        assert cuda.device_overheads["device_total_memory"] == gpu_spec("H100").memory
+        assert any(note.startswith("CUDA context:") and lazy.source in note for note in cuda.notes)
     cpu = estimate(config, task="causal-lm", batch_size=2, seq_len=32, device="cpu")
-    assert cpu.reserved_bytes is None and cpu.device_bytes is None
+    assert cpu.reserved_bytes is None and cpu.device_bytes is None and cpu.device_overheads == {}
+    assert not any("CUDA" in note for note in cpu.notes)
+
+
+def test_the_published_contexts_match_by_loading_mode_then_card():
+    """published_context: never across loading modes (eager loads every kernel), then the card's own
+    figure, then one tied to no other card; every entry has its source."""
+    assert all(entry.context > 0 and entry.source.startswith("https://") for entry in PUBLISHED_CONTEXTS)
+    lazy = published_context(86, lazy=True)
+    assert lazy.lazy and lazy.context == 287_047_680 - 20 * MiB  # #86509's LAZY figure less its 20 MiB segment
+    assert published_context(86, lazy=False).context == 1685 * MiB  # the RTX 3090's own eager figure
+    assert published_context(61, lazy=False).context == 719 * MiB
+    eager_h100 = published_context(90, lazy=False)  # no H100 figure: the one tied to no card, not the 3090's
+    assert eager_h100.sm is None and eager_h100.context == 666_632_192 - 20 * MiB
+    assert lazy_loading({}) and lazy_loading({"CUDA_MODULE_LOADING": "LAZY"})
+    assert not lazy_loading({"CUDA_MODULE_LOADING": "EAGER"})
+
+
+def test_device_bytes_are_stated_for_the_named_gpu(monkeypatch):
+    """estimate(gpu=...): the card's memory and the table's context for its architecture and loading mode."""
+    from transformers import GPT2Config
+
+    from hf_memwatch.estimation.estimate import estimate
+
+    if torch.cuda.is_available():
+        pytest.skip("a local card: its context is measured")
+    monkeypatch.setenv("CUDA_MODULE_LOADING", "EAGER")
+    config = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=1000, n_positions=128)
+    t4 = estimate(config, task="causal-lm", batch_size=2, seq_len=32, device="cuda", gpu="T4")
+    eager = published_context(75, lazy=False)
+    assert t4.device_overheads == {"cuda_context": eager.context, "nccl_buffers": 0,
+                                   "device_total_memory": gpu_spec("T4").memory}
+    assert t4.device_bytes == t4.reserved_bytes + eager.context
+    assert any("none measured on T4 (sm_75)" in note for note in t4.notes)
+
+
+def test_the_reserve_is_replayed_under_the_cards_limit(monkeypatch):
+    """cuda_step_reserve: the card's memory less the context and NCCL is the allocator's limit: near it
+    the cache is freed inside the failed cudaMalloc (a note, the smaller reserve); past it, an OOM note."""
+    monkeypatch.delenv("CUDA_MODULE_LOADING", raising=False)
+    context = published_context(90, lazy=True).context
+    card = GpuSpec("test-card", context + 40 * MiB, (9, 0))
+    cached = [("x", 30 * MiB), ("x", 0), ("y", 35 * MiB)]
+    notes: list[str] = []
+    reserved, device, _ = cuda_step_reserve([cached], peak=35 * MiB, extrapolated=False, world_size=1, shard=None,
+                                            held_bytes=0, notes=notes, gpu=card)
+    assert (reserved, device) == (36 * MiB, 36 * MiB + context)  # without the limit: 30 cached + 36
+    assert any("num_alloc_retries" in note for note in notes)
+    live = [("x", 30 * MiB), ("y", 35 * MiB)]
+    notes = []
+    reserved, _, _ = cuda_step_reserve([live], peak=65 * MiB, extrapolated=False, world_size=1, shard=None,
+                                       held_bytes=0, notes=notes, gpu=card)
+    assert reserved == 66 * MiB and any(note.startswith("CUDA: out of memory on test-card") for note in notes)
+
+
+def test_ddp_buckets_are_torchs_and_held_in_the_replay():
+    """ddp_bucket_bytes: torch's compute_bucket_assignment_by_size over the parameters in ready order
+    (1 MiB first cap, then 25 MiB), as large as the trainable parameters in all; the DDP estimate's
+    reserve holds them (before, it was the single process's)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from hf_memwatch.estimation.estimate import estimate
+
+    config = GPT2Config(n_layer=2, n_embd=256, n_head=4, vocab_size=8000, n_positions=128)
+    model = GPT2LMHeadModel(config)
+    buckets = ddp_bucket_bytes(model)
+    trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    assert sum(buckets) == trainable and len(buckets) > 1
+    assert buckets[0] >= MiB and all(b >= 25 * MiB for b in buckets[1:-1])
+    assert [b // MiB for b in ddp_bucket_bytes(model, bucket_cap_mb=100)] == [trainable // MiB]
+    single = estimate(config, task="causal-lm", batch_size=2, seq_len=32, device="cuda")
+    ddp = estimate(config, task="causal-lm", batch_size=2, seq_len=32, device="cuda", world_size=2, shard="none")
+    assert ddp.reserved_bytes >= single.reserved_bytes + trainable
+
+
+def test_fsdp2_gets_its_ranks_reserve_and_zero_says_why_not():
+    """FSDP2's replay records the rank's own sequence (shards, gathers, reshards): its reserve is replayed;
+    ZeRO's shares are taken after the replay, so its reserve is not predicted, and the note says why."""
+    from conftest import gpt2_model
+
+    from hf_memwatch.core.engine import Engine
+    from hf_memwatch.estimation.estimate import estimate
+
+    fsdp = estimate(gpt2_model(), engine=Engine(kind="fsdp", world_size=2, fsdp_version=2, fsdp_strategy="FULL_SHARD"),
+                    shard="fsdp", world_size=2, batch_size=2, seq_len=16, optim="adamw_torch", device="cuda")
+    assert any(note.startswith("FSDP2 x 2") for note in fsdp.notes)
+    assert fsdp.reserved_bytes is not None and fsdp.reserved_bytes >= fsdp.peak_bytes
+    assert fsdp.device_overheads["nccl_buffers"] == nccl_buffer_bytes(2)
+    zero = estimate(gpt2_model(), shard="zero2", world_size=2, batch_size=2, seq_len=16, optim="adamw_torch",
+                    device="cuda")
+    assert zero.reserved_bytes is None
+    assert any("not the rank's" in note for note in zero.notes)
 
 
 def test_the_reserve_of_an_extrapolated_depth_carries_the_deeper_gap():
