@@ -4,9 +4,13 @@ An out-of-memory error happens when ``cudaMalloc`` fails, that is at the bytes t
 has *reserved* (its segments), not at the bytes tensors use. :class:`CachingAllocator` replays the
 rules of ``c10/cuda/CUDACachingAllocator.cpp`` (``DeviceCachingAllocator``) over a sequence of
 ``malloc``/``free``/``empty_cache`` events, one stream, no CUDA graph. Read at pytorch/pytorch
-``001074d2`` (the stored copy of the file), its settings checked against torch 2.13's own headers
-(``c10/core/AllocatorConfig.h``: ``large_segment_size``, ``max_non_split_rounding_size``, the
-per-interval ``roundup_power2_divisions``) and ``c10/test/core/AllocatorConfig_test.cpp``:
+``001074d2`` (the copy the search index stores; none at torch 2.13's ``cf30153c``), with what torch
+2.13's installed headers and later copies change: the settings of ``c10/core/AllocatorConfig.h``
+(``AcceleratorAllocatorConfig``: ``large_segment_size``, ``max_non_split_rounding_size`` in place of
+``kLargeBuffer`` in ``get_free_block``, the per-interval ``roundup_power2_divisions``;
+:mod:`~hf_memwatch.estimation.cuda_settings`) and, from the ``AcceleratorAllocatorConfig``-based copy
+of the functions, ``release_available_cached_blocks`` and ``garbage_collect_cached_blocks`` passing
+over expandable segments' blocks (``release_block`` asserts on them in ``001074d2``):
 
 * **rounding** (``round_size``): every request is rounded up to ``kMinBlockSize`` = 512 B; with
   ``roundup_power2_divisions``, a request whose size interval ``[2^k, 2^k+1)`` MiB (16 intervals from
@@ -49,14 +53,16 @@ per-interval ``roundup_power2_divisions``) and ``c10/test/core/AllocatorConfig_t
 * **empty_cache** (``release_cached_blocks``): every wholly free segment is given back.
 * **expandable_segments:True** (Note [Expandable Segments]): one segment per pool, an address range
   of 1⅛ × the card's memory (``find_expandable_block``) mapped by pages, 2 MiB in the small pool and
-  ``large_segment_size`` in the large one; reserved is the mapped pages. A request no free block fits
+  ``kLargeBuffer`` (2.13: ``large_segment_size``) in the large one; reserved is the mapped pages. A request no free block fits
   maps pages at the lowest address where free and unmapped space together hold it
   (``try_allocate_expandable_block``/``map_block``); releasing (``empty_cache``, or the failed-map
   retry) unmaps every whole free page anywhere in the segment (``release_blocks``/``unmap_block``),
   leaving unmapped holes that later maps fill first.
 
 Not modelled: several streams (``record_stream``), CUDA graphs' private pools, ``pinned_*`` settings,
-``release_lock_on_cudamalloc``; memory the libraries take outside the allocator (the CUDA context,
+``release_lock_on_cudamalloc``, 2.13's ``per_process_memory_fraction`` and ``throw_on_cudamalloc_oom``
+keys (the fraction is taken as ``set_per_process_memory_fraction``'s), expandable segments switched
+off mid-run, the free-memory callbacks; memory the libraries take outside the allocator (the CUDA context,
 cuBLAS handles, NCCL) is :mod:`hf_memwatch.estimation.cuda_device`'s.
 
 Example:

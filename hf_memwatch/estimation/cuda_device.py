@@ -21,6 +21,34 @@ out-of-memory error happens at the device's limit, which counts
 ``device_bytes`` = reserved + context + NCCL: what ``mem_get_info`` shows this process using at the
 step's highest, to compare with the card's memory.
 
+Published contexts (:data:`PUBLISHED_CONTEXTS`), for a target card with no device of it at hand.
+Published measurements only, each the used memory after a first tensor on the card less the caching
+allocator's segment for that tensor (the context holds the driver's state and the kernels loaded;
+with lazy loading only those used so far, so it grows as the step loads more):
+
+============  ====  =====  ==========  ====================================================================
+context       card  CUDA   loading     source
+============  ====  =====  ==========  ====================================================================
+253.75 MiB    —     11.7   lazy        pytorch/pytorch#86509 (torch 1.13, the PR that made torch set
+                                       ``CUDA_MODULE_LOADING=LAZY``): ``torch.randn(20, 16, 50, 100).cuda()``
+                                       then ``cudaMemGetInfo`` total - free = 287,047,680 B, less its
+                                       20 MiB (kLargeBuffer) segment. The card is not named; CUDA 11.7+
+                                       (the saving needs lazy loading, first in 11.7; 1.13 shipped cu117).
+615.75 MiB    —     11.7   eager       the same PR, ``CUDA_MODULE_LOADING=DEFAULT`` (eager under CUDA
+                                       11.7): 666,632,192 B less 20 MiB.
+1,685 MiB     sm_86 11.1   eager       pytorch/pytorch#55277 (comment of 2022-04-12): torch 1.8.2+cu111 on
+                                       an RTX 3090, nvidia-smi after ``torch.Tensor(1).cuda()``: 1,687 MiB
+                                       less the 2 MiB small-pool segment.
+719 MiB       sm_61 10.1   eager       the same comment: torch 1.8.2+cu101 on a GTX 1080, 721 MiB less 2.
+============  ====  =====  ==========  ====================================================================
+
+The maintainers' statements agree on the order of the lazy figure (pytorch/pytorch#107667: "~300MB"
+with CUDA >= 11.7; #109888: "around 400MB") but name no card or exact figure, so they are not
+entries. Left out for want of a published measurement: any figure for V100, T4, A100, A10G, L4,
+RTX 4090, H100 or H200 under CUDA 12, and the device memory of cuBLAS/cuDNN handles outside the
+allocator (the cuBLAS workspace lives in the caching allocator and is replayed there). A target
+without its own entry gets the entry of its loading mode tied to no other card (noted).
+
 Sharded runs: the replayed sequence must be the rank's own. It is for FSDP2 where
 :func:`~hf_memwatch.estimation.fsdp_replay.fsdp_applies` (the fake step runs on the rank's shards,
 all-gathers, reshards and reduce-scatters, the optimizer on the shards: ``per_rank``). It is not for
@@ -94,20 +122,7 @@ class PublishedContext:
     source: str
 
 
-# Published measurements only: ``mem_get_info`` or nvidia-smi after a first tensor on the card (the
-# context holds the driver's state and the kernels loaded; with lazy loading only those used so far).
-# - pytorch/pytorch#86509 (torch 1.13, CUDA 11.7, the PR that made torch set CUDA_MODULE_LOADING=LAZY):
-#   ``torch.randn(20, 16, 50, 100).cuda()`` then ``cudaMemGetInfo`` total - free: 287,047,680 B with
-#   LAZY, 666,632,192 B with DEFAULT (eager under CUDA 11.7); the 6,400,000 B tensor sits in a 20 MiB
-#   (kLargeBuffer) segment, taken off. The card is not named.
-# - pytorch/pytorch#55277 (comment of 2022-04-12): ``torch.Tensor(1).cuda()``, nvidia-smi: torch
-#   1.8.2+cu101 on a GTX 1080 (sm_61) 721 MiB, 1.8.2+cu111 on an RTX 3090 (sm_86) 1,687 MiB (eager:
-#   lazy loading came with CUDA 11.7); the 2 MiB small-pool segment taken off.
-# The maintainers' statements agree on the order with lazy loading (pytorch/pytorch#107667: "~300MB",
-# CUDA >= 11.7; #109888: "around 400MB") but give no card or figure to enter. Left out for want of a
-# published measurement: any figure for Volta/Turing/Ampere/Hopper/Blackwell data-center cards
-# (V100, T4, A100, H100, H200, L4) under CUDA 12, and the device memory of cuBLAS/cuDNN handles
-# (the cuBLAS workspace lives in the caching allocator and is replayed there, not in this table).
+# The table and its sources: the module docstring's "Published contexts".
 PUBLISHED_CONTEXTS: tuple[PublishedContext, ...] = (
     PublishedContext(287_047_680 - 20 * MiB, None, "11.7", True,
                      "torch 1.13, cudaMemGetInfo after a first 6.4 MB tensor, CUDA_MODULE_LOADING=LAZY",
