@@ -33,6 +33,7 @@ KiB = 1 << 10
 
 
 def test_requests_are_rounded_to_512_bytes():
+    """round_size: every request up to a multiple of kMinBlockSize (512 B)."""
     assert [round_size(n) for n in (1, 511, 512, 513, 1025)] == [512, 512, 512, 1024, 1536]
     a = CachingAllocator()
     a.malloc("x", 1)
@@ -40,6 +41,7 @@ def test_requests_are_rounded_to_512_bytes():
 
 
 def test_small_requests_are_packed_into_2_mib_segments():
+    """get_pool / get_allocation_size: requests of at most kSmallSize (1 MiB) share kSmallBuffer (2 MiB) segments."""
     a = CachingAllocator()
     for i in range(4):
         a.malloc(i, 512 * KiB)
@@ -53,6 +55,7 @@ def test_small_requests_are_packed_into_2_mib_segments():
 
 
 def test_requests_between_1_and_10_mib_share_a_20_mib_segment():
+    """get_allocation_size: a request in (1, 10) MiB gets a kLargeBuffer (20 MiB) segment, split by the next."""
     a = CachingAllocator()
     a.malloc("a", MiB + 1)
     assert a.reserved == 20 * MiB
@@ -64,6 +67,7 @@ def test_requests_between_1_and_10_mib_share_a_20_mib_segment():
 
 
 def test_larger_requests_are_rounded_up_to_2_mib():
+    """get_allocation_size: at or above kMinLargeAlloc (10 MiB), the request rounded up to kRoundLarge (2 MiB)."""
     a = CachingAllocator()
     a.malloc("a", 10 * MiB)
     assert a.reserved == 10 * MiB
@@ -72,6 +76,7 @@ def test_larger_requests_are_rounded_up_to_2_mib():
 
 
 def test_a_large_block_is_split_only_when_more_than_1_mib_remains():
+    """should_split: a large-pool block is split only when more than kSmallSize (1 MiB) would remain."""
     a = CachingAllocator()
     a.malloc("a", 11 * MiB + 512 * KiB)  # a 12 MiB segment: 512 KiB would remain, so it is not split
     assert a.allocated == 12 * MiB
@@ -81,6 +86,7 @@ def test_a_large_block_is_split_only_when_more_than_1_mib_remains():
 
 
 def test_best_fit_reuses_the_smallest_cached_block_and_freeing_merges_neighbours():
+    """get_free_block (the smallest cached block that fits) and free_block / try_merge_blocks."""
     a = CachingAllocator()
     for key in "abc":
         a.malloc(key, 4 * MiB)  # one 20 MiB segment: a b c, 8 MiB free at the end
@@ -97,6 +103,7 @@ def test_best_fit_reuses_the_smallest_cached_block_and_freeing_merges_neighbours
 
 
 def test_empty_cache_keeps_segments_that_hold_a_live_block():
+    """release_cached_blocks / release_blocks: only segments wholly free (not split) are given back."""
     a = CachingAllocator()
     a.malloc("small", 1)
     a.malloc("big", 30 * MiB)
@@ -107,6 +114,7 @@ def test_empty_cache_keeps_segments_that_hold_a_live_block():
 
 
 def test_max_split_size_keeps_oversized_blocks_for_large_requests():
+    """get_free_block: a request below max_split_size never takes a cached block of at least that size."""
     config = AllocatorConfig.parse("max_split_size_mb:20")
     a = CachingAllocator(config)
     a.malloc("a", 30 * MiB)
@@ -121,6 +129,8 @@ def test_max_split_size_keeps_oversized_blocks_for_large_requests():
 
 
 def test_max_split_size_large_requests_take_oversized_blocks_within_20_mib():
+    """get_free_block / should_split: a request at or above max_split_size takes a block less than
+    max_non_split_rounding_size (20 MiB) larger, whole."""
     config = AllocatorConfig(max_split_size=20 * MiB)
     a = CachingAllocator(config)
     a.malloc("big", 60 * MiB)
@@ -135,6 +145,7 @@ def test_max_split_size_large_requests_take_oversized_blocks_within_20_mib():
 
 
 def test_expandable_segments_tile_a_slightly_larger_batch_into_one_segment():
+    """Note [Expandable Segments] / try_allocate_expandable_block: one segment grown by 20 MiB pages."""
     events = [(i, 12 * MiB) for i in range(5)] + [(i, 0) for i in range(5)] + [(10 + i, 13 * MiB) for i in range(5)]
     assert replay(events).peak_reserved == 5 * 12 * MiB + 5 * 14 * MiB  # freed 12 MiB segments cannot hold 13
     expandable = replay(events, AllocatorConfig(expandable_segments=True))
@@ -142,6 +153,7 @@ def test_expandable_segments_tile_a_slightly_larger_batch_into_one_segment():
 
 
 def test_over_the_limit_the_cache_is_freed_once_then_it_is_an_oom():
+    """malloc: a failed alloc_block, release_cached_blocks, alloc_block(isRetry) (num_alloc_retries), then OOM."""
     a = CachingAllocator(limit=40 * MiB)
     a.malloc("x", 30 * MiB)
     a.free("x")
