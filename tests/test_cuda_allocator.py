@@ -405,19 +405,30 @@ def test_ddp_buckets_are_torchs_and_held_in_the_replay():
     assert ddp.reserved_bytes >= single.reserved_bytes + trainable
 
 
-def test_fsdp2_gets_its_ranks_reserve_and_zero_says_why_not():
-    """FSDP2's replay records the rank's own sequence (shards, gathers, reshards): its reserve is replayed;
-    ZeRO's shares are taken after the replay, so its reserve is not predicted, and the note says why."""
+def test_fsdp2_gets_its_ranks_reserve_and_zero_says_why_not(monkeypatch):
+    """FSDP2's replay records the rank's own sequence (shards, gathers, reshards): its reserve is replayed,
+    the sequence peaking at the rank's predicted peak; ZeRO's shares are taken after the replay, so its
+    reserve is not predicted, and the note says why."""
     from conftest import gpt2_model
 
     from hf_memwatch.core.engine import Engine
+    from hf_memwatch.estimation import cuda_device
     from hf_memwatch.estimation.estimate import estimate
 
+    replayed = []
+    real_replay = cuda_device.replay_reserve
+
+    def keep(traces, **kwargs):
+        replayed.append(traces[-1])
+        return real_replay(traces, **kwargs)
+
+    monkeypatch.setattr(cuda_device, "replay_reserve", keep)
     fsdp = estimate(gpt2_model(), engine=Engine(kind="fsdp", world_size=2, fsdp_version=2, fsdp_strategy="FULL_SHARD"),
                     shard="fsdp", world_size=2, batch_size=2, seq_len=16, optim="adamw_torch", device="cuda")
     assert any(note.startswith("FSDP2 x 2") for note in fsdp.notes)
     assert fsdp.reserved_bytes is not None and fsdp.reserved_bytes >= fsdp.peak_bytes
     assert fsdp.device_overheads["nccl_buffers"] == nccl_buffer_bytes(2)
+    assert replay(replayed[-1]).peak_allocated == fsdp.peak_bytes  # the rank's sequence, not the process's
     zero = estimate(gpt2_model(), shard="zero2", world_size=2, batch_size=2, seq_len=16, optim="adamw_torch",
                     device="cuda")
     assert zero.reserved_bytes is None
