@@ -7,15 +7,54 @@ out-of-memory error happens at the device's limit, which counts
   :mod:`~hf_memwatch.estimation.cuda_allocator` over the allocation sequence the estimator's tracker
   recorded (weights as registered, optimizer states as the priming step creates them, the step),
   with this process's ``PYTORCH_CUDA_ALLOC_CONF``, and the cuBLAS workspace as a block held from the
-  first matmul. Where the step was simulated at two short depths and extrapolated, the reserve is
-  extrapolated on the same line;
-* the **CUDA context** and library handles, measured once on this machine's device
-  (:func:`~hf_memwatch.measure.cuda_context.cuda_overheads`; ``None`` without CUDA);
+  first matmul, under the card's **limit** (its memory less the context and NCCL's buffers): near it
+  torch frees its cached segments inside the failed ``cudaMalloc`` and carries on
+  (``num_alloc_retries``), or raises the OOM the replay then reports. Where the step was simulated at
+  two short depths and extrapolated, the reserve is extrapolated on the same line;
+* the **CUDA context** and library images: measured once on this machine's device
+  (:func:`~hf_memwatch.measure.cuda_context.cuda_overheads`) when it is the target card, else the
+  published measurement of :data:`PUBLISHED_CONTEXTS` that matches the target best
+  (:func:`published_context`, noted);
 * **NCCL buffers** per rank for ``world_size > 1`` (:func:`nccl_buffer_bytes`): a prior from NCCL's
   documented settings, not measured.
 
 ``device_bytes`` = reserved + context + NCCL: what ``mem_get_info`` shows this process using at the
 step's highest, to compare with the card's memory.
+
+Published contexts (:data:`PUBLISHED_CONTEXTS`), for a target card with no device of it at hand.
+Published measurements only, each the used memory after a first tensor on the card less the caching
+allocator's segment for that tensor (the context holds the driver's state and the kernels loaded;
+with lazy loading only those used so far, so it grows as the step loads more):
+
+============  ====  =====  ==========  ====================================================================
+context       card  CUDA   loading     source
+============  ====  =====  ==========  ====================================================================
+253.75 MiB    —     11.7   lazy        pytorch/pytorch#86509 (torch 1.13, the PR that made torch set
+                                       ``CUDA_MODULE_LOADING=LAZY``): ``torch.randn(20, 16, 50, 100).cuda()``
+                                       then ``cudaMemGetInfo`` total - free = 287,047,680 B, less its
+                                       20 MiB (kLargeBuffer) segment. The card is not named; CUDA 11.7+
+                                       (the saving needs lazy loading, first in 11.7; 1.13 shipped cu117).
+615.75 MiB    —     11.7   eager       the same PR, ``CUDA_MODULE_LOADING=DEFAULT`` (eager under CUDA
+                                       11.7): 666,632,192 B less 20 MiB.
+1,685 MiB     sm_86 11.1   eager       pytorch/pytorch#55277 (comment of 2022-04-12): torch 1.8.2+cu111 on
+                                       an RTX 3090, nvidia-smi after ``torch.Tensor(1).cuda()``: 1,687 MiB
+                                       less the 2 MiB small-pool segment.
+719 MiB       sm_61 10.1   eager       the same comment: torch 1.8.2+cu101 on a GTX 1080, 721 MiB less 2.
+============  ====  =====  ==========  ====================================================================
+
+The maintainers' statements agree on the order of the lazy figure (pytorch/pytorch#107667: "~300MB"
+with CUDA >= 11.7; #109888: "around 400MB") but name no card or exact figure, so they are not
+entries. Left out for want of a published measurement: any figure for V100, T4, A100, A10G, L4,
+RTX 4090, H100 or H200 under CUDA 12, and the device memory of cuBLAS/cuDNN handles outside the
+allocator (the cuBLAS workspace lives in the caching allocator and is replayed there). A target
+without its own entry gets the entry of its loading mode tied to no other card (noted).
+
+Sharded runs: the replayed sequence must be the rank's own. It is for FSDP2 where
+:func:`~hf_memwatch.estimation.fsdp_replay.fsdp_applies` (the fake step runs on the rank's shards,
+all-gathers, reshards and reduce-scatters, the optimizer on the shards: ``per_rank``). It is not for
+ZeRO-1/2/3 or FSDP1: their optimizer states and step (``zero_step.flat_step``), ZeRO-3's gathers
+and the division of weights and gradients are applied to the per-phase totals after the replay, so
+the recorded sequence holds one unsharded process's tensors and its reserve is not the rank's.
 """
 
 from __future__ import annotations
@@ -23,8 +62,11 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from .cuda_allocator import AllocatorConfig, replay
+import torch
+
+from .cuda_allocator import AllocatorConfig, AllocatorOOM, ReplayResult, replay
 
 CUBLAS_WORKSPACE_KEY = "cublas_workspace"
 # NCCL's documented defaults (docs.nvidia.com/deeplearning/nccl/user-guide/docs/env.html):
@@ -59,9 +101,135 @@ def _int(text: str | None, default: int) -> int:
         return default
 
 
-def predict_reserved(traces: Sequence[Sequence[tuple[object, int]]], *, extrapolated_peak: int | None = None,
-                     workspace: int = 0, config: AllocatorConfig | None = None) -> int | None:
-    """The caching allocator's peak reserved bytes over the recorded step.
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class PublishedContext:
+    """One published measurement of what a CUDA process holds outside the caching allocator.
+
+    ``context``: bytes (the source's figure less the caching allocator's segment for the tensor it
+    created, by :func:`~hf_memwatch.estimation.cuda_allocator.allocation_size`); ``sm``: the card's
+    capability as one number (None: the source names no card); ``cuda``: the CUDA version of the
+    torch build; ``lazy``: ``CUDA_MODULE_LOADING=LAZY``.
+    """
+
+    context: int
+    sm: int | None
+    cuda: str
+    lazy: bool
+    measured: str
+    source: str
+
+
+# The table and its sources: the module docstring's "Published contexts".
+PUBLISHED_CONTEXTS: tuple[PublishedContext, ...] = (
+    PublishedContext(287_047_680 - 20 * MiB, None, "11.7", True,
+                     "torch 1.13, cudaMemGetInfo after a first 6.4 MB tensor, CUDA_MODULE_LOADING=LAZY",
+                     "https://github.com/pytorch/pytorch/pull/86509"),
+    PublishedContext(666_632_192 - 20 * MiB, None, "11.7", False,
+                     "torch 1.13, cudaMemGetInfo after a first 6.4 MB tensor, eager loading",
+                     "https://github.com/pytorch/pytorch/pull/86509"),
+    PublishedContext((1687 - 2) * MiB, 86, "11.1", False,
+                     "torch 1.8.2+cu111 on an RTX 3090, nvidia-smi after torch.Tensor(1).cuda()",
+                     "https://github.com/pytorch/pytorch/issues/55277"),
+    PublishedContext((721 - 2) * MiB, 61, "10.1", False,
+                     "torch 1.8.2+cu101 on a GTX 1080, nvidia-smi after torch.Tensor(1).cuda()",
+                     "https://github.com/pytorch/pytorch/issues/55277"),
+)
+
+
+def lazy_loading(environ: dict[str, str] | None = None) -> bool:
+    """Whether CUDA loads kernels lazily: torch sets ``CUDA_MODULE_LOADING=LAZY`` where it is unset
+    (``maybe_set_cuda_module_loading("LAZY")``, aten/src/ATen/cuda/detail/CUDAHooks.cpp); ``EAGER`` turns
+    it off (``DEFAULT`` is LAZY from CUDA 12.2 on Linux, NVIDIA's Lazy Loading guide).
+
+    Example:
+        >>> lazy_loading({}), lazy_loading({"CUDA_MODULE_LOADING": "EAGER"})
+        (True, False)
+    """
+    env = os.environ if environ is None else environ
+    return env.get("CUDA_MODULE_LOADING", "LAZY").strip().upper() != "EAGER"
+
+
+def published_context(sm: int | None, lazy: bool, cuda: str | None = None) -> PublishedContext:
+    """The measurement of :data:`PUBLISHED_CONTEXTS` closest to a target: the same loading mode always
+    (eager loads every kernel: 2.4x the lazy figure in #86509), then the same card, the same CUDA, a
+    figure tied to no other card, the newest CUDA.
+
+    Example:
+        >>> published_context(90, lazy=True).source     # no H100 figure published: the lazy one
+        'https://github.com/pytorch/pytorch/pull/86509'
+        >>> published_context(86, lazy=False).context >> 20   # the RTX 3090's own
+        1685
+    """
+    candidates = [entry for entry in PUBLISHED_CONTEXTS if entry.lazy == lazy]
+    return max(candidates, key=lambda e: (e.sm is not None and e.sm == sm, e.cuda == cuda, e.sm is None,
+                                          tuple(int(part) for part in e.cuda.split("."))))
+
+
+DDP_BUCKET_KEY = "ddp_bucket"
+
+
+def ddp_bucket_bytes(model: Any, bucket_cap_mb: float | None = None) -> list[int]:
+    """DDP's gradient buckets on each rank from the second step on, in the order the Reducer allocates them.
+
+    torch 2.13's ``DistributedDataParallel`` (``_ddp_init_helper``, ``BucketCapacityConfig``) puts every
+    parameter in one bucket for the first step when neither ``static_graph`` nor
+    ``find_unused_parameters`` is set, then ``Reducer::rebuild_buckets`` (reducer.cpp) regroups them in
+    the order their gradients became ready, by ``compute_bucket_assignment_by_size`` with the limits
+    ``[first_bucket_bytes_cap, bucket_bytes_cap]`` (1 MiB then 25 MiB by default; ``bucket_cap_mb`` sets
+    both), one dtype per bucket, and ``initialize_buckets`` allocates one flat tensor per bucket: the
+    sum of its parameters' bytes. The ready order is taken as the reverse of ``_build_params_for_reducer``'s
+    (DDP's own approximation for its first buckets: "approximate the order in which their gradients
+    are produced"); the grouping is torch's own function, run on the model's parameters.
+
+    Example:
+        >>> model = torch.nn.Sequential(*(torch.nn.Linear(1024, 1024) for _ in range(3)))  # 4,100 KiB each
+        >>> [n >> 10 for n in ddp_bucket_bytes(model)]  # a bucket closes once past its cap: 1 MiB, then 25 MiB
+        [4100, 8200]
+    """
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return []
+    seen: set[int] = set()
+    params = []
+    for _, module in model.named_modules():
+        for _, param in module.named_parameters(recurse=False):
+            if param.requires_grad and id(param) not in seen:
+                seen.add(id(param))
+                params.append(param)
+    if not params:
+        return []
+    cap = int((25 if bucket_cap_mb is None else bucket_cap_mb) * MiB)
+    first = dist._DEFAULT_FIRST_BUCKET_BYTES if bucket_cap_mb is None else cap
+    ready = params[::-1]
+    buckets, _ = dist._compute_bucket_assignment_by_size(ready, [first, cap], [False] * len(ready))
+    return [sum(ready[i].numel() * ready[i].element_size() for i in bucket) for bucket in buckets]
+
+
+def ddp_resident(model: Any, world_size: int | None, shard: str | None, trainer: Any = None) -> list[int]:
+    """The rank's DDP buckets where the run is DDP (``shard`` none over 2+ ranks), else none; the cap
+    from the Trainer's ``ddp_bucket_cap_mb`` when set."""
+    if (world_size or 1) < 2 or shard not in (None, "none"):
+        return []
+    return ddp_bucket_bytes(model, getattr(getattr(trainer, "args", None), "ddp_bucket_cap_mb", None))
+
+
+@dataclass(frozen=True)
+class ReservePrediction:
+    """The replayed reserve: its peak, the cache flushes torch does at the limit, and whether it runs out."""
+
+    reserved: int
+    retries: int  # num_alloc_retries: failed cudaMallocs after which the whole cache was freed
+    oom: bool  # past the limit even then: ``reserved`` is what the step asks for
+
+
+def replay_reserve(traces: Sequence[Sequence[tuple[object, int]]], *, extrapolated_peak: int | None = None,
+                   workspace: int = 0, config: AllocatorConfig | None = None, limit: int | None = None,
+                   total_memory: int | None = None, resident: Sequence[int] = ()) -> ReservePrediction | None:
+    """The caching allocator's peak reserved bytes over the recorded step, under the device ``limit``.
 
     ``traces``: the allocation sequences of the step's simulations, in order; the last is the step.
     ``extrapolated_peak``: the step was simulated at two short depths and its allocated peak
@@ -70,7 +238,41 @@ def predict_reserved(traces: Sequence[Sequence[tuple[object, int]]], *, extrapol
     to 3 layers reserved grows 936 MiB where allocated grows 1,065 MiB) — so the gap between
     reserved and allocated at the deeper short depth is carried to the full depth (the same shape
     replayed at all 16 layers: gap 562 MiB; carried from 3 layers: 569 MiB).
-    ``workspace``: a block held from the first matmul (cuBLAS), placed first.
+    ``workspace``: a block held from the first matmul (cuBLAS), placed first. ``limit``: the bytes the
+    allocator may reserve on the card (None: no limit); ``total_memory``: the card's memory.
+    ``resident``: blocks held through the step that the recorded sequence lacks (DDP's buckets), placed
+    after the workspace.
+
+    Example:
+        >>> MiB = 1 << 20
+        >>> step = [("x", 30 * MiB), ("x", 0), ("y", 35 * MiB)]   # x's 30 MiB segment cached, then 36 for y
+        >>> replay_reserve([step])
+        ReservePrediction(reserved=69206016, retries=0, oom=False)
+        >>> replay_reserve([step], limit=40 * MiB)                  # the cache freed inside the failed cudaMalloc
+        ReservePrediction(reserved=37748736, retries=1, oom=False)
+    """
+    if not traces:
+        return None
+    config = config or AllocatorConfig.from_env()
+    head = [(CUBLAS_WORKSPACE_KEY, workspace)] if workspace > 0 else []
+    head += [((DDP_BUCKET_KEY, i), nbytes) for i, nbytes in enumerate(resident) if nbytes > 0]
+    events = [*head, *traces[-1]]
+    oom = False
+    try:
+        result: ReplayResult = replay(events, config, limit, total_memory=total_memory)
+    except AllocatorOOM:
+        oom, result = True, replay(events, config, total_memory=total_memory)  # what the step asks for
+    reserved = result.peak_reserved
+    if extrapolated_peak is not None:
+        held = max(0, workspace) + sum(resident)  # not in the extrapolated (recorded) peak
+        reserved = extrapolated_peak + max(0, result.peak_reserved - (result.peak_allocated - held))
+    return ReservePrediction(reserved, result.num_alloc_retries, oom)
+
+
+def predict_reserved(traces: Sequence[Sequence[tuple[object, int]]], *, extrapolated_peak: int | None = None,
+                     workspace: int = 0, config: AllocatorConfig | None = None, limit: int | None = None,
+                     total_memory: int | None = None) -> int | None:
+    """:func:`replay_reserve`'s peak reserved bytes.
 
     Example:
         >>> MiB = 1 << 20
@@ -80,15 +282,9 @@ def predict_reserved(traces: Sequence[Sequence[tuple[object, int]]], *, extrapol
         >>> predict_reserved([step, step], extrapolated_peak=100 * MiB) // MiB   # the 17 MiB gap carried
         117
     """
-    if not traces:
-        return None
-    config = config or AllocatorConfig.from_env()
-    head = [(CUBLAS_WORKSPACE_KEY, workspace)] if workspace > 0 else []
-    result = replay([*head, *traces[-1]], config)
-    if extrapolated_peak is None:
-        return result.peak_reserved
-    gap = result.peak_reserved - (result.peak_allocated - max(0, workspace))
-    return extrapolated_peak + max(0, gap)
+    prediction = replay_reserve(traces, extrapolated_peak=extrapolated_peak, workspace=workspace, config=config,
+                                limit=limit, total_memory=total_memory)
+    return None if prediction is None else prediction.reserved
 
 
 @dataclass(frozen=True)
@@ -105,42 +301,64 @@ class DeviceTotal:
         return {"cuda_context": self.context, "nccl_buffers": self.nccl, "device_total_memory": self.total_memory}
 
 
-def device_total(reserved: int, world_size: int, overheads: object | None) -> DeviceTotal:
-    """Add the measured context (``overheads``: a :class:`~hf_memwatch.measure.cuda_context.CudaOverheads`
-    or None) and NCCL's buffers to the predicted reserve.
-
-    Example:
-        >>> device_total(1000, 1, None)
-        DeviceTotal(reserved=1000, context=None, nccl=0, device=None, total_memory=None)
-    """
-    nccl = nccl_buffer_bytes(world_size)
-    context = getattr(overheads, "context", None)
-    total = getattr(overheads, "total_memory", None)
-    return DeviceTotal(reserved, context, nccl, None if context is None else reserved + context + nccl, total)
+def target_context(gpu: Any, overheads: Any, notes: list[str]) -> tuple[int | None, int | None]:
+    """``(context, total_memory)`` of the target card: measured where this machine's device is the target
+    (``overheads``: a :class:`~hf_memwatch.measure.cuda_context.CudaOverheads`, its memory within 1 % of
+    ``gpu``'s), else the published measurement closest to ``gpu`` (a GpuSpec; noted), else unknown."""
+    if overheads is not None and (gpu is None or abs(overheads.total_memory - gpu.memory) <= gpu.memory // 100):
+        return overheads.context, overheads.total_memory
+    if gpu is None:
+        return None, None
+    entry = published_context(gpu.sm, lazy_loading(), torch.version.cuda)
+    notes.append(f"CUDA context: {entry.context / MiB:,.0f} MiB from the published measurements "
+                 f"(cuda_device.PUBLISHED_CONTEXTS: {entry.measured}; {entry.source}), none measured on "
+                 f"{gpu.name} (sm_{gpu.sm}) here; it grows as the step loads more kernels")
+    return entry.context, gpu.memory
 
 
 def cuda_step_reserve(traces: Sequence[Sequence[tuple[object, int]]], *, peak: int, extrapolated: bool,
-                      world_size: int | None, shard: str | None, held_bytes: int,
-                      notes: list[str]) -> tuple[int | None, int | None, dict[str, int | None]]:
+                      world_size: int | None, shard: str | None, held_bytes: int, notes: list[str],
+                      gpu: Any = None, per_rank: bool = False,
+                      resident: Sequence[int] = ()) -> tuple[int | None, int | None, dict[str, int | None]]:
     """``(reserved_bytes, device_bytes, device_overheads)`` of a CUDA estimate; notes say what is not in them.
 
     ``traces`` as recorded around the step's simulations (the step's is the last); ``extrapolated``:
     the estimate's ``peak`` was extrapolated from two short depths. ``held_bytes``: weights of models
-    the Trainer holds besides (resident: added as they are).
+    the Trainer holds besides (resident: added as they are). ``gpu``: the target card (a GpuSpec);
+    ``per_rank``: the recorded step is the rank's own under its sharding (FSDP2's replay);
+    ``resident``: blocks the rank holds through the step besides the recorded ones (DDP's buckets,
+    :func:`ddp_bucket_bytes`), counted in ``peak`` already.
     """
     from ..measure.cuda_context import cuda_overheads
 
     world = world_size or 1
-    if world > 1 and shard not in (None, "none"):
-        notes.append("CUDA reserve: not predicted for sharded states (the replay is of one unsharded rank)")
+    if world > 1 and shard not in (None, "none") and not per_rank:
+        notes.append("CUDA reserve: not predicted for sharded states (ZeRO's and FSDP1's shares are taken "
+                     "after the replay: the recorded sequence is one unsharded process's, not the rank's)")
         return None, None, {}
     overheads = cuda_overheads("cuda")
-    reserved = predict_reserved(traces, extrapolated_peak=peak - held_bytes if extrapolated else None,
-                                workspace=getattr(overheads, "cublas_workspace", 0))
-    if reserved is None:
+    context, total_memory = target_context(gpu, overheads, notes)
+    nccl = nccl_buffer_bytes(world)
+    limit = None if context is None or total_memory is None else total_memory - context - nccl - held_bytes
+    prediction = replay_reserve(traces, extrapolated_peak=peak - held_bytes - sum(resident) if extrapolated else None,
+                                workspace=getattr(overheads, "cublas_workspace", 0), limit=limit,
+                                total_memory=total_memory, resident=resident)
+    if prediction is None:
         return None, None, {}
-    total = device_total(reserved + held_bytes, world, overheads)
-    if total.context is None:
+    card = getattr(gpu, "name", "the card")
+    if prediction.oom:
+        notes.append(f"CUDA: out of memory on {card}: past the {limit / MiB:,.0f} MiB the allocator may reserve "
+                     "(the card less the context and NCCL), freeing the cache inside the failed cudaMalloc does "
+                     "not make room; reserved_bytes is what the step asks for")
+    elif prediction.retries:
+        notes.append(f"CUDA: near {card}'s capacity torch frees its cached segments inside a failed cudaMalloc "
+                     f"{prediction.retries} time(s) and carries on (num_alloc_retries): slower steps, replayed")
+    elif limit is not None and prediction.reserved > limit:
+        notes.append(f"CUDA: the extrapolated reserve passes the {limit / MiB:,.0f} MiB the allocator may reserve "
+                     f"on {card}: torch would free its cache and retry, which the short-depth replay does not reach")
+    if context is None:
         notes.append("CUDA: reserved bytes predicted by replaying the caching allocator; the CUDA context "
                      "(~0.3-1 GiB per process) is measured only where a CUDA device is at hand, so device_bytes is unknown")
+    reserved = prediction.reserved + held_bytes
+    total = DeviceTotal(reserved, context, nccl, None if context is None else reserved + context + nccl, total_memory)
     return total.reserved, total.device, total.overheads()

@@ -33,7 +33,7 @@ from ..measure.attribution import weight_storages
 from ..measure.peak_tensors import PeakTensors
 from ..measure.tracker import recording_allocations
 from .cuda_autocast import policy_notes
-from .cuda_device import cuda_step_reserve
+from .cuda_device import cuda_step_reserve, ddp_resident
 from .fake_model import auto_class, count_params, fake_copy, fake_model, load_config, resolve_adapter
 from .fsdp_replay import fsdp_applies, fsdp_flow
 from .gpus import target_gpu
@@ -328,7 +328,9 @@ def _result(model: torch.nn.Module, fake_mode: Any, request: EstimateRequest, in
     if device == "cuda":
         reserved_bytes, device_bytes, device_overheads = cuda_step_reserve(
             traces, peak=peak, extrapolated=any(note.startswith("depth extrapolated") for note in notes),
-            world_size=world_size, shard=shard, held_bytes=sum(counts.frozen_models.values()), notes=notes)
+            world_size=world_size, shard=shard, held_bytes=sum(counts.frozen_models.values()), notes=notes,
+            gpu=request.gpu, per_rank=fsdp_applies(engine, model, precision),
+            resident=ddp_resident(model, world_size, shard, inputs.trainer))
     evaluation = None
     if request.eval_batch_size is not None:
         states = per_phase.get(STEP_END, {}).get("optimizer_states", 0) if request.eval_in_training else 0
