@@ -149,7 +149,8 @@ AMP_NOTE = ("torch.cuda.amp: CUDA's autocast lists (ATen/autocast_mode.h: softma
             "layer_norm in AT_FORALL_FP32) give fp32 outputs: per layer the attention probabilities are saved in "
             "fp32 (4x16x512x512 x 4 B = 64 MiB; 4.16's scores + fp32 extended mask were fp32 already) beside the "
             "fp16 copy the next matmul saves, and both LayerNorm outputs are fp32 beside their fp16 copies: "
-            "~48 MiB a layer more than fp16 outputs, ~1.1 GiB over 24 layers; with the fp32 cases' "
+            "~48 MiB a layer more than fp16 outputs, ~1.1 GiB over 24 layers, which a replay under CPU "
+            "autocast's lists misses; with the fp32 cases' "
             "unidentified ~1.1 GiB, about two thirds of this gap")
 AMP_GC_NOTE = ("torch.cuda.amp with checkpointing: the fp32 softmax of CUDA's autocast lists is recomputed inside "
                "one layer at a time, so it weighs one layer, not 24")
@@ -190,7 +191,7 @@ def _script(key: str, source: str, model: str, config: Callable[[], Any], task: 
 
 EAGER_NOTE = ("eager attention, fp16: the same kernels on either device; the attention code is transformers "
               "5.23's eager_attention_forward, not the measured version's")
-MATH_PATH = ("the replay on fake CPU tensors takes the math path, since torch's CPU flash kernel refuses "
+MATH_PATH = ("a replay that dispatches as on the CPU takes the math path, since torch's CPU flash kernel refuses "
              "dropout (sdp_utils_cpp.cpp, use_flash_attention_cpp: check_for_dropout) and this model trains with "
              "attention dropout 0.1, where CUDA's flash and memory-efficient kernels take it; the math path "
              "(attention.cpp, _scaled_dot_product_attention_math) upcasts fp16 q, k, v to fp32 unless "
@@ -406,7 +407,7 @@ def extrapolation(rows: list[Row]) -> list[str]:
 def _commit() -> str:
     """HEAD's short hash, ``+changes`` where the tree differs from it (the benchmark or the library edited)."""
     def git(*args: str) -> str:
-        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=Path(__file__).parent,
+        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=Path(__file__).parents[1],
                               check=True).stdout.strip()
     try:
         head = git("rev-parse", "--short", "HEAD")
