@@ -75,6 +75,17 @@ TORCHRUN = Path(sys.executable).parent / "torchrun"
 LAUNCH_TIMEOUT_S = 240
 
 
+def benchmark_script(name: str) -> Any:
+    """``benchmarks/<name>.py`` imported as the module ``name`` (registered: its dataclasses resolve it by name)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -1,0 +1,73 @@
+"""``benchmarks/cuda_published.py`` (issue #32, point 5): its table of published CUDA measurements is
+well-formed, and one cheap case runs end to end. Not the accuracy goal: the figures are in
+``benchmarks/results/cuda_published.md``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import benchmark_script
+
+from hf_memwatch.core.optimizers import SUPPORTED_OPTIMS
+from hf_memwatch.estimation.gpus import gpu_spec
+from hf_memwatch.estimation.request import PRECISIONS, TASKS
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return benchmark_script("cuda_published")
+
+
+def test_cases_are_well_formed(bench):
+    cases = bench.CASES
+    assert len(cases) >= 8 and len({c.source for c in cases}) >= 3
+    assert len({c.key for c in cases}) == len(cases)
+    for case in cases:
+        assert case.source and case.model and case.versions and case.settings and case.explanation, case.key
+        assert gpu_spec(case.gpu).name == case.gpu, case.key
+        assert case.kind in bench.KINDS and case.loop in bench.LOOPS, case.key
+        assert case.task in TASKS and case.precision in PRECISIONS, case.key
+        assert case.optim is None or case.optim in SUPPORTED_OPTIMS, case.key
+        assert case.batch > 0 and case.seq > 0 and case.accum > 0 and case.measured > 0, case.key
+        assert case.attn in ("eager", "sdpa"), case.key
+        # a published context only beside a device-wide figure; the script protocol has no optimizer
+        assert case.context is None or case.kind == "nvidia-smi", case.key
+        assert (case.loop == "logits_sum") == (case.optim is None), case.key
+        bench.explanation(case)  # its computed terms format
+
+
+def test_models_take_the_runs_attention(bench):
+    """The builders give the attention implementation each run used (eager before BERT had SDPA)."""
+    for case in {c.attn + c.loop: c for c in bench.CASES}.values():
+        if case.loop == "logits_sum":
+            model = bench.logits_sum_model(case).inner
+            assert next(model.parameters()).dtype == torch.float16
+        else:
+            from hf_memwatch.estimation.fake_model import auto_class
+
+            with torch.device("meta"):
+                model = auto_class(case.task).from_config(bench.build_config(case))
+        assert model.config._attn_implementation == case.attn, case.key
+
+
+def test_like_for_like_basis(bench):
+    """Each kind is compared with its own figure; a published context is added to the reserve."""
+    est = type("Est", (), {"peak_bytes": 100, "reserved_bytes": 120, "device_bytes": None})()
+    by_kind = {c.kind: c for c in bench.CASES}
+    assert bench.compare(by_kind["allocated"], est, 0.0).predicted == 100
+    smi = by_kind["nvidia-smi"]
+    assert bench.compare(smi, est, 0.0).predicted == 120 + smi.context
+    without = bench.Case(**{**smi.__dict__, "context": None})
+    assert bench.compare(without, est, 0.0).basis == "reserved (context unknown)"
+    est.device_bytes = 500
+    assert bench.compare(without, est, 0.0).predicted == 500
+
+
+def test_one_case_end_to_end(bench, tmp_path):
+    """The cheapest case through estimate(device="cuda") and the report, as `make bench` runs it."""
+    out = tmp_path / "cuda_published.md"
+    assert bench.main(["--only", "distilbert-sdpa-eager-4x256", "--out", str(out)]) == 0
+    text = out.read_text()
+    row = next(line for line in text.splitlines() if line.startswith("| `distilbert-sdpa-eager-4x256`"))
+    assert "594 MB" in row and "peak allocated" in row and "%" in row
