@@ -6,8 +6,8 @@ out-of-memory error happens at the device's limit, which counts
 * the caching allocator's **reserved** bytes: :func:`predict_reserved` replays the rules of
   :mod:`~hf_memwatch.estimation.cuda_allocator` over the allocation sequence the estimator's tracker
   recorded (weights as registered, optimizer states as the priming step creates them, the step),
-  with this process's ``PYTORCH_CUDA_ALLOC_CONF``, and the cuBLAS workspace as a block held from the
-  first matmul. Where the step was simulated at two short depths and extrapolated, the reserve is
+  with this process's ``PYTORCH_CUDA_ALLOC_CONF``, the cuBLAS workspaces of the target's card among them
+  (:mod:`~hf_memwatch.estimation.cuda_libs`: two, held from the first step on). Where the step was simulated at two short depths and extrapolated, the reserve is
   extrapolated on the same line;
 * the **CUDA context** and library handles, measured once on this machine's device
   (:func:`~hf_memwatch.measure.cuda_context.cuda_overheads`; ``None`` without CUDA);
@@ -135,8 +135,8 @@ def cuda_step_reserve(traces: Sequence[Sequence[tuple[object, int]]], *, peak: i
         notes.append("CUDA reserve: not predicted for sharded states (the replay is of one unsharded rank)")
         return None, None, {}
     overheads = cuda_overheads("cuda")
-    reserved = predict_reserved(traces, extrapolated_peak=peak - held_bytes if extrapolated else None,
-                                workspace=getattr(overheads, "cublas_workspace", 0))
+    # the cuBLAS workspaces are in the step's trace (estimation/cuda_libs.py, by the target's card)
+    reserved = predict_reserved(traces, extrapolated_peak=peak - held_bytes if extrapolated else None)
     if reserved is None:
         return None, None, {}
     total = device_total(reserved + held_bytes, world, overheads)
