@@ -104,3 +104,29 @@ def test_host_counters_only_inside_the_optimizer_step():
         assert tracker.allocated - before == 2 * 128 * 128 * 4  # the moments; the step counter on the host
         assert tracker.allocated >= BLOCK + before
     del kept
+
+
+def test_a_trainers_own_step_scales_its_loss_through_the_scaler(tmp_path):
+    """``estimate(trainer, device="cuda", precision="fp16")``: the Trainer's ``training_step`` runs
+    ``Accelerator.backward`` with the scaler installed, the Trainer's accelerator left as it was."""
+    from conftest import gpt2_model, token_dataset, training_args
+    from transformers import Trainer
+
+    trainer = Trainer(model=gpt2_model(n_layer=1, n_embd=64), train_dataset=token_dataset(n=4, seq_len=16, vocab=1000),
+                      args=training_args(tmp_path, per_device_train_batch_size=2, max_steps=1))
+    assert trainer.accelerator.scaler is None  # a CPU Trainer: accelerate builds none
+    result = estimate(trainer, device="cuda", precision="fp16", gpu="A100")
+    assert result.details["other"][GRAD_SCALER] == 2 * BLOCK
+    assert result.config["optim"] == "adamw_torch_fused"  # the Trainer's own (its arguments' default)
+    assert trainer.accelerator.scaler is None
+
+
+def test_a_cuda_target_takes_the_local_card_when_none_is_named(monkeypatch):
+    from hf_memwatch.estimation import gpus
+    from hf_memwatch.estimation.cuda_libs import CUBLAS_WORKSPACE, cublas_workspace_size
+
+    local = gpus.gpu_spec("L4")
+    monkeypatch.setattr(gpus, "local_gpu", lambda index=None: local)  # this machine's card, as torch reports it
+    result = estimate(CONFIG, batch_size=1, seq_len=16, device="cuda")
+    assert result.config["gpu"]["name"] == "L4" and not any("assumed" in note for note in result.notes)
+    assert result.details["other"][CUBLAS_WORKSPACE] == 2 * cublas_workspace_size(local)

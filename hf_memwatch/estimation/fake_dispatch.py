@@ -5,7 +5,8 @@ and snapshots the live set at each new high of a phase. Under it, fake tensors a
 know as a clean batch's real tensors would (a value read back, a boolean index, ``nonzero``), torch's
 shape functions are worked around where they reject what the CPU kernel runs (``_grouped_mm``),
 bitsandbytes kernels are replayed as they allocate (the CPU optimizer kernels, the 4-bit GEMM's
-dequantized weight), and kernels' internal workspaces are added as transients
+dequantized weight; for a CUDA target the 4-bit GEMM as its CUDA kernel routes it:
+:mod:`hf_memwatch.estimation.cuda_libs`), and kernels' internal workspaces are added as transients
 (:mod:`hf_memwatch.estimation.kernel_workspaces`).
 """
 
