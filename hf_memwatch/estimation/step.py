@@ -15,8 +15,8 @@ allocator rounds blocks; the optimizer implementation torch picks for CUDA tenso
 the Trainer's default ``adamw_torch_fused``, ``foreach`` for ``adamw_torch``), Adam's step
 counters on the host, fp16's GradScaler (:mod:`.cuda_optim`); the cuBLAS workspaces of the card
 and bitsandbytes' CUDA routing of the 4-bit GEMM (:mod:`.cuda_libs`); bitsandbytes' fused CUDA
-optimizer kernels (no temporaries) instead of its Python CPU kernels. Autocast runs with CPU autocast's op lists at the same dtype, and SDPA
-with the CPU flash kernel, which saves what the CUDA flash / memory-efficient kernels save (the
+optimizer kernels (no temporaries) instead of its Python CPU kernels. Autocast runs with CPU
+autocast's op lists at the same dtype, and SDPA with the CPU flash kernel, which saves what the CUDA flash / memory-efficient kernels save (the
 output and the log-sum-exp), not the attention matrix.
 
 Phase names are those of the timeline snapshot that closes each interval: ``after_forward``
