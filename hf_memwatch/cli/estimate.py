@@ -28,6 +28,7 @@ from ..core.errors import MemWatchConfigError
 from ..core.optimizers import SUPPORTED_OPTIMS
 from ..core.run_config import RunConfig
 from ..core.units import format_bytes, parse_bytes
+from ..estimation.cuda_optim import default_optim
 from ..estimation.estimate import (
     DEVICES,
     PRECISIONS,
@@ -36,6 +37,7 @@ from ..estimation.estimate import (
     estimate,
     logits_bytes,
 )
+from ..estimation.gpus import DEFAULT_GPU, GPUS, gpu_spec
 from ..estimation.quantized import COMPUTE_DTYPES, QUANT_TYPES
 from ..measure.peak_tensors import PeakTensors, headline, removed_by
 from ..planning.catalogue import advice, with_state_share
@@ -56,13 +58,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target-len", type=int, default=None, help="seq2seq label length (default: --seq-len)")
     parser.add_argument("--precision", choices=PRECISIONS, default="fp32",
                         help="fp32, or bf16/fp16 mixed precision as the Trainer runs it")
-    parser.add_argument("--optim", default="adamw_torch",
-                        help=f"TrainingArguments.optim name: {', '.join(SUPPORTED_OPTIMS)}")
+    parser.add_argument("--optim", default=None,
+                        help=f"TrainingArguments.optim name: {', '.join(SUPPORTED_OPTIMS)} (default adamw_torch; "
+                             "with --device cuda the Trainer's own default, adamw_torch_fused on torch >= 2.8)")
     parser.add_argument("--checkpointing", action=argparse.BooleanOptionalAction, default=None,
                         help="activation (gradient) checkpointing (default: off; on with --load-in-4bit/--load-in-8bit, "
                              "as prepare_model_for_kbit_training turns it on: --no-checkpointing for without)")
     parser.add_argument("--accum", type=int, default=1, help="gradient accumulation steps (default 1)")
     parser.add_argument("--device", choices=DEVICES, default="cpu", help="the target device (default cpu)")
+    parser.add_argument("--gpu", default=None, metavar="NAME",
+                        help=f"the CUDA target's card (with --device cuda): {', '.join(s.name for s in GPUS)} "
+                             f"(default: this machine's card, else {DEFAULT_GPU}); without --budget, fits is "
+                             "judged against its memory")
     parser.add_argument("--budget", default=None, help="memory budget per device, e.g. 24GiB")
     parser.add_argument("--world-size", type=int, default=1, help="data-parallel ranks (default 1)")
     parser.add_argument("--shard", choices=SHARDS, default="none", help="ZeRO stage or FSDP full shard")
@@ -199,7 +206,8 @@ def _run_config(args: argparse.Namespace) -> RunConfig:
     """The command's configuration as the planning core's :class:`RunConfig`."""
     return RunConfig(
         micro_batch_size=args.batch_size, gradient_accumulation_steps=args.accum, checkpointing=checkpointing_of(args),
-        optim=args.optim, precision=args.precision, device=args.device, world_size=args.world_size,
+        optim=args.optim or default_optim(args.device), precision=args.precision, device=args.device,
+        world_size=args.world_size,
         shard=args.shard, seq_len=args.seq_len, task=args.task, seq2seq_target_len=args.target_len,
         engine=deepspeed_engine(args) or fsdp_engine(args),
     )
@@ -248,7 +256,7 @@ def planning_request(args: argparse.Namespace, budget: int, given: Any) -> PlanR
     (the estimator, as the auto mode's predictor, seeded with the command's own estimate ``given``),
     from which the plan and the remedy table are read."""
     run = with_state_share(_run_config(args), given)
-    extra = dict(peft_kwargs(args))
+    extra = dict(peft_kwargs(args), **gpu_kwargs(args))
     if args.top > 0:  # every prediction lists its peak tensors: what each remedy removes
         extra["top_tensors"] = args.top
     predictor = EstimatorPredictor(args.model, run, extra=extra)
@@ -310,15 +318,26 @@ def positions_warning(model: Any, lengths: dict[str, int | None]) -> str | None:
     return None
 
 
+def gpu_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """``gpu=`` of :func:`estimate` from ``--gpu`` (empty without it); one-line errors: an unknown card, or
+    ``--gpu`` for a CPU target."""
+    if getattr(args, "gpu", None) is None:
+        return {}
+    if args.device != "cuda":
+        raise MemWatchConfigError(f"--gpu {args.gpu} is for a CUDA target: add --device cuda")
+    return {"gpu": gpu_spec(args.gpu)}
+
+
 def run(args: argparse.Namespace) -> int:
     """Estimate, print (table or JSON); 0 on success, :data:`NOTHING_FITS` when nothing fits the
     budget. Errors raise and the dispatcher exits 2."""
     budget = None if args.budget is None else parse_bytes(args.budget)
+    card = gpu_kwargs(args)
     # libraries print on import (transformers' W&B offline notice): stdout is for our output only,
     # stderr for one line on error
     with contextlib.redirect_stdout(io.StringIO()):
         result = estimate(args.model, budget=budget, **_run_config(args).estimate_kwargs(), **peft_kwargs(args),
-                          **eval_kwargs(args), top_tensors=max(args.top, 0))
+                          **eval_kwargs(args), top_tensors=max(args.top, 0), **card)
         payload = result.to_dict()
         if args.checkpointing is None and checkpointing_of(args):
             payload["notes"] = [*payload.get("notes", []), "activation checkpointing on, as "
@@ -375,7 +394,8 @@ def _print_table(payload: dict[str, Any]) -> None:
     table.add_row("peak", f"{peak:,}", format_bytes(peak), "100%", style="bold")
     console.print(table)
     console.print(f"peak phase: {payload['peak_phase']} · params {payload['params']:,} "
-                  f"(trainable {payload['trainable_params']:,}) · target {cfg['device']}")
+                  f"(trainable {payload['trainable_params']:,}) · target {cfg['device']}{_card_text(cfg)}")
+    print_card_fit(payload, console)
     for note in payload["notes"]:
         console.print(f"note: {note}")
     if payload.get("peak_tensors"):
@@ -400,6 +420,26 @@ def _print_table(payload: dict[str, Any]) -> None:
             console.print(f"{row['remedy']} removes: " + "; ".join(row["removes"]))
     plan = payload.get("plan")
     console.print(f"plan (same effective batch): {plan['explain'] if plan else 'nothing fits'}")
+
+
+def _card_text(cfg: dict[str, Any]) -> str:
+    """`` · GPU H100-80GB (sm_90, 79.6 GiB)`` for a CUDA target's card (empty for a CPU target)."""
+    card = cfg.get("gpu")
+    if not card:
+        return ""
+    major, minor = card["capability"]
+    return f" · GPU {card['name']} (sm_{major}{minor}, {format_bytes(card['memory'])})"
+
+
+def print_card_fit(payload: dict[str, Any], console: Any) -> None:
+    """Without a budget, a CUDA target's verdict against the card's memory (``fits``: ``gpus.card_fits``)."""
+    card = payload["config"].get("gpu")
+    if payload.get("budget") is not None or not card or payload.get("fits") is None:
+        return
+    held = payload.get("device_bytes") or payload.get("reserved_bytes")
+    verdict = "[green]fits[/green]" if payload["fits"] else "[red]does not fit[/red]"
+    what = "device total" if payload.get("device_bytes") else "reserved"
+    console.print(f"{card['name']} ({format_bytes(card['memory'])}): {verdict} ({what} {format_bytes(held)})")
 
 
 def print_peak_tensors(peak: PeakTensors, phase: str, console: Any, groups: int = 5) -> None:

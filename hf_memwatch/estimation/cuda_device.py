@@ -6,8 +6,8 @@ out-of-memory error happens at the device's limit, which counts
 * the caching allocator's **reserved** bytes: :func:`predict_reserved` replays the rules of
   :mod:`~hf_memwatch.estimation.cuda_allocator` over the allocation sequence the estimator's tracker
   recorded (weights as registered, optimizer states as the priming step creates them, the step),
-  with this process's ``PYTORCH_CUDA_ALLOC_CONF``, and the cuBLAS workspace as a block held from the
-  first matmul, under the card's **limit** (its memory less the context and NCCL's buffers): near it
+  with this process's ``PYTORCH_CUDA_ALLOC_CONF``, the cuBLAS workspaces of the target's card among them
+  (:mod:`~hf_memwatch.estimation.cuda_libs`: two, held from the first step on), under the card's **limit** (its memory less the context and NCCL's buffers): near it
   torch frees its cached segments inside the failed ``cudaMalloc`` and carries on
   (``num_alloc_retries``), or raises the OOM the replay then reports. Where the step was simulated at
   two short depths and extrapolated, the reserve is extrapolated on the same line;
@@ -341,7 +341,7 @@ def cuda_step_reserve(traces: Sequence[Sequence[tuple[object, int]]], *, peak: i
     nccl = nccl_buffer_bytes(world)
     limit = None if context is None or total_memory is None else total_memory - context - nccl - held_bytes
     prediction = replay_reserve(traces, extrapolated_peak=peak - held_bytes - sum(resident) if extrapolated else None,
-                                workspace=getattr(overheads, "cublas_workspace", 0), limit=limit,
+                                limit=limit,
                                 total_memory=total_memory, resident=resident)
     if prediction is None:
         return None, None, {}

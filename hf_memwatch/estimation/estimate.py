@@ -36,7 +36,7 @@ from .cuda_autocast import policy_notes
 from .cuda_device import cuda_step_reserve, ddp_resident
 from .fake_model import auto_class, count_params, fake_copy, fake_model, load_config, resolve_adapter
 from .fsdp_replay import fsdp_applies, fsdp_flow
-from .gpus import target_gpu
+from .gpus import card_fits, gpu_record, target_gpu
 from .layers import AUTO_MIN_LAYERS, SHORT_DEPTHS, extrapolate, homogeneous_layers, truncated
 from .peft import LoraSpec
 from .quantized import QuantSpec
@@ -79,7 +79,10 @@ class MemoryEstimate:
     names the biggest single tensors of a language-model step inside the class that holds them at
     the peak: ``logits`` (every storage shaped tokens x vocabulary: the LM head's output, the
     loss's log-softmax, their gradients) and ``logits_fp32_upcast`` (the fp32 ones under mixed
-    precision). A breakdown, not an addition: they are already in ``classes``.
+    precision). A breakdown, not an addition: they are already in ``classes``. ``fits``: the peak
+    within ``budget``; without a budget, for a CUDA target, whether the step fits the card
+    (``config["gpu"]``: the device total, else the predicted reserve, against its memory:
+    :func:`~hf_memwatch.estimation.gpus.card_fits`); None for a CPU target without a budget.
     """
 
     peak_bytes: int
@@ -339,9 +342,12 @@ def _result(model: torch.nn.Module, fake_mode: Any, request: EstimateRequest, in
         if shard != "none":
             notes.append("eval: the weights are counted whole (sharded evaluation is not modelled)")
     budget_bytes = request.budget_bytes
+    fits = None if budget_bytes is None else peak <= budget_bytes
+    if fits is None and device == "cuda":  # no budget: the card's memory (gpus.card_fits)
+        fits = card_fits(request.gpu, reserved_bytes, device_bytes, notes)
     return MemoryEstimate(
         peak_bytes=peak, peak_phase=peak_phase, classes=dict(per_phase[peak_phase]), params=counts.params,
-        trainable_params=counts.trainable, fits=None if budget_bytes is None else peak <= budget_bytes,
+        trainable_params=counts.trainable, fits=fits,
         budget=budget_bytes, phase_peaks=phase_peaks, config=_config_record(model, request), notes=notes,
         frozen_models=counts.frozen_models, details=simulation.phase_details.get(peak_phase, {}),
         eval_peak_bytes=None if evaluation is None else evaluation.peak_bytes,
@@ -355,6 +361,7 @@ def _result(model: torch.nn.Module, fake_mode: Any, request: EstimateRequest, in
 def _config_record(model: torch.nn.Module, request: EstimateRequest) -> dict[str, Any]:
     """``MemoryEstimate.config``: what was estimated, under the public keywords' names."""
     generation = request.generation
+    card = {"gpu": gpu_record(request.gpu)} if request.device == "cuda" and request.gpu is not None else {}
     return {
         "model": type(model).__name__, "task": request.task, "batch_size": request.micro_batch_size,
         "seq_len": request.seq_len, "precision": request.precision, "optim": request.optim,
@@ -365,6 +372,7 @@ def _config_record(model: torch.nn.Module, request: EstimateRequest) -> dict[str
         "adapter": None if request.adapter is None else os.fspath(request.adapter),
         "generation": None if generation is None else asdict(generation),
         "quantization": None if request.quantization is None else asdict(request.quantization),
+        **card,
     }
 
 

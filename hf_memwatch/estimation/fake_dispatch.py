@@ -5,7 +5,8 @@ and snapshots the live set at each new high of a phase. Under it, fake tensors a
 know as a clean batch's real tensors would (a value read back, a boolean index, ``nonzero``), torch's
 shape functions are worked around where they reject what the CPU kernel runs (``_grouped_mm``),
 bitsandbytes kernels are replayed as they allocate (the CPU optimizer kernels, the 4-bit GEMM's
-dequantized weight), and kernels' internal workspaces are added as transients
+dequantized weight; for a CUDA target the 4-bit GEMM as its CUDA kernel routes it:
+:mod:`hf_memwatch.estimation.cuda_libs`), and kernels' internal workspaces are added as transients
 (:mod:`hf_memwatch.estimation.kernel_workspaces`).
 """
 
@@ -22,6 +23,7 @@ from torch._subclasses.fake_tensor import FakeTensor, is_fake
 from ..measure.attribution import weight_tensors
 from ..measure.saved_tensors import SavedTensorRegistry
 from ..measure.tracker import StorageTracker
+from .cuda_libs import bnb_gemm_4bit_cuda
 from .kernel_workspaces import (
     CPU_GEMM_OPS,
     CPU_SOFTMAX_OPS,
@@ -41,6 +43,7 @@ LOGITS_FP32 = "logits_fp32_upcast"
 # on the stack. 72% of a replay's dispatches (1,757 of 2,439 in a 2-layer GPT-2 step); it allocates nothing.
 # Answered at the top of the mode: an estimate 9-12% cheaper (benchmarks/results/estimate_cost.md).
 _DEVICE_QUERY = torch.ops.prim.device.default
+_LIFT_FRESH = torch.ops.aten.lift_fresh.default  # ``torch.tensor(python_data)``
 
 
 class EstimateTracker(StorageTracker):
@@ -61,6 +64,9 @@ class EstimateTracker(StorageTracker):
         self.snapshot: tuple[dict[int, Any], set[int]] | None = None
         self.kernel_workspaces = device_type == "cpu" and round_to == 1
         self.gpu: Any = None  # a CUDA target's card (estimation.gpus.GpuSpec), set by replay.new_tracker
+        # True within a torch optimizer's step for a CUDA target: tensors made from Python data are host
+        # tensors, not counted (estimation.cuda_optim.steps_on_host)
+        self.host_scalars = False
         self.named: dict[int, tuple[Any, str]] = {}  # storage key -> (its ref, detail name)
         # storage key -> its ref: gradients an engine holds outside ``.grad`` (ZeRO's buckets, partitions)
         self.engine_gradients: dict[int, Any] = {}
@@ -113,6 +119,10 @@ class EstimateTracker(StorageTracker):
             upcast = self._mixed and tensor.dtype == torch.float32
             self.named[key] = (ref, LOGITS_FP32 if upcast else LOGITS)
 
+    def reads_zero(self, tensor: torch.Tensor) -> None:
+        """``tensor``'s next read back (``.item()``) answers 0: a clean step's ``found_inf``."""
+        self._zero_tests[id(tensor)] = weakref.ref(tensor)
+
     def on_new_peak(self) -> None:
         # C-speed shallow copies: the refs keep each storage's size even after it dies
         self.snapshot = (dict(self._live), self.saved.keys())
@@ -138,6 +148,8 @@ class EstimateTracker(StorageTracker):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is _DEVICE_QUERY and isinstance(args[0], FakeTensor):
             return args[0].device  # FakeTensor's own answer (its property), without the modes below
+        if self.host_scalars and func is _LIFT_FRESH:
+            return func(*args, **(kwargs or {}))  # a host tensor of a CUDA run: not the card's memory
         if func in _READ_BACK_OPS:
             # A value read back to Python (``.item()``, ``if tensor:``): fake tensors have none. Metrics
             # code (TRL's token counts, accuracies) only needs *a* number; memory never depends on it.
@@ -192,8 +204,8 @@ class EstimateTracker(StorageTracker):
         if func.namespace == "bitsandbytes" and func.__name__ == "gemm_4bit.default":
             # The registered fake kernel allocates the output only; the CPU kernel (and the CUDA one
             # past 1536 rows, every training micro-batch) dequantizes the weight into a temporary
-            # first: bitsandbytes' own composite, replayed.
-            kernel = bnb_gemm_4bit_composite()
+            # first: bitsandbytes' own composite, replayed. A CUDA target: the CUDA kernel's routing.
+            kernel = bnb_gemm_4bit_composite() if self.gpu is None else bnb_gemm_4bit_cuda(self.gpu)
             if kernel is not None:
                 with self:
                     return kernel(*args, **(kwargs or {}))

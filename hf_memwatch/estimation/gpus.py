@@ -94,3 +94,37 @@ def target_gpu(name: str | GpuSpec | None) -> tuple[GpuSpec, str | None]:
     spec = gpu_spec(DEFAULT_GPU)
     return spec, f"no GPU here and none named: assumed {spec.name} (sm_{spec.sm}, {spec.memory / (1 << 30):.1f} GiB); " \
                  "pass gpu= / --gpu"
+
+
+def gpu_record(spec: GpuSpec) -> dict[str, object]:
+    """The card as an estimate's ``config["gpu"]`` records it.
+
+    Example:
+        >>> gpu_record(gpu_spec("T4"))
+        {'name': 'T4', 'memory': 16106127360, 'capability': [7, 5]}
+    """
+    return {"name": spec.name, "memory": spec.memory, "capability": list(spec.capability)}
+
+
+def card_fits(spec: GpuSpec | None, reserved: int | None, device: int | None, notes: list[str]) -> bool | None:
+    """A CUDA estimate's ``fits`` without a budget: the step's highest on the card against its memory.
+
+    The device total (``device``: reserved + the CUDA context measured on this machine's card + NCCL
+    buffers) when known; else the caching allocator's predicted reserve alone, noted (the context, a few
+    hundred MiB, is measured only where a CUDA device is at hand); None when neither is predicted
+    (sharded states). The card's memory is the driver's total (:class:`GpuSpec`).
+
+    Example:
+        >>> notes = []
+        >>> card_fits(gpu_spec("T4"), 2 << 30, None, notes), len(notes)
+        (True, 1)
+        >>> card_fits(gpu_spec("T4"), 2 << 30, 16 << 30, [])
+        False
+    """
+    if spec is None or (reserved is None and device is None):
+        return None
+    if device is not None:
+        return device <= spec.memory
+    notes.append(f"fits: the predicted reserve against the {spec.name}'s {spec.memory / (1 << 30):.1f} GiB, "
+                 "without the CUDA context (measured only where a CUDA device is at hand)")
+    return reserved <= spec.memory

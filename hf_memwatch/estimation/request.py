@@ -4,7 +4,8 @@
 ``micro_batch_size``, ``accum`` is ``gradient_accumulation_steps``); from there on the request travels
 whole — resolved against a Trainer's own configuration (:meth:`EstimateRequest.resolved`), validated
 (:meth:`EstimateRequest.validate`), then read by the step and eval replays. A setting left ``None`` is
-the Trainer's own, else :class:`RunConfig`'s default.
+the Trainer's own, else :class:`RunConfig`'s default (``optim`` for a CUDA target: the Trainer's
+default, ``adamw_torch_fused``: :mod:`~hf_memwatch.estimation.cuda_optim`).
 
 Example:
     >>> request = EstimateRequest(micro_batch_size=8, seq_len=128).resolved(None)
@@ -96,6 +97,10 @@ class EstimateRequest:
             defaults["micro_batch_size"] = None
             defaults["predict_with_generate"] = False
         changes = {name: default for name, default in defaults.items() if getattr(self, name) is None}
+        if trainer is None and "optim" in changes:  # a CUDA target: the Trainer's own default (cuda_optim)
+            from .cuda_optim import default_optim
+
+            changes["optim"] = default_optim(changes.get("device", self.device))
         if trainer is not None and changes.get("predict_with_generate", self.predict_with_generate):
             if self.generation_max_length is None:
                 changes["generation_max_length"] = own.generation_max_length

@@ -11,11 +11,13 @@ phase ends.
 
 A CUDA target is simulated on fake CPU tensors (fake CUDA tensors need a CUDA build of torch),
 with what differs on CUDA modelled: every storage rounded up to 512 bytes as the caching
-allocator rounds blocks; the optimizer implementation torch picks for CUDA tensors (``foreach``
-unless the Trainer asks for ``fused``); bitsandbytes' fused CUDA kernels (no temporaries) instead
-of its Python CPU kernels. Autocast is CPU autocast casting as CUDA autocast does (its op lists:
-:mod:`.cuda_autocast`; softmax, norms, ``pow``, losses in fp32), and SDPA with the CPU flash
-kernel, which saves what the CUDA flash / memory-efficient kernels save (the
+allocator rounds blocks; the optimizer implementation torch picks for CUDA tensors (``fused`` for
+the Trainer's default ``adamw_torch_fused``, ``foreach`` for ``adamw_torch``), Adam's step
+counters on the host, fp16's GradScaler (:mod:`.cuda_optim`); the cuBLAS workspaces of the card
+and bitsandbytes' CUDA routing of the 4-bit GEMM (:mod:`.cuda_libs`); bitsandbytes' fused CUDA
+optimizer kernels (no temporaries) instead of its Python CPU kernels. Autocast is CPU autocast casting
+as CUDA autocast does (its op lists: :mod:`.cuda_autocast`; softmax, norms, ``pow``, losses in fp32),
+and SDPA with the CPU flash kernel, which saves what the CUDA flash / memory-efficient kernels save (the
 output and the log-sum-exp), not the attention matrix.
 
 Phase names are those of the timeline snapshot that closes each interval: ``after_forward``
@@ -43,6 +45,8 @@ from ..measure.attribution import weight_tensors
 from ..measure.peak_tensors import PeakCensus, PeakTensors
 from ..measure.saved_tensors import SavedTensorRegistry
 from .classify import Phases, refs
+from .cuda_libs import cublas_workspaces
+from .cuda_optim import step_scaler, steps_on_host
 from .fake_dispatch import CUDA_BLOCK, LOGITS, LOGITS_FP32, name_frozen_weights
 from .optim import BNB_OPTIMS, build_optimizer
 from .peak import PeakCensusWatch
@@ -166,6 +170,9 @@ class _StepRun:
         if top > 0:
             phases.census = PeakCensusWatch(tracker, saved, model, optimizer, weights, self.other, top)
         self.params = [p for p in model.parameters() if p.requires_grad]
+        if request.device == "cuda":
+            steps_on_host(optimizer, tracker)
+        self.scaler = step_scaler(request, tracker)  # fp16 on CUDA: accelerate's GradScaler
 
     def new_batch(self) -> dict[str, Any]:
         """A copy of the Trainer's sample, else a synthetic batch."""
@@ -182,6 +189,9 @@ class _StepRun:
     def replay_step(self, steps: int) -> None:
         """The earlier steps' optimizer state, the micro-steps, then clipping, the step and ``zero_grad``."""
         model, optimizer, phases, request = self.model, self.optimizer, self.phases, self.request
+        # held from the first step on: the cuBLAS workspaces (CUDA), the GradScaler's scale (fp16 on CUDA)
+        self.held = cublas_workspaces(self.tracker) + (self.scaler.start(self.device) if self.scaler else [])
+        self.keep(self.held)
         tr_loss = torch.tensor(0.0, device=self.device)
         self.keep([tr_loss])
         lookahead = self.new_batch()
@@ -207,9 +217,15 @@ class _StepRun:
         del batches, replayed
         if not request.optimizer_step:
             return
+        scaler = self.scaler
         if request.max_grad_norm and request.max_grad_norm > 0:
+            if scaler is not None:
+                scaler.unscale_(optimizer)  # accelerate's clip_grad_norm_
             torch.nn.utils.clip_grad_norm_(self.params, request.max_grad_norm)
-        optimizer.step()
+        if scaler is not None:
+            scaler.step(optimizer)
+        else:
+            optimizer.step()
         phases.close(AFTER_OPTIMIZER)
         optimizer.zero_grad(set_to_none=True)
         model.zero_grad(set_to_none=True)
@@ -260,7 +276,8 @@ class _StepRun:
             hook = model.register_forward_hook(_close_after_forward(phases, replay))
             try:
                 with (replay.running(model, self.tracker, phases.close) if replay is not None
-                      else contextlib.nullcontext()):
+                      else contextlib.nullcontext()), (
+                        self.scaler.installed(trainer) if self.scaler else contextlib.nullcontext()):
                     loss = trainer.training_step(model, inputs, num_items)
             finally:
                 hook.remove()
@@ -272,7 +289,10 @@ class _StepRun:
         if num_items is None:
             loss = loss / self.request.gradient_accumulation_steps
         phases.close(AFTER_FORWARD)
-        loss.backward()
+        if self.scaler is not None:
+            self.scaler.backward(loss)
+        else:
+            loss.backward()
         phases.close(AFTER_BACKWARD)
         return loss.detach()
 
