@@ -13,9 +13,10 @@ A CUDA target is simulated on fake CPU tensors (fake CUDA tensors need a CUDA bu
 with what differs on CUDA modelled: every storage rounded up to 512 bytes as the caching
 allocator rounds blocks; the optimizer implementation torch picks for CUDA tensors (``foreach``
 unless the Trainer asks for ``fused``); bitsandbytes' fused CUDA kernels (no temporaries) instead
-of its Python CPU kernels. Autocast runs with CPU autocast's op lists at the same dtype, and SDPA
-with the CPU flash kernel, which saves what the CUDA flash / memory-efficient kernels save (the
-output and the log-sum-exp), not the attention matrix.
+of its Python CPU kernels; dropout, SDPA and the kernels' workspaces as CUDA runs them on the
+target's card (:mod:`~hf_memwatch.estimation.cuda_kernels`: the fused dropout's bool mask, the SDPA
+backend ``sdp_utils`` picks and what it saves). Autocast runs with CPU autocast's op lists at the
+same dtype.
 
 Phase names are those of the timeline snapshot that closes each interval: ``after_forward``
 (forward and loss), ``after_backward``, ``after_optimizer`` (clipping and the optimizer step),
