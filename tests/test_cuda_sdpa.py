@@ -140,3 +140,15 @@ def test_memory_efficient_forward_accumulator_past_head_dim_128():
     assert ck.efficient_forward_workspace((q, k, v)) == 0
 
 
+
+
+def test_math_path_drops_out_with_a_bool_mask():
+    # T4 in bf16: no fused kernel, the math path with its fp32 upcast; its dropout is CUDA's fused one
+    saved, size = sdpa_saved("T4", 256, dropout_p=0.1)
+    matrix = 2 * 12 * 256 * 256
+    fp32 = 2 * size  # one of q, k, v upcast to fp32
+    # the first matmul's scaled q and k, the softmax output and the dropped weights (fp32, kept by the
+    # second matmul with v), and the dropout's 1-byte mask
+    assert saved == 3 * fp32 + 2 * matrix * 4 + matrix
+    cpu, _ = sdpa_saved(None, 256, dropout_p=0.1)
+    assert cpu - saved == matrix * 3  # the CPU dropout's mask in fp32

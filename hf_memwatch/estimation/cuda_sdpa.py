@@ -18,9 +18,8 @@ attention matrix kept for backward): +185% … +248% on a GPT-2-large-sized benc
   :func:`efficient_forward_workspace`), added as transients by the tracker.
 
 Not modelled: cuDNN attention's workspace (the cuDNN frontend graph reports it at run time), the split-KV
-buffers (decoding only), the memory-efficient backward's shared-memory fit check (the first kernel
-``dispatch_cutlassB`` lists that fits the shape is taken), and the math path's internal dropout, which
-stays the CPU one (a mask in the attention's dtype where CUDA's fused kernel keeps a bool one).
+buffers (decoding only), and the memory-efficient backward's shared-memory fit check (the first kernel
+``dispatch_cutlassB`` lists that fits the shape is taken).
 
 Example:
     >>> from hf_memwatch.estimation.gpus import gpu_spec
@@ -270,8 +269,36 @@ def cuda_sdpa(gpu: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Ten
         if backend == CUDNN:
             return aten._scaled_dot_product_cudnn_attention(query, key, value, mask, grad, dropout_p, is_causal,
                                                             False, scale=scale)[0]
-        return aten._scaled_dot_product_attention_math(query, key, value, mask, dropout_p, is_causal, None,
-                                                       scale=scale, enable_gqa=enable_gqa)[0]
+        return math_sdpa(query, key, value, mask, dropout_p, is_causal, scale, enable_gqa)
+
+
+def math_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+              dropout_p: float, is_causal: bool, scale: float | None, enable_gqa: bool) -> torch.Tensor:
+    """``_scaled_dot_product_attention_math`` (attention.cpp) as on CUDA, op for op: fp16/bf16 inputs
+    upcast to fp32, q and k scaled by ``sqrt(scale)``, the causal mask built and made additive, GQA's
+    k/v repeated per query head, ``_safe_softmax``, the dropout through ``at::dropout`` — CUDA's fused
+    kernel, a bool mask (C++ calls it, so the CPU math op would run the CPU dropout) — then the output
+    and the attention weights cast back to the input dtype (the weights returned, dropped by SDPA)."""
+    dtype = query.dtype
+    if dtype in HALF:
+        query, key, value = query.float(), key.float(), value.float()
+    factor = math.sqrt(abs(scale) if scale is not None else 1.0 / math.sqrt(query.shape[-1]))
+    query = query * (-factor if scale is not None and scale < 0 else factor)
+    if is_causal:
+        causal = torch.ones(query.shape[-2], key.shape[-2], dtype=torch.bool).tril()
+        mask = _convert_boolean_mask(causal, query.dtype)
+    if enable_gqa and key.shape[-3] != query.shape[-3]:  # pre_process_group_query_attention_input
+        key = key.repeat_interleave(query.shape[-3] // key.shape[-3], dim=-3)
+        value = value.repeat_interleave(query.shape[-3] // value.shape[-3], dim=-3)
+    attn = torch.matmul(query, key.transpose(-2, -1) * factor)
+    if mask is not None:
+        attn.add_(mask)
+    attn = aten._safe_softmax(attn, -1)
+    if dropout_p > 0.0:
+        attn = torch.native_dropout(attn, dropout_p, True)[0]
+    out = torch.matmul(attn, value).to(dtype)
+    attn.to(dtype)  # the second output, freed as SDPA returns
+    return out
 
 
 def flash_backward_workspace(args: tuple) -> int:
