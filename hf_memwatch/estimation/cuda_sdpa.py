@@ -17,9 +17,17 @@ attention matrix kept for backward): +185% … +248% on a GPT-2-large-sized benc
 * the kernels' internal buffers (:func:`flash_backward_workspace`, :func:`efficient_backward_workspace`,
   :func:`efficient_forward_workspace`), added as transients by the tracker.
 
+Sources: the kernel tables and workspace formulas from the headers torch 2.13 installs
+(``mem_eff_attention/kernel_backward.h``, ``kernels/cutlassB.h``, ``kernel_forward.h``,
+``sdp_utils_cpp.h``); ``sdp_utils.cpp``, ``attention.cpp``, ``attention_backward.cu`` and
+``flash_attn/flash_api.cpp`` from pytorch/pytorch as stored (the memory-efficient backend's refusal of
+GQA is the ``check_batch_size_and_num_heads_dense<false>`` of the versions whose template matches 2.13's
+header; the cuDNN preference assumes the wheel's cuDNN is newer than 9.15.0).
+
 Not modelled: cuDNN attention's workspace (the cuDNN frontend graph reports it at run time), the split-KV
-buffers (decoding only), and the memory-efficient backward's shared-memory fit check (the first kernel
-``dispatch_cutlassB`` lists that fits the shape is taken).
+buffers (decoding only), the memory-efficient backward's shared-memory fit check (the first kernel
+``dispatch_cutlassB`` lists that fits the shape is taken), and flash backward's deterministic mode
+(``torch.use_deterministic_algorithms``: ``dq_accum`` split per SM group).
 
 Example:
     >>> from hf_memwatch.estimation.gpus import gpu_spec
