@@ -7,7 +7,8 @@ shape functions are worked around where they reject what the CPU kernel runs (``
 bitsandbytes kernels are replayed as they allocate (the CPU optimizer kernels, the 4-bit GEMM's
 dequantized weight; for a CUDA target the 4-bit GEMM as its CUDA kernel routes it:
 :mod:`hf_memwatch.estimation.cuda_libs`), and kernels' internal workspaces are added as transients
-(:mod:`hf_memwatch.estimation.kernel_workspaces`).
+(:mod:`hf_memwatch.estimation.kernel_workspaces` for a CPU target, :mod:`hf_memwatch.estimation.cuda_kernels`
+for a CUDA one).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from torch._subclasses.fake_tensor import FakeTensor, is_fake
 from ..measure.attribution import weight_tensors
 from ..measure.saved_tensors import SavedTensorRegistry
 from ..measure.tracker import StorageTracker
+from .cuda_kernels import CUDA_WORKSPACE_OPS, cuda_workspace
 from .cuda_libs import bnb_gemm_4bit_cuda
 from .kernel_workspaces import (
     CPU_GEMM_OPS,
@@ -184,6 +186,10 @@ class EstimateTracker(StorageTracker):
             source = args[0]
             out = torch.zeros((source.numel(), source.dim()), dtype=torch.long, device=source.device)
             self._track_output(out)
+            return out
+        if self.gpu is not None and func in CUDA_WORKSPACE_OPS:  # a CUDA target's kernels (cuda_kernels)
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            self.transient(cuda_workspace(func, args, self.gpu))
             return out
         if self.kernel_workspaces and func in SDPA_CPU_OPS:
             out = super().__torch_dispatch__(func, types, args, kwargs)

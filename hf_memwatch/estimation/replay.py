@@ -13,7 +13,9 @@ generation mode, ``generate`` (:mod:`.generation`). What the modes share lives h
   CUDA autocast does for a CUDA target: :mod:`.cuda_autocast`) — put back on every exit path (the
   same fake model is replayed again at other depths);
 * :func:`tracked`: warnings silenced, transformers' masks as the real batch takes them, the fake
-  mode and the tracker entered.
+  mode and the tracker entered, and for a CUDA target the CUDA kernel paths
+  (:func:`~hf_memwatch.estimation.cuda_kernels.cuda_kernel_paths`: fused dropout, SDPA's CUDA
+  backend from :mod:`~hf_memwatch.estimation.cuda_sdpa`).
 
 Example:
     >>> from hf_memwatch.estimation.request import EstimateRequest
@@ -33,6 +35,7 @@ import torch
 
 from ..measure.saved_tensors import SavedTensorRegistry
 from .cuda_autocast import cuda_autocast_policy
+from .cuda_kernels import cuda_kernel_paths
 from .fake_dispatch import CUDA_BLOCK, EstimateTracker
 from .trainer_mirror import (
     MIXED_DTYPES,
@@ -99,6 +102,7 @@ def model_in_mode(model: torch.nn.Module, request: Any, mode: ReplayMode, use_ca
 def tracked(fake_mode: Any, tracker: EstimateTracker, packed: bool = False, padded: bool = False) -> Iterator[None]:
     """The replay's dispatch: warnings silenced, the real batch's masks (``packed``/``padded``:
     :func:`~hf_memwatch.estimation.trainer_mirror.real_batch_masks`), the fake mode, the tracker."""
-    with warnings.catch_warnings(), real_batch_masks(packed, padded), fake_mode, tracker:
+    paths = cuda_kernel_paths(tracker.gpu) if tracker.gpu is not None else contextlib.nullcontext()
+    with warnings.catch_warnings(), real_batch_masks(packed, padded), fake_mode, tracker, paths:
         warnings.simplefilter("ignore")
         yield

@@ -15,10 +15,11 @@ allocator rounds blocks; the optimizer implementation torch picks for CUDA tenso
 the Trainer's default ``adamw_torch_fused``, ``foreach`` for ``adamw_torch``), Adam's step
 counters on the host, fp16's GradScaler (:mod:`.cuda_optim`); the cuBLAS workspaces of the card
 and bitsandbytes' CUDA routing of the 4-bit GEMM (:mod:`.cuda_libs`); bitsandbytes' fused CUDA
-optimizer kernels (no temporaries) instead of its Python CPU kernels. Autocast is CPU autocast casting
-as CUDA autocast does (its op lists: :mod:`.cuda_autocast`; softmax, norms, ``pow``, losses in fp32),
-and SDPA with the CPU flash kernel, which saves what the CUDA flash / memory-efficient kernels save (the
-output and the log-sum-exp), not the attention matrix.
+optimizer kernels (no temporaries) instead of its Python CPU kernels; dropout, SDPA and the kernels'
+workspaces as CUDA runs them on the target's card (:mod:`~hf_memwatch.estimation.cuda_kernels`: the
+fused dropout's bool mask, the SDPA backend ``sdp_utils`` picks and what it saves). Autocast is CPU
+autocast casting as CUDA autocast does (its op lists: :mod:`.cuda_autocast`; softmax, norms, ``pow``,
+losses in fp32).
 
 Phase names are those of the timeline snapshot that closes each interval: ``after_forward``
 (forward and loss), ``after_backward``, ``after_optimizer`` (clipping and the optimizer step),
