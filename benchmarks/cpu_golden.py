@@ -50,7 +50,9 @@ def figures(case: dict) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--write", action="store_true", help="write the golden file instead of checking it")
+    action = parser.add_mutually_exclusive_group()
+    action.add_argument("--check", action="store_true", help="compare with the golden file (the default)")
+    action.add_argument("--write", action="store_true", help="write the golden file instead of checking it")
     args = parser.parse_args()
     got = {case_key(case): figures(case) for case in cases()}
     if args.write:
