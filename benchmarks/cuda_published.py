@@ -20,9 +20,9 @@ Two measuring protocols occur. ``trainer``: ``Trainer.train()``, replayed by ``e
 ``model.zero_grad(); outputs = model(**inputs); outputs.logits.sum().backward()``, no optimizer,
 ``max_memory_allocated`` over the timed steps. It is replayed by ``estimate(LogitsSum(model), ...,
 optimizer_step=False)`` on a meta-device float16 model: :class:`LogitsSum` is that script's loss.
-The script keeps the previous step's ``outputs`` alive until the next forward returns (a Python
-variable rebound after the call); that term is named, with its size, in the case's explanation, not
-added to the prediction.
+The script's ``outputs`` variable keeps each step's logits alive through its backward and until the
+next forward returns (a Python variable rebound after the call): :class:`LogitsSum` holds them the same
+way, so the replay counts them (their size is named in the case's explanation).
 
 The settings each case is estimated with are the ones its Transformers/torch version used (eager
 attention before SDPA existed, the optimizer of that time), written per case in ``settings``; the
@@ -90,7 +90,9 @@ def pythia_410m() -> GPTNeoXConfig:
 
 
 class LogitsSum(torch.nn.Module):
-    """The SDPA benchmark script's step loss: ``model(input_ids=...).logits.sum()`` (no labels, no loss head)."""
+    """The SDPA benchmark script's step: ``outputs = model(input_ids=...)``, ``outputs.logits.sum()`` (no labels,
+    no loss head), with the logits held as the script's ``outputs`` variable holds them: through the backward,
+    released when the next forward returns (``held``)."""
 
     def __init__(self, inner: torch.nn.Module) -> None:
         super().__init__()
@@ -98,7 +100,9 @@ class LogitsSum(torch.nn.Module):
         self.config = inner.config
 
     def forward(self, input_ids: torch.Tensor, **_: Any) -> dict[str, torch.Tensor]:
-        return {"loss": self.inner(input_ids=input_ids).logits.sum()}
+        logits = self.inner(input_ids=input_ids).logits
+        self.held = logits  # the script's ``outputs``, rebound after the call returns
+        return {"loss": logits.sum()}
 
 
 # -- the cases ------------------------------------------------------------------------------------
@@ -169,7 +173,8 @@ DISTIL_VERSIONS = "GeForce RTX 2060 8 GB (sm_75), PyTorch 2.3.1, transformers ~4
 SCRIPT_SETTINGS = ("fxmarty's benchmark_sdpa_training script: from_pretrained(torch_dtype=float16, "
                    "attn_implementation=...), inputs: input_ids only; per step zero_grad (set_to_none), "
                    "forward, logits.sum().backward(); no optimizer; max_memory_allocated * 1e-6 (MB)")
-HELD_LOGITS = "previous step's outputs held through the next forward (script protocol): +{held} MB"
+HELD_LOGITS = ("the script's outputs (fp16 logits, {held} MB) held through the backward and the next forward "
+               "(script protocol, replayed by LogitsSum)")
 
 
 def _perf(key: str, batch: int, accum: int, precision: str, optim: str, checkpointing: bool, used_mib: int,
@@ -191,11 +196,9 @@ def _script(key: str, source: str, model: str, config: Callable[[], Any], task: 
 
 EAGER_NOTE = ("eager attention, fp16: the same kernels on either device; the attention code is transformers "
               "5.23's eager_attention_forward, not the measured version's")
-MATH_PATH = ("a replay that dispatches as on the CPU takes the math path, since torch's CPU flash kernel refuses "
-             "dropout (sdp_utils_cpp.cpp, use_flash_attention_cpp: check_for_dropout) and this model trains with "
-             "attention dropout 0.1, where CUDA's flash and memory-efficient kernels take it; the math path "
-             "(attention.cpp, _scaled_dot_product_attention_math) upcasts fp16 q, k, v to fp32 unless "
-             "allowFP16BF16ReductionMathSDP and saves the B x H x S x S probabilities and dropout mask: more than eager")
+MATH_PATH = ("the replay runs the CUDA kernel sdp_utils picks for the card (estimation/cuda_sdpa.py), attention "
+             "dropout 0.1 inside it; a replay that dispatched as on the CPU took the math path (torch's CPU flash "
+             "kernel refuses dropout: sdp_utils_cpp.cpp, check_for_dropout), +49..+183% before")
 FLASH_NOTE = ("SDPA on sm_80, fp16, no mask (an all-ones mask is dropped before SDPA): the run took the flash "
               f"kernel, which saves its output and logsumexp only; {MATH_PATH}")
 CAUSAL_FLASH_NOTE = ("SDPA on sm_86, fp16, causal without a mask (is_causal): the run took the flash kernel, "
