@@ -1,0 +1,114 @@
+"""The transformers internals hf-memwatch relies on (the ``Trainer``, its callbacks, model init),
+each with its probe. Verified on transformers 4.57.6 and 5.23.0 (:mod:`hf_memwatch.compat.versions`).
+
+===============================  ==================================  ===============================
+private thing (``guards``)        what relies on it                   without it (``off``)
+===============================  ==================================  ===============================
+``Trainer._train_batch_size``     a plan written into a built         the plan's micro-batch goes to
+(read by                          Trainer reaches its dataloader      the arguments only; the run is
+``get_train_dataloader``)         (``integration/apply.py``)          told it may not reach the loader
+``TensorBoardCallback.tb_writer``  ``memory/*`` scalars under their    the scalars go through the
+(made and used by ``on_log``)     exact names (``reporting/sinks``)   callback's own ``on_log``
+                                                                      (``train/memory/*``)
+``trainer.EvalLoopContainer``     the eval loop's accumulated         outputs are counted as
+(the name ``evaluation_loop``     outputs as the ``outputs`` class    ``other``
+looks up, ``tensors``/``arrays``)  (``integration/eval_watch.py``)
+===============================  ==================================  ===============================
+
+``no_init_weights`` moved from ``transformers.modeling_utils`` (4.x) to ``transformers.initialization``
+(5.x); :func:`no_init_weights` finds it in either.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .probes import Probe, holds
+
+
+def _reads_train_batch_size() -> bool:
+    from transformers import Trainer
+
+    return "_train_batch_size" in Trainer.get_train_dataloader.__code__.co_names
+
+
+TRAIN_BATCH_SIZE = Probe("transformers", "Trainer._train_batch_size (read by get_train_dataloader)",
+                         "writing a plan's micro-batch size into a built Trainer's dataloader",
+                         _reads_train_batch_size)
+
+
+def set_cached_train_batch_size(trainer: Any, size: int) -> bool:
+    """Write ``size`` into the Trainer's cached batch size (what ``get_train_dataloader`` and
+    ``train()`` read, ``per_device_train_batch_size`` x ``n_gpu``); False when this transformers
+    does not cache it as verified (warned once, in ``meta.degraded``)."""
+    if not (hasattr(trainer, "_train_batch_size") and holds(TRAIN_BATCH_SIZE)):
+        return False
+    trainer._train_batch_size = size
+    return True
+
+
+def _tensorboard_writer_used() -> bool:
+    from transformers.integrations import TensorBoardCallback
+
+    return all("tb_writer" in f.__code__.co_names for f in (TensorBoardCallback.__init__, TensorBoardCallback.on_log))
+
+
+TENSORBOARD_WRITER = Probe("transformers", "TensorBoardCallback.tb_writer",
+                           "memory/* scalars under their exact names on TensorBoard (they go as train/memory/*)",
+                           _tensorboard_writer_used)
+
+
+def tensorboard_writer(callback: Any) -> Any:
+    """The ``SummaryWriter`` a ``TensorBoardCallback`` writes with (made by its ``on_log``), or None."""
+    return getattr(callback, "tb_writer", None) if holds(TENSORBOARD_WRITER) else None
+
+
+def tensorboard_routable() -> bool:
+    """Whether the memory scalars may bypass the TensorBoard callback's ``on_log`` (its writer is
+    where verified); otherwise they are left to that ``on_log``, prefixed but not lost."""
+    return holds(TENSORBOARD_WRITER)
+
+
+def _eval_container_swappable() -> bool:
+    from transformers import Trainer
+    from transformers import trainer as trainer_module
+
+    base = getattr(trainer_module, "EvalLoopContainer", None)
+    return (isinstance(base, type) and "EvalLoopContainer" in Trainer.evaluation_loop.__code__.co_names
+            and {"tensors", "arrays"} <= set(base.__init__.__code__.co_names))
+
+
+EVAL_CONTAINER = Probe("transformers", "transformers.trainer.EvalLoopContainer (tensors, arrays)",
+                       "the eval loop's accumulated outputs as the outputs class (counted as other)",
+                       _eval_container_swappable)
+
+
+def eval_container_module() -> Any:
+    """``transformers.trainer`` when its ``EvalLoopContainer`` is the name the eval loop builds its
+    containers through (so a registering subclass can stand in for the loop), else None."""
+    if not holds(EVAL_CONTAINER):
+        return None
+    from transformers import trainer as trainer_module
+
+    return trainer_module
+
+
+def no_init_weights() -> Any:
+    """transformers' context that skips weight initialisation (5.x ``initialization``, 4.x ``modeling_utils``)."""
+    try:
+        from transformers.initialization import no_init_weights as skip
+    except ImportError:  # transformers 4.x
+        from transformers.modeling_utils import no_init_weights as skip
+    return skip()
+
+
+def probe_trainer(trainer: Any) -> list[str]:
+    """Run the Trainer's probes (at ``train()``'s start, before the ``meta`` record); the failed
+    probes of this process so far (``meta.degraded``)."""
+    from .probes import degraded
+
+    holds(TRAIN_BATCH_SIZE)
+    holds(EVAL_CONTAINER)
+    if any(type(c).__name__ == "TensorBoardCallback" for c in getattr(trainer.callback_handler, "callbacks", [])):
+        holds(TENSORBOARD_WRITER)
+    return degraded()
