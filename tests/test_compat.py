@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import warnings
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from transformers.integrations import TensorBoardCallback
 
 from hf_memwatch import MemWatch, MemWatchConfigError, estimate
 from hf_memwatch.cli.main import main
+from hf_memwatch.compat import deepspeed as compat_deepspeed
 from hf_memwatch.compat import probes, torch_frames, versions
 from hf_memwatch.compat import trainer as compat_trainer
 from hf_memwatch.integration.apply import apply_plan
@@ -28,7 +30,9 @@ from hf_memwatch.planning.plan import Plan
 from hf_memwatch.reporting.sinks import exact_name_routes
 
 LIGHT = {"detail": "light", "report": False, "summary": False}
-PROBES = [compat_trainer.TRAIN_BATCH_SIZE, compat_trainer.TENSORBOARD_WRITER, compat_trainer.EVAL_CONTAINER,
+FIVE = int(transformers.__version__.split(".")[0]) >= 5
+PROBES = [pytest.param(compat_trainer.MASKS, marks=pytest.mark.skipif(not FIVE, reason="4.x: off, loudly")),
+          compat_trainer.TRAIN_BATCH_SIZE, compat_trainer.TENSORBOARD_WRITER, compat_trainer.EVAL_CONTAINER,
           torch_frames.FRAMES]
 
 
@@ -157,6 +161,47 @@ def test_renamed_cpp_frames_turn_the_unperturbed_replay_off_loudly(monkeypatch, 
     one_warning(caplog, f"torch {torch.__version__}", "gather_backward(", "unperturbed")
     # the operators then run as called (None), whatever their caller
     assert unperturbed.run_unperturbed(torch.ops.aten.scatter_add.default, (torch.zeros(2), 0, torch.zeros(1, dtype=torch.long), torch.ones(1)), {}) is None
+
+
+def test_masks_the_estimate_cannot_take_as_real_are_warned_once_and_in_meta(tmp_path, monkeypatch, caplog) -> None:
+    """transformers 4.x has no ``masking_utils.fast_all``/``is_tracing`` (on 5.x: removed for the test)."""
+    from transformers import masking_utils
+
+    if FIVE:
+        monkeypatch.delattr(masking_utils, "fast_all")
+    config = GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100)
+    with caplog.at_level(logging.WARNING, logger="hf_memwatch"):
+        estimate(config, batch_size=1, seq_len=8)
+        estimate(config, batch_size=1, seq_len=8)
+    one_warning(caplog, f"transformers {transformers.__version__}", "masking_utils", "masks")
+    assert probes.degraded() == [compat_trainer.MASKS.entry()]
+
+
+def test_zero_optimizers_assign_their_partitions_under_the_verified_names() -> None:
+    pytest.importorskip("deepspeed")
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    for cls in (DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3):
+        assert compat_deepspeed._probe(cls).check() is True
+
+
+def test_a_renamed_zero_partition_is_warned_once(tmp_path, monkeypatch, caplog) -> None:
+    """A DeepSpeed-shaped module whose stage-1/2 optimizer keeps its fp32 partitions under another name."""
+    import importlib.util
+
+    source = tmp_path / "renamed_stage.py"
+    source.write_text("class DeepSpeedZeroOptimizer:\n    def __init__(self):\n"
+                      "        self.bit16_groups_flat = []\n        self.fp32_partitions = []\n"
+                      "        self.averaged_gradients = {}\n")
+    spec = importlib.util.spec_from_file_location("deepspeed.runtime.zero.renamed_stage", source)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)
+    spec.loader.exec_module(module)
+    with caplog.at_level(logging.WARNING, logger="hf_memwatch"):
+        assert not compat_deepspeed.zero_partitions_named(module.DeepSpeedZeroOptimizer())
+        assert not compat_deepspeed.zero_partitions_named(module.DeepSpeedZeroOptimizer())
+    one_warning(caplog, "deepspeed", "single_partition_of_fp32_groups", "ZeRO's partitions")
 
 
 def test_the_meta_record_names_what_is_off(tmp_path, monkeypatch) -> None:

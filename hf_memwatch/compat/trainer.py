@@ -13,6 +13,9 @@ private thing (``guards``)        what relies on it                   without it
 ``trainer.EvalLoopContainer``     the eval loop's accumulated         outputs are counted as
 (the name ``evaluation_loop``     outputs as the ``outputs`` class    ``other``
 looks up, ``tensors``/``arrays``)  (``integration/eval_watch.py``)
+``masking_utils.is_tracing``,     the estimate's masks taken as on    masks a real run skips may be
+``fast_all``,                     the real batch (``estimation/       counted (an over-estimate);
+``find_packed_sequence_indices``  trainer_mirror.py``)                off on transformers 4.x
 ===============================  ==================================  ===============================
 
 ``no_init_weights`` moved from ``transformers.modeling_utils`` (4.x) to ``transformers.initialization``
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .deepspeed import zero_partitions_named
 from .probes import Probe, holds
 
 
@@ -93,6 +97,24 @@ def eval_container_module() -> Any:
     return trainer_module
 
 
+def _masks_patchable() -> bool:
+    from transformers import masking_utils
+
+    return all(callable(getattr(masking_utils, name, None)) for name in MASK_HELPERS)
+
+
+MASK_HELPERS = ("is_tracing", "fast_all", "find_packed_sequence_indices")
+MASKS = Probe("transformers", "masking_utils.is_tracing, fast_all, find_packed_sequence_indices",
+              "the estimate's masks as the real batch takes them (masks a real run skips may be counted)",
+              _masks_patchable)
+
+
+def masks_patchable() -> bool:
+    """Whether ``masking_utils`` has the helpers ``estimation.trainer_mirror.real_batch_masks``
+    answers for fake tensors (transformers 5.x; 4.x has neither ``is_tracing`` nor ``fast_all``)."""
+    return holds(MASKS)
+
+
 def no_init_weights() -> Any:
     """transformers' context that skips weight initialisation (5.x ``initialization``, 4.x ``modeling_utils``)."""
     try:
@@ -100,6 +122,15 @@ def no_init_weights() -> Any:
     except ImportError:  # transformers 4.x
         from transformers.modeling_utils import no_init_weights as skip
     return skip()
+
+
+def checkpointing_argument() -> str:
+    """The ``TrainingArguments`` field that turns activation checkpointing on: ``activation_checkpointing``
+    (5.x; ``gradient_checkpointing`` warns there, to be removed in v6), ``gradient_checkpointing`` (4.x)."""
+    from transformers import TrainingArguments
+
+    fields = TrainingArguments.__dataclass_fields__
+    return "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
 
 
 def probe_trainer(trainer: Any) -> list[str]:
@@ -111,4 +142,10 @@ def probe_trainer(trainer: Any) -> list[str]:
     holds(EVAL_CONTAINER)
     if any(type(c).__name__ == "TensorBoardCallback" for c in getattr(trainer.callback_handler, "callbacks", [])):
         holds(TENSORBOARD_WRITER)
+    optimizer = getattr(trainer, "optimizer", None)
+    for _ in range(8):  # DeepSpeed's ZeRO optimizer, inside accelerate's and DeepSpeed's wrappers
+        if optimizer is None:
+            break
+        zero_partitions_named(optimizer)
+        optimizer = getattr(optimizer, "optimizer", None)
     return degraded()
