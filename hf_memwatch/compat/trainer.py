@@ -140,7 +140,8 @@ def probe_trainer(trainer: Any) -> list[str]:
 
     holds(TRAIN_BATCH_SIZE)
     holds(EVAL_CONTAINER)
-    if any(type(c).__name__ == "TensorBoardCallback" for c in getattr(trainer.callback_handler, "callbacks", [])):
+    callbacks = getattr(getattr(trainer, "callback_handler", None), "callbacks", None) or []
+    if any(type(c).__name__ == "TensorBoardCallback" for c in callbacks):
         holds(TENSORBOARD_WRITER)
     optimizer = getattr(trainer, "optimizer", None)
     for _ in range(8):  # DeepSpeed's ZeRO optimizer, inside accelerate's and DeepSpeed's wrappers
