@@ -10,7 +10,7 @@ export HF_DATASETS_OFFLINE ?= 1
 export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: venv test lint demo bench gpu-check clean
+.PHONY: venv test test-stack2 lint demo bench gpu-check clean
 
 $(STAMP): setup.cfg pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,31 @@ lint: venv
 test: lint
 	command -v chromium >/dev/null || (apt-get update && apt-get install -y chromium)
 	$(VENV)/bin/pytest -q -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder --durations=15 --doctest-modules hf_memwatch tests
+
+# The second CI stack (docs/compat.md): transformers 4.57 with its accelerate, trl, peft (constraints-stack2.txt),
+# in a venv over .venv (its .pth adds .venv's site-packages, .pth files included, after its own: torch and the
+# rest come from there). The core subset: MemWatch's numerics and classes, estimate vs the profiler, the auto
+# mode, the CLI, the probes' contracts (about 3 minutes on 2 cores); not part of `make test`.
+STACK2 := .venv-stack2
+STACK2_STAMP := $(STACK2)/.installed
+STACK2_TESTS := tests/test_compat.py tests/test_memwatch.py tests/test_cli_estimate.py \
+	"tests/test_estimate.py::test_peak_matches_profiler_truth_of_a_real_trainer_run[gpt2-fp32-adamw]" \
+	"tests/test_estimate.py::test_peak_matches_profiler_truth_of_a_real_trainer_run[llama-bf16-checkpointing]" \
+	tests/test_estimate.py::test_config_and_built_model_give_the_same_estimate \
+	tests/test_estimate.py::test_forward_backward_only_of_a_trainer_is_its_step_without_optimizer_states \
+	tests/test_auto.py::test_over_budget_run_fits_and_equals_the_hand_configured_plan
+
+$(STACK2_STAMP): $(STAMP) constraints-stack2.txt
+	rm -rf $(STACK2)
+	$(PYTHON) -m venv $(STACK2)
+	echo "import site; site.addsitedir('$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')')" \
+		> "$$($(STACK2)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/zz_pinned_venv.pth"
+	$(STACK2)/bin/python -m pip install -q --no-deps -r constraints-stack2.txt
+	touch $(STACK2_STAMP)
+
+test-stack2: $(STACK2_STAMP)
+	$(STACK2)/bin/python -c "import transformers, torch; print('stack2: transformers', transformers.__version__, 'torch', torch.__version__)"
+	$(STACK2)/bin/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --durations=10 $(STACK2_TESTS)
 
 demo: venv
 	rm -rf demo-output
@@ -52,4 +77,4 @@ gpu-check: venv
 	$(PY) benchmarks/gpu_check.py --out benchmarks/results/gpu
 
 clean:
-	rm -rf $(VENV) demo-output
+	rm -rf $(VENV) $(STACK2) demo-output

@@ -23,6 +23,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, torch.get_num_threads()))
 
 # After the environment: importing it imports transformers and huggingface_hub, which read it.
+from hf_memwatch.compat.trainer import checkpointing_argument  # noqa: E402
 from hf_memwatch.testing.estimate_truth import ListDataset  # noqa: E402
 
 
@@ -133,7 +134,7 @@ def read_records(output_dir: Path | str, name: str = "timeline.jsonl") -> list[d
 # A plan record's fields -> the TrainingArguments a user sets to configure that run by hand.
 HAND_CONFIGURED = {"micro_batch_size": "per_device_train_batch_size",
                    "gradient_accumulation_steps": "gradient_accumulation_steps",
-                   "activation_checkpointing": "activation_checkpointing", "optim": "optim"}
+                   "activation_checkpointing": checkpointing_argument(), "optim": "optim"}  # 4.x: gradient_
 
 
 def hand_configured(plan: Any, *, leave: tuple[str, ...] = ()) -> dict[str, Any]:

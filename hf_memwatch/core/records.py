@@ -283,6 +283,7 @@ class MetaRecord(Record):
     precision: str
     optim: str
     world_size: int
+    degraded: list[str] | None = optional()  # features off on this stack (hf_memwatch.compat.probes)
 
 
 @dataclass(kw_only=True)

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from ..compat.versions import check_versions
 from ..core.categories import STEP_END
 from ..core.errors import MemWatchConfigError, unknown_keywords
 from ..core.run_config import RunConfig
@@ -177,6 +178,7 @@ def estimate(
 # -- the engine ------------------------------------------------------------------------------
 def estimate_request(model_or_config: Any, request: EstimateRequest) -> MemoryEstimate:
     """:func:`estimate` of one :class:`EstimateRequest` (its run settings None: the Trainer's, the defaults)."""
+    check_versions()  # an unverified transformers/torch: one line naming the supported range
     trainer = model_or_config if is_trainer(model_or_config) else None
     request = request.resolved(trainer)
     request.generation  # noqa: B018 - fail fast on generation settings that cannot work

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from ..compat.trainer import no_init_weights
 from ..core.errors import MemWatchConfigError
 from ..measure.attribution import is_quantized_param
 from .peft import LoraSpec, apply_peft, is_adapter_dir, load_adapter, meta_copy
@@ -161,8 +162,6 @@ def build_fake_model(config: Any, task: str, fake_mode: Any, device: str) -> tor
 
     ``device="meta"`` with a null context for ``fake_mode`` gives a meta-device model (for PEFT).
     """
-    from transformers.initialization import no_init_weights
-
     auto = auto_class(task)
     try:
         with fake_mode, torch.device(device):

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
+from ..compat.trainer import MASK_HELPERS, masks_patchable
+
 MIXED_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -142,11 +144,10 @@ def real_batch_masks(packed: bool = False, padded: bool = False) -> Any:
     except ImportError:  # pragma: no cover - older transformers
         yield
         return
-    originals = {name: getattr(masking_utils, name, None)
-                 for name in ("is_tracing", "fast_all", "find_packed_sequence_indices")}
-    if any(value is None for value in originals.values()):  # pragma: no cover - other transformers
+    if not masks_patchable():  # another transformers (4.x): warned once, in meta.degraded
         yield
         return
+    originals = {name: getattr(masking_utils, name) for name in MASK_HELPERS}
 
     def is_tracing(tensor: Any = None) -> bool:
         return originals["is_tracing"]()  # graph capture only, not "this tensor is fake"

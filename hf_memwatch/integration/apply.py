@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..compat.trainer import set_cached_train_batch_size
 from ..core.records import PlanRecord
 from ..core.run_config import RunConfig, checkpointing_requested, model_is_checkpointing, optim_name
 from ..estimation.trl_replay import batches_generation, steps_per_generation
@@ -25,7 +26,7 @@ def apply_plan(trainer: Any, plan: Plan) -> list[str]:
     args = trainer.args
     changed = plan.changes_from(RunConfig.from_trainer(trainer))
     args.per_device_train_batch_size = plan.micro_batch_size
-    trainer._train_batch_size = args.train_batch_size  # the Trainer's cached copy (micro-batch x n_gpu)
+    set_cached_train_batch_size(trainer, args.train_batch_size)  # the Trainer's cached copy (micro-batch x n_gpu)
     args.gradient_accumulation_steps = plan.gradient_accumulation_steps
     if batches_generation(trainer):
         # GRPO, RLOO: the generation batch is kept, so a smaller micro-batch generates once every more

@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from ..compat.trainer import eval_container_module
+
 CONTAINER_NAMES = ("all_losses", "all_preds", "all_labels", "all_inputs")
 
 
@@ -100,15 +102,11 @@ def registering_containers(found: list[Any]) -> Iterator[None]:
     holding every local of the running frame — the previous batch's logits among them — until the
     next read, which would keep a batch of logits alive that the Trainer has already dropped.
     """
-    try:
-        from transformers import trainer as trainer_module
-    except ImportError:  # pragma: no cover - no transformers, no containers
+    trainer_module = eval_container_module()  # None: another layout (warned once), outputs counted as other
+    if trainer_module is None:
         yield
         return
-    base = getattr(trainer_module, "EvalLoopContainer", None)
-    if not isinstance(base, type):  # another transformers layout: outputs are then counted as other
-        yield
-        return
+    base = trainer_module.EvalLoopContainer
 
     class RegisteredContainer(base):  # type: ignore[misc, valid-type]
         def __init__(self, *args: Any, **kwargs: Any) -> None:

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from ..compat.versions import check_versions
 from ..core.errors import MemWatchConfigError
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -56,7 +57,9 @@ def find_trainer() -> Any:
 
 def check_options(detail: Any, full_steps: Any, output_dir: Any, report: Any, top_tensors: Any,
                    flags: dict[str, Any]) -> None:
-    """:class:`MemWatchConfigError` with one message for the first invalid constructor argument."""
+    """:class:`MemWatchConfigError` with one message for the first invalid constructor argument
+    (or for a required library older than its verified range: :mod:`hf_memwatch.compat.versions`)."""
+    check_versions()
     if detail not in ("auto", "full", "light"):
         raise MemWatchConfigError(f"MemWatch(detail=...) must be 'auto', 'full' or 'light'; got {detail!r}")
     if isinstance(full_steps, bool) or not isinstance(full_steps, int) or full_steps < 1:

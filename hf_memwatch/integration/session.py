@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from ..compat.trainer import probe_trainer
 from ..core.run_config import RunConfig
 from ..core.timeline import TimelineWriter
 from ..core.units import format_bytes
@@ -116,7 +117,7 @@ class RunSession:
             # the look-ahead batch, the step's loss divisor and running loss
             session.formed = FormedBatches(dataloader, trainer)
             monitor.add_contributor(session.formed)
-        writer.write(run_meta(model, RunConfig.from_args(args, model)))  # for the picture's title and the summary
+        writer.write(run_meta(model, RunConfig.from_args(args, model), probe_trainer(trainer)))  # title, summary, degraded
         session.logging_steps = logging_interval(args, state)
         if record_history:
             session.history_started = start_allocator_history(monitor)

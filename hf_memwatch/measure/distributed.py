@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from ..compat.deepspeed import zero_partitions_named
 from ..core.categories import STEP_BEGIN
 from .fsdp2 import Fsdp2Storages, fsdp2_param_groups
 from .held_models import HeldModels, held_models
@@ -305,6 +306,7 @@ def deepspeed_storages(
 
 def _zero_tensors(zero: Any) -> dict[str, list[torch.Tensor]]:
     """The tensors behind :data:`_DEEPSPEED_ATTRIBUTES` of a ZeRO optimizer, by memory class."""
+    zero_partitions_named(zero)  # renamed in this DeepSpeed: warned once, in meta.degraded
     found: dict[str, list[torch.Tensor]] = {}
     for name, attributes in _DEEPSPEED_ATTRIBUTES.items():
         tensors = found.setdefault(name, [])

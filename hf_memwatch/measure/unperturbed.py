@@ -16,7 +16,8 @@ Measured with the profiler's memory events: TRL's fp32 ``selective_log_softmax``
 logsumexp, ORPO/CPO) allocated 50% more in its backward under a no-op mode; Mamba's slow path
 (a sequential scan: every step's tensors get several gradients) +6.3% on the step's peak; a whole
 ORPO step +13.6%. The CPU tracker and the estimator's replay see these two operators arrive from
-those callers (the C++ frames of the call, read only for these operators) and run the in-place
+those callers (the C++ frames of the call, read only for these operators; their names and the
+symbolizer live in :mod:`hf_memwatch.compat.torch_frames`, probed at first use) and run the in-place
 variant the unobserved code runs, with the same condition — the engine's "last reference" test
 replayed with the references the mode's handler itself adds subtracted (calibrated once per
 process on ``gather_backward``, whose buffer is a C++ local). The values are bit-identical (the
@@ -26,51 +27,21 @@ same elementwise kernel), the bytes are those of the unobserved run.
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
 
 import torch
 from torch._prims_common import is_non_overlapping_and_dense_or_false as is_non_overlapping_and_dense
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-_ACCUMULATE_CALLERS = ("torch::autograd::accumulate(", "torch::autograd::InputBuffer::add(")
-_GATHER_BACKWARD_CALLER = "gather_backward("
+from ..compat.torch_frames import (
+    ACCUMULATE_CALLERS,
+    GATHER_BACKWARD_CALLER,
+    callers,
+    frames_named,
+    in_autograd_node,
+)
+
 aten = torch.ops.aten
-
-
-_SYMBOLIZE_MODE = "TORCH_SYMBOLIZE_MODE"
-_symbolized_once = False
-
-
-def _symbolized_frames() -> list[dict[str, Any]]:
-    """The C++ frames of this call, named. PyTorch fixes its symbolizer at the first use in a process:
-    ``dladdr`` (exported symbols; about 30 us a call, 11 ms the first) unless the user chose one —
-    the default, ``addr2line``, took 0.4-0.6 s the first time and about 0.1 s for each new call site
-    (4.2 s for the 38 gradient additions of 2 tiny Qwen2 steps, 0.11 s with ``dladdr``). The
-    variable is set for that first use only."""
-    from torch._C._profiler import gather_traceback, symbolize_tracebacks
-
-    global _symbolized_once
-    traceback = gather_traceback(python=False, script=False, cpp=True)
-    if _symbolized_once or _SYMBOLIZE_MODE in os.environ:
-        return symbolize_tracebacks([traceback])[0]
-    os.environ[_SYMBOLIZE_MODE] = "dladdr"
-    try:
-        return symbolize_tracebacks([traceback])[0]
-    finally:
-        os.environ.pop(_SYMBOLIZE_MODE, None)
-        _symbolized_once = True
-
-
-def _callers() -> str:
-    """The two C++ frames below the operator's ``at::_ops::*::call`` (its caller; a static caller has
-    no exported name, then the one that called it)."""
-    frames = _symbolized_frames()
-    for index, frame in enumerate(frames[:-1]):
-        name = frame["name"]
-        if name.startswith("at::_ops::") and "::call(" in name:
-            return " | ".join(f["name"] for f in frames[index + 1:index + 3])
-    return ""
 
 
 def _references(tensor: torch.Tensor) -> tuple[int, int]:
@@ -143,27 +114,31 @@ def _engine_accumulates_in_place(old: torch.Tensor, new: Any) -> bool:
 
 
 def _add(args: tuple, kwargs: dict[str, Any]) -> Any:
-    if kwargs or len(args) != 2 or torch._C._current_autograd_node() is None:
+    if kwargs or len(args) != 2 or not in_autograd_node():
         return None
     old, new = args
     if not isinstance(old, torch.Tensor) or not _engine_accumulates_in_place(old, new):
         return None
-    callers = _callers()
-    if not any(caller in callers for caller in _ACCUMULATE_CALLERS):
+    if not frames_named():
+        return None
+    found = callers()
+    if not any(caller in found for caller in ACCUMULATE_CALLERS):
         return None
     return aten.add_.Tensor(old, new)
 
 
 def _scatter_add(args: tuple, kwargs: dict[str, Any]) -> Any:
-    if kwargs or len(args) != 4 or _plain_kind(args[0]) is None or torch._C._current_autograd_node() is None:
+    if kwargs or len(args) != 4 or _plain_kind(args[0]) is None or not in_autograd_node():
         return None
-    if _GATHER_BACKWARD_CALLER not in _callers():
+    if not frames_named() or GATHER_BACKWARD_CALLER not in callers():
         return None
     return aten.scatter_add_.default(*args)
 
 
 def prepare() -> None:
-    """Calibrate the handler's own references (a tiny gather backward, real and fake) outside any mode."""
+    """Calibrate the handler's own references (a tiny gather backward, real and fake) outside any
+    mode; probe the C++ frame names (:mod:`hf_memwatch.compat.torch_frames`: failed, warned once)."""
+    frames_named()
     _handler_references(False)
     _handler_references(True)
 

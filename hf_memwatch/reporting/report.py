@@ -107,8 +107,9 @@ def _file(run: RankTimeline, record: Any) -> None:
         run.peak_tensors[record.step] = record
 
 
-def run_meta(model: Any, run: RunConfig) -> dict[str, Any]:
-    """The ``meta`` timeline record: what the picture's title and the summary say about the run."""
+def run_meta(model: Any, run: RunConfig, degraded: list[str] | None = None) -> dict[str, Any]:
+    """The ``meta`` timeline record: what the picture's title and the summary say about the run;
+    ``degraded``: the features a failed probe turned off (:mod:`hf_memwatch.compat.probes`)."""
     params = sum(p.numel() for p in model.parameters()) if model is not None else None
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad) if model is not None else None
     return MetaRecord(
@@ -120,6 +121,7 @@ def run_meta(model: Any, run: RunConfig) -> dict[str, Any]:
         precision=run.precision,
         optim=run.optim,
         world_size=run.world_size,
+        degraded=degraded or None,
     ).to_dict()
 
 

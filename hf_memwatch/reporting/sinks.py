@@ -44,6 +44,7 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from ..compat.trainer import tensorboard_routable, tensorboard_writer
 from ..core.categories import EVAL_LIVE_CLASSES, LIVE_CLASSES
 
 logger = logging.getLogger("hf_memwatch")
@@ -221,7 +222,7 @@ def _tensorboard_write(callback: Any, memory: Mapping[str, Any], step: int) -> b
 
     Runs after the callback's own ``on_log``, which creates the writer when it is missing.
     """
-    writer = getattr(callback, "tb_writer", None)
+    writer = tensorboard_writer(callback)
     if writer is None:
         return False
     for tag, value in memory.items():
@@ -258,7 +259,8 @@ def _exact_name_routes() -> list[tuple[type, Writer | None, Writer]]:
     for the integrations whose ``on_log`` prefixes training keys with ``train/``."""
     from transformers.integrations import TensorBoardCallback, WandbCallback
 
-    return [(TensorBoardCallback, None, _tensorboard_write), (WandbCallback, _wandb_stage, _wandb_own_row)]
+    tensorboard = [(TensorBoardCallback, None, _tensorboard_write)] if tensorboard_routable() else []
+    return [*tensorboard, (WandbCallback, _wandb_stage, _wandb_own_row)]
 
 
 def exact_name_routes(callbacks: list[Any] | None) -> list[tuple[Any, Writer | None, Writer]]:

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from ..compat.trainer import checkpointing_argument
 from ..estimation.generation import GenerationSettings
 from ..estimation.trainer_mirror import make_batch
 from ..measure.attribution import weight_storages
@@ -72,7 +73,7 @@ def trainer_peak(
             output_dir=tmp, per_device_train_batch_size=batch_size, gradient_accumulation_steps=accum,
             max_steps=steps, logging_steps=1, report_to=[], save_strategy="no", use_cpu=True,
             bf16=precision == "bf16", fp16=precision == "fp16", optim=optim, max_grad_norm=max_grad_norm,
-            activation_checkpointing=checkpointing, disable_tqdm=True, dataloader_num_workers=0,
+            **{checkpointing_argument(): checkpointing}, disable_tqdm=True, dataloader_num_workers=0,
         )
         trainer = Trainer(model=model, args=args, train_dataset=dataset)
         _fresh_bitsandbytes_overrides()
