@@ -128,7 +128,7 @@ def test_bad_quantization_flags_are_one_line(llama_checkpoint: Path, capsys: Any
 
 def test_quantization_without_bitsandbytes_fails_fast(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # what an environment without it imports
-    with pytest.raises(MemWatchConfigError, match=r"load_in_4bit needs bitsandbytes \(pip install bitsandbytes\)"):
+    with pytest.raises(MemWatchConfigError, match=r"load_in_4bit needs bitsandbytes, which is not installed \(pip install 'hf-memwatch\[bnb\]'\)"):
         QuantSpec(bits=4)
 
 

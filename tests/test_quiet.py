@@ -1,4 +1,4 @@
-"""No stray output: a normal run prints nothing from MemWatch but its summary table.
+"""No stray output: a normal run prints nothing from MemWatch but its summary table and, once, where its files are.
 
 The console (file descriptors 1 and 2, so C-level prints count too), the Python warnings and the
 ``hf_memwatch`` log records of a real Trainer run with ``MemWatch()`` are compared with the same run
@@ -18,6 +18,8 @@ from transformers import Trainer
 
 from hf_memwatch import MemWatch
 from hf_memwatch.reporting.summary import print_summary
+
+FILES = "hf-memwatch: files in "
 
 
 def captured_run(out_dir, callbacks, capfd) -> tuple[list[str], set[tuple[str, str]]]:
@@ -46,7 +48,9 @@ def extra_output(tmp_path, watch: MemWatch, capfd, caplog):
         lines, caught = captured_run(tmp_path / "watched", [watch], capfd)
     extra = [line for line in lines if line not in plain_lines]
     summary = summary_lines(tmp_path / "watched")
-    unexplained = [line for line in extra if line not in summary and not line.startswith("hf-memwatch plan:")]
+    unexplained = [line for line in extra if line not in summary and not line.startswith(("hf-memwatch plan:", FILES))]
+    assert len([line for line in extra if line.startswith(FILES)]) == 1  # where the files are: once, at the end
+    assert extra[-1].startswith(FILES)
     ours = [r.getMessage() for r in caplog.records if r.name.startswith("hf_memwatch") and r.levelno >= logging.WARNING]
     return unexplained, caught - plain_warnings, ours, extra
 

@@ -25,7 +25,10 @@ def run(args: argparse.Namespace) -> int:
     from ..reporting.report import load_run, write_report
 
     budget = parse_bytes(args.budget, what="--budget") if args.budget is not None else None
-    out = write_report(args.path, args.output, budget=budget)
+    notes: list[str] = []
+    out = write_report(args.path, args.output, budget=budget, notes=notes)
+    for note in notes:  # an optional package missing: what is off, how to turn it on, what stands in
+        print(f"hf-memwatch report: {note}", file=sys.stderr)
     runs = load_run(args.path)
     skipped = [line for run in runs for line in run.skipped]
     if skipped:

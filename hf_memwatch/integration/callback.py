@@ -38,7 +38,7 @@ from ..reporting.background import wait_for_report
 from ..reporting.context import KnownPlan
 from ..reporting.oom import prepare_post_mortem, write_oom_report
 from ..reporting.sinks import eval_scalars, strip_memory_keys
-from ..reporting.summary import PICTURE_NAME, finish_reports
+from ..reporting.summary import PICTURE_NAME, TABLE_NAME, finish_reports
 from .auto import AutoMode
 from .compiled import tracing
 from .options import check_options, find_trainer, guarded
@@ -496,5 +496,5 @@ class MemWatch(TrainerCallback, ExportableState):
         trainer = self.trainer
         if trainer is None:
             return None
-        path = self.memwatch_dir(trainer.args) / PICTURE_NAME
-        return path if path.exists() else None
+        folder = self.memwatch_dir(trainer.args)  # memory.png, or the steps table where matplotlib is not installed
+        return next((p for p in (folder / PICTURE_NAME, folder / TABLE_NAME) if p.exists()), None)

@@ -31,6 +31,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ..core.extras import install_hint, installed
 from ..core.optimizers import ADAMW_NAMES, EIGHT_BIT_NAMES
 from ..core.run_config import RunConfig
 
@@ -51,7 +52,7 @@ def divisors(n: int) -> list[int]:
 
 
 def bitsandbytes_installed() -> bool:
-    return importlib.util.find_spec("bitsandbytes") is not None
+    return installed("bitsandbytes")
 
 
 def eight_bit_optim(device: str) -> str:
@@ -161,7 +162,7 @@ def _eight_bit_unavailable(run: RunConfig) -> str | None:
         return (f"the optimizer states are {100 * share:.1f}% of the predicted peak (below "
                 f"{100 * MIN_STATE_SHARE:.0f}%): 8-bit states would save almost nothing")
     if not bitsandbytes_installed():
-        return "bitsandbytes is not installed (pip install bitsandbytes)"
+        return f"bitsandbytes is not installed ({install_hint('bitsandbytes')})"
     return None
 
 

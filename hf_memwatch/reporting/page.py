@@ -195,7 +195,7 @@ def peak_data(runs: list[RankTimeline]) -> dict[str, Any]:
     return {f"{run.rank}:{step}": record.to_dict() for run in runs for step, record in run.peak_tensors.items()}
 
 
-def render_page(runs: list[RankTimeline], png_base64: str, steps_tables: list[str], budget: int | None = None) -> str:
+def render_page(runs: list[RankTimeline], png_base64: str | None, steps_tables: list[str], budget: int | None = None) -> str:
     """The whole page: the chart (Plotly inlined), the click target, the PNG and the steps tables."""
     fig = build_figure(runs, budget)
     chart = fig.to_html(full_html=False, include_plotlyjs=True, div_id=CHART_ID, post_script=_CLICK_JS,
@@ -210,8 +210,8 @@ def render_page(runs: list[RankTimeline], png_base64: str, steps_tables: list[st
         "<p class='hint'>Hover a bar for its bytes; drag or use the slider to zoom over steps; click a step "
         "(a bar or its peak ▼) for the tensors alive at its peak, by module and operator.</p>",
         "<div id='tensors'></div>",
-        "<h2>picture</h2>",
-        f"<img alt='memory per phase' src='data:image/png;base64,{png_base64}'>",
+        *(["<h2>picture</h2>", f"<img alt='memory per phase' src='data:image/png;base64,{png_base64}'>"]
+          if png_base64 is not None else []),  # None: no matplotlib
         *steps_tables,
         "</body></html>",
     ]

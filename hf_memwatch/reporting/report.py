@@ -22,6 +22,7 @@ from typing import Any
 
 from ..core.categories import LIVE_CLASSES, PHASES, STEP_BEGIN
 from ..core.errors import MemWatchConfigError
+from ..core.extras import installed, off_line
 from ..core.records import (
     EvalRecord,
     MetaRecord,
@@ -379,15 +380,34 @@ def _step_ticks(ax: Any, snaps: list[Snapshot]) -> None:
             ax.axvline(i, color="white", linewidth=0.6, alpha=0.6)
 
 
-def write_report(path: str | os.PathLike[str], out: str | os.PathLike[str], budget: int | None = None) -> Path:
-    """Draw the run under ``path`` into ``out`` (``.png`` or ``.html``); returns ``out``."""
+def write_report(path: str | os.PathLike[str], out: str | os.PathLike[str], budget: int | None = None,
+                 notes: list[str] | None = None) -> Path:
+    """Draw the run under ``path`` into ``out`` (``.png`` or ``.html``); returns the file written.
+
+    Without matplotlib (the ``plot`` extra) a ``.png`` cannot be drawn: the steps table is written
+    beside it as ``.html`` instead (the path returned); without Plotly (``page``) the page is the
+    static one. Each such fallback appends its one line (:func:`~hf_memwatch.core.extras.off_line`)
+    to ``notes`` for the caller to print.
+    """
     out = Path(out)
     suffix = out.suffix.lower()
     if suffix not in (".png", ".html", ".htm"):
         raise MemWatchConfigError(f"report output must end in .png or .html; got {out.name!r}")
     runs = load_run(path)
-    fig = draw(runs, budget)
+    notes = [] if notes is None else notes
+    drawable = installed("matplotlib")
     out.parent.mkdir(parents=True, exist_ok=True)
+    if suffix == ".png" and not drawable:  # the steps table alone (no Plotly either: it is written in no time)
+        out = out.with_suffix(".html")
+        notes.append(f"{off_line('matplotlib')}; wrote the steps table to {out.name} instead")
+        out.write_text(render_html(runs, None, budget, interactive=False), encoding="utf-8")
+        return out
+    if suffix != ".png" and not installed("plotly"):
+        notes.append(f"{off_line('plotly')}; {out.name} is the static page (picture and table)")
+    if not drawable:
+        out.write_text(render_html(runs, None, budget), encoding="utf-8")
+        return out
+    fig = draw(runs, budget)
     try:
         if suffix == ".png":
             fig.savefig(out, dpi=120, bbox_inches="tight")
@@ -400,17 +420,18 @@ def write_report(path: str | os.PathLike[str], out: str | os.PathLike[str], budg
     return out
 
 
-def render_html(runs: list[RankTimeline], fig: Any, budget: int | None = None) -> str:
+def render_html(runs: list[RankTimeline], fig: Any, budget: int | None = None, interactive: bool = True) -> str:
     """A self-contained page: the interactive chart (:mod:`hf_memwatch.reporting.page`, Plotly inlined)
-    where Plotly is installed, the picture (inline PNG) and a table of every step."""
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=110, bbox_inches="tight")
-    image = base64.b64encode(buffer.getvalue()).decode("ascii")
-    try:
+    where Plotly is installed and ``interactive``, the picture (inline PNG; none when ``fig`` is None: no matplotlib) and a
+    table of every step."""
+    image = None
+    if fig is not None:
+        buffer = io.BytesIO()
+        fig.savefig(buffer, format="png", dpi=110, bbox_inches="tight")
+        image = base64.b64encode(buffer.getvalue()).decode("ascii")
+    if interactive and installed("plotly"):
         from .page import render_page
-    except ImportError:  # no plotly (the ``page`` extra): the static page below
-        pass
-    else:
+
         return render_page(runs, image, [_rank_section(run) for run in runs], budget)
     title = html.escape(title_of(runs).replace("\n", " — "))
     parts = [
@@ -419,8 +440,9 @@ def render_html(runs: list[RankTimeline], fig: Any, budget: int | None = None) -
         "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
         "td,th{border:1px solid #ccc;padding:2px 8px;text-align:right}th{background:#eee}</style>",
         f"</head><body><h1>{title}</h1>",
-        f"<img alt='memory per phase' src='data:image/png;base64,{image}'>",
     ]
+    if image is not None:
+        parts.append(f"<img alt='memory per phase' src='data:image/png;base64,{image}'>")
     parts += [_rank_section(run) for run in runs]
     parts.append("</body></html>")
     return "\n".join(parts)
