@@ -98,7 +98,7 @@ def test_lora_without_peft_is_one_line(tmp_path):
     result = without("peft", "-m", "hf_memwatch.cli", "estimate", str(config), "--lora-r", "8", cwd=tmp_path)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        f"hf-memwatch estimate: error: {off_line('peft', 'a LoRA adapter (--lora-r, LoraSpec)')}"]
+        f"hf-memwatch estimate: error: {off_line('peft', '--lora-r/--adapter (LoRA estimates)')}"]
 
 
 def test_every_extra_is_one_of_setup_cfg():

@@ -21,29 +21,21 @@ import contextlib
 import io
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..core.categories import ESTIMATE_CLASSES
+from ..core.choices import COMPUTE_DTYPE_NAMES, DEVICES, PRECISIONS, QUANT_TYPES, SHARDS, TASKS
 from ..core.errors import MemWatchConfigError
+from ..core.extras import require
 from ..core.optimizers import SUPPORTED_OPTIMS
-from ..core.run_config import RunConfig
 from ..core.units import format_bytes, parse_bytes
-from ..estimation.estimate import (
-    DEVICES,
-    PRECISIONS,
-    SHARDS,
-    TASKS,
-    estimate,
-    logits_bytes,
-)
-from ..estimation.quantized import COMPUTE_DTYPES, QUANT_TYPES
-from ..measure.peak_tensors import PeakTensors, headline, removed_by
-from ..planning.catalogue import advice, with_state_share
-from ..planning.chooser import PlanRequest
-from ..planning.plan import Plan
-from ..planning.predict import EstimatorPredictor
-from ..planning.remedies import setting_rows
 
+# Light imports only (no torch, no transformers): the arguments are checked (check_arguments) before
+# anything heavy is imported; the estimator, planner and their types are imported where used.
+if TYPE_CHECKING:
+    from ..core.run_config import RunConfig
+    from ..measure.peak_tensors import PeakTensors
+    from ..planning.chooser import PlanRequest
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``hf-memwatch estimate``."""
@@ -101,6 +93,45 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
                        help="generation_num_beams (default: the model's generation config, else 1)")
 
 
+def check_arguments(args: argparse.Namespace) -> None:
+    """Reject bad arguments before anything heavy is imported (torch, transformers: seconds), each with
+    one actionable line (:class:`MemWatchConfigError`); the estimate's own checks follow."""
+    for flag in ("batch_size", "seq_len", "accum", "world_size"):
+        if getattr(args, flag) < 1:
+            raise MemWatchConfigError(f"--{flag.replace('_', '-')} must be at least 1; got {getattr(args, flag)}")
+    if args.top < 0:
+        raise MemWatchConfigError(f"--top must be >= 0; got {args.top}")
+    if args.budget is not None:
+        check_budget(args.budget)
+    if args.model is None and args.adapter is None:
+        raise MemWatchConfigError("give MODEL: a model folder or its config.json (or a hub id), or --adapter DIR")
+    if args.lora_r is None and ((args.lora_alpha, args.lora_targets) != (None, None) or args.lora_dropout):
+        raise MemWatchConfigError("--lora-alpha/--lora-targets/--lora-dropout need --lora-r")
+    four_bit_options = (args.bnb_4bit_quant_type, args.bnb_4bit_compute_dtype) != (None, None) or args.double_quant
+    if four_bit_options and not args.load_in_4bit:
+        raise MemWatchConfigError("--bnb-4bit-quant-type/--double-quant/--bnb-4bit-compute-dtype need --load-in-4bit")
+    if (args.load_in_4bit or args.load_in_8bit) and args.lora_r is None and args.adapter is None:
+        raise MemWatchConfigError("a quantized base is frozen, only adapters train on it (QLoRA): add --lora-r 16 "
+                                  "--lora-targets all-linear, or --adapter DIR")
+    if args.lora_r is not None or args.adapter is not None:
+        require("peft", "--lora-r/--adapter (LoRA estimates)")
+    if args.load_in_4bit or args.load_in_8bit:
+        require("bitsandbytes", f"--load-in-{4 if args.load_in_4bit else 8}bit (a quantized base)")
+
+
+def check_budget(text: str) -> None:
+    """``--budget``: a size; a fraction (``0.8``) is refused with the way to say it in bytes (the command
+    knows no device's capacity)."""
+    try:
+        parse_bytes(text, what="--budget")
+    except MemWatchConfigError as exc:
+        if "fraction" in str(exc) and "needs a known device capacity" in str(exc):
+            raise MemWatchConfigError(
+                f"--budget {text} is a fraction of a device's memory, which the estimate does not know: give the "
+                "size, e.g. --budget 24GiB (80% of a 30 GiB card: --budget 24GiB)") from None
+        raise
+
+
 def eval_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The ``estimate()`` keywords of the evaluation options (empty without ``--eval-batch-size``)."""
     if args.eval_batch_size is None and args.eval_samples is None:
@@ -149,37 +180,26 @@ def add_peft_arguments(parser: argparse.ArgumentParser) -> None:
     quant.add_argument("--bnb-4bit-quant-type", choices=QUANT_TYPES, default=None,
                        help="bnb_4bit_quant_type (default nf4)")
     quant.add_argument("--double-quant", action="store_true", help="bnb_4bit_use_double_quant")
-    quant.add_argument("--bnb-4bit-compute-dtype", choices=tuple(COMPUTE_DTYPES), default=None,
+    quant.add_argument("--bnb-4bit-compute-dtype", choices=COMPUTE_DTYPE_NAMES, default=None,
                        help="bnb_4bit_compute_dtype (default fp32)")
 
 
 def peft_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """The ``lora``/``adapter`` keywords of :func:`estimate` from the CLI options (one-line errors)."""
-    from ..core.errors import MemWatchConfigError
+    """The ``lora``/``adapter`` keywords of :func:`estimate` from the CLI options (checked by
+    :func:`check_arguments`)."""
     from ..estimation.peft import LoraSpec
 
-    lora_options = (args.lora_alpha, args.lora_targets) != (None, None) or args.lora_dropout
-    if args.lora_r is None:
-        if lora_options:
-            raise MemWatchConfigError("--lora-alpha/--lora-targets/--lora-dropout need --lora-r")
-        lora = None
-    else:
-        lora = LoraSpec.from_targets_text(args.lora_r, args.lora_alpha, args.lora_targets, args.lora_dropout)
-    if args.model is None and args.adapter is None:
-        raise MemWatchConfigError("give MODEL (or --adapter DIR)")
+    lora = None if args.lora_r is None else LoraSpec.from_targets_text(args.lora_r, args.lora_alpha,
+                                                                        args.lora_targets, args.lora_dropout)
     return dict(lora=lora, adapter=args.adapter, quantization=quantization(args))
 
 
 def quantization(args: argparse.Namespace) -> Any:
     """The :class:`~hf_memwatch.estimation.quantized.QuantSpec` of ``--load-in-4bit``/``--load-in-8bit``
-    (None without them); one-line errors."""
-    from ..core.errors import MemWatchConfigError
+    (None without them; the flags checked by :func:`check_arguments`)."""
     from ..estimation.quantized import QuantSpec
 
-    four_bit_options = (args.bnb_4bit_quant_type, args.bnb_4bit_compute_dtype) != (None, None) or args.double_quant
     if not args.load_in_4bit:
-        if four_bit_options:
-            raise MemWatchConfigError("--bnb-4bit-quant-type/--double-quant/--bnb-4bit-compute-dtype need --load-in-4bit")
         return QuantSpec(bits=8) if args.load_in_8bit else None
     return QuantSpec(bits=4, quant_type=args.bnb_4bit_quant_type or "nf4", double_quant=args.double_quant,
                      compute_dtype=args.bnb_4bit_compute_dtype or "fp32")
@@ -197,6 +217,8 @@ def checkpointing_of(args: argparse.Namespace) -> bool:
 
 def _run_config(args: argparse.Namespace) -> RunConfig:
     """The command's configuration as the planning core's :class:`RunConfig`."""
+    from ..core.run_config import RunConfig
+
     return RunConfig(
         micro_batch_size=args.batch_size, gradient_accumulation_steps=args.accum, checkpointing=checkpointing_of(args),
         optim=args.optim, precision=args.precision, device=args.device, world_size=args.world_size,
@@ -247,6 +269,11 @@ def planning_request(args: argparse.Namespace, budget: int, given: Any) -> PlanR
     """The one planning request of the command: the chooser's candidates and one cache of predictions
     (the estimator, as the auto mode's predictor, seeded with the command's own estimate ``given``),
     from which the plan and the remedy table are read."""
+    from ..planning.catalogue import with_state_share
+    from ..planning.chooser import PlanRequest
+    from ..planning.plan import Plan
+    from ..planning.predict import EstimatorPredictor
+
     run = with_state_share(_run_config(args), given)
     extra = dict(peft_kwargs(args))
     if args.top > 0:  # every prediction lists its peak tensors: what each remedy removes
@@ -261,6 +288,9 @@ def remedies(request: PlanRequest, args: argparse.Namespace, given: Any) -> list
     given micro-batch, the estimator's peak and the chooser's prediction of it (margin included:
     what ``fits`` compares), and the largest micro-batch of that setting that fits (same effective
     batch) — all from ``request``'s predictions (:func:`~hf_memwatch.planning.remedies.setting_rows`)."""
+    from ..measure.peak_tensors import removed_by
+    from ..planning.remedies import setting_rows
+
     rows = []
     for row in setting_rows(request):
         estimated = request.predictor.estimate(row.plan)
@@ -313,6 +343,9 @@ def positions_warning(model: Any, lengths: dict[str, int | None]) -> str | None:
 def run(args: argparse.Namespace) -> int:
     """Estimate, print (table or JSON); 0 on success, :data:`NOTHING_FITS` when nothing fits the
     budget. Errors raise and the dispatcher exits 2."""
+    from ..estimation.estimate import estimate, logits_bytes
+    from ..planning.catalogue import advice
+
     budget = None if args.budget is None else parse_bytes(args.budget)
     # libraries print on import (transformers' W&B offline notice): stdout is for our output only,
     # stderr for one line on error
@@ -379,6 +412,8 @@ def _print_table(payload: dict[str, Any]) -> None:
     for note in payload["notes"]:
         console.print(f"note: {note}")
     if payload.get("peak_tensors"):
+        from ..measure.peak_tensors import PeakTensors
+
         print_peak_tensors(PeakTensors.from_record(payload["peak_tensors"]), payload["peak_phase"], console)
     print_eval(payload, console)
     for item in payload.get("advice", []):
@@ -405,6 +440,8 @@ def _print_table(payload: dict[str, Any]) -> None:
 def print_peak_tensors(peak: PeakTensors, phase: str, console: Any, groups: int = 5) -> None:
     """The largest tensors at the peak (``--top N``), then the bytes by module and by operator."""
     from rich.table import Table
+
+    from ..measure.peak_tensors import headline
 
     for line in headline(peak, phase):
         console.print(line)

@@ -20,6 +20,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budget", default=None, help="draw this budget line (e.g. 20GiB) instead of the plan's")
 
 
+def check_arguments(args: argparse.Namespace) -> None:
+    """A path with no timeline, a wrong suffix or budget: one actionable line, before any drawing."""
+    from pathlib import Path
+
+    from ..core.errors import MemWatchConfigError
+    from ..core.timeline import find_timelines
+
+    if Path(args.output).suffix.lower() not in (".png", ".html", ".htm"):
+        raise MemWatchConfigError(f"-o must end in .png (the picture) or .html (the page); got {args.output!r}")
+    if args.budget is not None:
+        parse_bytes(args.budget, what="--budget")
+    if not Path(args.path).exists():
+        raise MemWatchConfigError(f"{args.path}: no such file or folder")
+    if not find_timelines(args.path):
+        raise MemWatchConfigError(
+            f"no timeline*.jsonl under {args.path}: give the output_dir of a Trainer run with MemWatch() (its "
+            "memwatch/ folder holds the timeline), that memwatch/ folder, or a timeline.jsonl")
+
+
 def run(args: argparse.Namespace) -> int:
     """Write the picture; ``MemWatchConfigError`` / ``FileNotFoundError`` become one stderr line (cli)."""
     from ..reporting.report import load_run, write_report

@@ -28,11 +28,11 @@ from typing import Any
 
 import torch
 
+from ..core.choices import COMPUTE_DTYPE_NAMES, QUANT_TYPES
 from ..core.errors import MemWatchConfigError
 from ..core.extras import MissingExtra, install_hint
 
-QUANT_TYPES = ("nf4", "fp4")
-COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+COMPUTE_DTYPES = dict(zip(COMPUTE_DTYPE_NAMES, (torch.float32, torch.bfloat16, torch.float16), strict=True))
 
 
 def require_bitsandbytes(what: str) -> None:

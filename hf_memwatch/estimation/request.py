@@ -23,15 +23,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..core.categories import ESTIMATE_CLASSES
+from ..core.choices import DEVICES, PRECISIONS, SHARDS, TASKS  # noqa: F401 - estimation's names for them
 from ..core.errors import MemWatchConfigError
 from ..core.run_config import RunConfig
 from ..core.units import parse_bytes
 from .generation import GenerationSettings
 
-TASKS = ("causal-lm", "seq-cls", "masked-lm", "seq2seq")
-PRECISIONS = ("fp32", "bf16", "fp16")
-SHARDS = ("none", "zero1", "zero2", "zero3", "fsdp")
-DEVICES = ("cpu", "cuda")
 CLASS_NAMES = ESTIMATE_CLASSES  # core's one list, under the name estimation's API has exported
 
 # RunConfig's fields a request takes (None: the Trainer's own, else RunConfig's default)
