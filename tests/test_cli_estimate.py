@@ -36,7 +36,8 @@ def test_json_output_matches_the_python_api(model_dir, capsys):
     # The logits are most of this step: the fused/chunked loss routes are advised with their bytes.
     logits = sum(part for named in data["details"].values() for name, part in named.items() if name.startswith("logits"))
     assert logits >= 0.05 * data["peak_bytes"]
-    assert [a["name"].split(" ")[0] for a in data["advice"]] == ["use_liger_kernel=True", "trl.SFTTrainer"]
+    # a CPU target: no CUDA-only advice (Liger's Triton kernels); --device cuda adds it
+    assert [a["name"].split(" ")[0] for a in data["advice"]] == ["trl.SFTTrainer"]
     assert all(a["saving"] == logits for a in data["advice"])
 
 
@@ -212,3 +213,9 @@ def test_unknown_model_type_names_the_close_ones(tmp_path, capsys):
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert "model_type 'lama' is not one of the" in line and "did you mean llama" in line
     assert "hf_memwatch.estimate(model" in line
+
+
+def test_cuda_only_advice_only_for_a_cuda_target(model_dir, capsys):
+    assert main(["estimate", str(model_dir), "--batch-size", "2", "--seq-len", "32", "--device", "cuda", "--json"]) == 0
+    names = [a["name"].split(" ")[0] for a in json.loads(capsys.readouterr().out)["advice"]]
+    assert names == ["use_liger_kernel=True", "trl.SFTTrainer"]
