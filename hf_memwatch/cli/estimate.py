@@ -29,6 +29,21 @@ from ..core.errors import MemWatchConfigError
 from ..core.extras import require
 from ..core.optimizers import SUPPORTED_OPTIMS
 from ..core.units import format_bytes, parse_bytes
+from .figures import (
+    CUDA_MEANINGS,
+    add_cuda_rows,
+    add_figure_arguments,
+    budget_line,
+    peak_line,
+    readable_config,
+    remedy_cells,
+    remedy_columns,
+    removes_line,
+    subject_of,
+    tensors_scope,
+    weights_dtype,
+    weights_line,
+)
 
 # Light imports only (no torch, no transformers): the arguments are checked (check_arguments) before
 # anything heavy is imported; the estimator, planner and their types are imported where used.
@@ -74,6 +89,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "with --budget, what each remedy removes")
     add_peft_arguments(parser)
     add_eval_arguments(parser)
+    add_figure_arguments(parser)
 
 
 def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
@@ -321,13 +337,8 @@ NOTHING_FITS = 1
 def positions_warning(model: Any, lengths: dict[str, int | None]) -> str | None:
     """A line when a requested length exceeds the model's positions (``max_position_embeddings``,
     ``n_positions``): such a sequence cannot run, the figure would be for a step that cannot exist."""
-    if model is None:
-        return None
-    from ..estimation.estimate import load_config
-
-    try:
-        config = load_config(model)
-    except Exception:  # noqa: BLE001 - the estimate itself reports an unreadable model
+    config = readable_config(model)
+    if config is None:
         return None
     for name in ("max_position_embeddings", "n_positions", "max_target_positions"):
         positions = getattr(config, name, None)
@@ -350,9 +361,11 @@ def run(args: argparse.Namespace) -> int:
     # libraries print on import (transformers' W&B offline notice): stdout is for our output only,
     # stderr for one line on error
     with contextlib.redirect_stdout(io.StringIO()):
+        args.model = subject_of(args)  # MODEL, or its config with --weights-dtype set
         result = estimate(args.model, budget=budget, **_run_config(args).estimate_kwargs(), **peft_kwargs(args),
                           **eval_kwargs(args), top_tensors=max(args.top, 0))
         payload = result.to_dict()
+        payload["weights"] = weights_dtype(args, args.model)
         if args.checkpointing is None and checkpointing_of(args):
             payload["notes"] = [*payload.get("notes", []), "activation checkpointing on, as "
                                 "prepare_model_for_kbit_training turns it on for a quantized base (--no-checkpointing: off)"]
@@ -365,6 +378,7 @@ def run(args: argparse.Namespace) -> int:
             payload["plan"] = _plan(request)  # the choice first: the table reads the predictions it made
             payload["remedies"] = remedies(request, args, result)
             payload["largest_fitting_batch"] = payload["remedies"][0]["largest_fitting_batch"]
+            payload["fits"] = payload["remedies"][0]["fits"]  # the plan's verdict: the peak + the planning margin
     warning = positions_warning(args.model, {"--seq-len": args.seq_len, "--eval-seq-len": args.eval_seq_len})
     if warning:  # after the estimate: an error of the request itself stays the one line
         print(warning, file=sys.stderr)
@@ -406,33 +420,35 @@ def _print_table(payload: dict[str, Any]) -> None:
             table.add_row(f"  of which {detail}", f"{part:,}", format_bytes(part),
                           f"{100 * part / peak:.1f}%" if peak else "-", style="dim")
     table.add_row("peak", f"{peak:,}", format_bytes(peak), "100%", style="bold")
+    cuda = add_cuda_rows(table, payload)
     console.print(table)
-    console.print(f"peak phase: {payload['peak_phase']} · params {payload['params']:,} "
-                  f"(trainable {payload['trainable_params']:,}) · target {cfg['device']}")
+    console.print(peak_line(payload))
+    for line in (CUDA_MEANINGS if cuda else None, weights_line(payload.get("weights"))):
+        if line:
+            console.print(line)
     for note in payload["notes"]:
         console.print(f"note: {note}")
     if payload.get("peak_tensors"):
         from ..measure.peak_tensors import PeakTensors
 
+        if tensors_scope(payload):
+            console.print(tensors_scope(payload))
         print_peak_tensors(PeakTensors.from_record(payload["peak_tensors"]), payload["peak_phase"], console)
     print_eval(payload, console)
     for item in payload.get("advice", []):
         console.print(f"advice (not planned): {item['name']} saves up to {format_bytes(item['saving'])} — {item['how']}")
     if payload.get("budget") is None:
         return
-    verdict = "[green]fits[/green]" if payload["fits"] else "[red]does not fit[/red]"
-    console.print(f"budget {format_bytes(payload['budget'])}: {verdict}; "
-                  f"largest micro-batch that fits (same effective batch): {payload['largest_fitting_batch']}")
+    console.print(budget_line(payload))
     remedy_table = Table(title="remedies")
-    for column in ("remedy", "peak", "fits", "largest micro-batch"):
+    for column in remedy_columns(payload):
         remedy_table.add_column(column)
     for row in payload["remedies"]:
-        remedy_table.add_row(row["remedy"], format_bytes(row["peak_bytes"]), "yes" if row["fits"] else "no",
-                             str(row["largest_fitting_batch"]))
+        remedy_table.add_row(*remedy_cells(payload, row))
     console.print(remedy_table)
     for row in payload["remedies"]:
         if row.get("removes"):
-            console.print(f"{row['remedy']} removes: " + "; ".join(row["removes"]))
+            console.print(removes_line(payload, row))
     plan = payload.get("plan")
     console.print(f"plan (same effective batch): {plan['explain'] if plan else 'nothing fits'}")
 
