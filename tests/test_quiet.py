@@ -67,3 +67,16 @@ def test_auto_run_prints_only_its_plan_line_and_summary(tmp_path, capfd, caplog)
     unexplained, new_warnings, ours, _ = extra_output(tmp_path, MemWatch(auto=True), capfd, caplog)
     assert (unexplained, new_warnings) == ([], set())
     assert len(ours) == 1 and ours[0].startswith("hf-memwatch plan: ")  # the plan line, nothing else
+
+
+def test_added_with_add_callback_the_console_gets_no_raw_byte_counts(tmp_path, capfd):
+    """``trainer.add_callback(MemWatch())`` puts it after the console printer: it is moved before it, so the
+    printed logs carry no ``memory/*`` keys (the integrations, before the printer, still get them)."""
+    capfd.readouterr()
+    trainer = Trainer(model=gpt2_model(n_embd=32), args=training_args(tmp_path / "late", logging_steps=1, max_steps=2),
+                      train_dataset=token_dataset(16, 16, 1000))
+    trainer.add_callback(MemWatch(report=False))
+    trainer.train()
+    out, err = capfd.readouterr()
+    logged = [line for line in (out + err).splitlines() if line.startswith("{'loss'")]
+    assert len(logged) == 2 and not any("memory/" in line for line in logged)

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ..core.categories import LIVE_CLASSES
+from ..core.categories import LIVE_CLASSES, phase_words
 from ..core.extras import installed
 from ..core.records import EvalRecord, FootprintRecord, MetaRecord, PlanRecord, Record, Snapshot, StepRecord
 from ..core.units import format_bytes
@@ -103,7 +103,7 @@ def build_table(
     step_snaps = [s for s in snapshots or [] if s.step == step.step]
     frozen = next((s.frozen_models for s in step_snaps if s.frozen_models), None)
     table = Table(
-        title=f"hf-memwatch: peak step {step.step} — {format_bytes(step.peak)} at {step.peak_phase}",
+        title=f"hf-memwatch: peak step {step.step} — {format_bytes(step.peak)} {phase_words(step.peak_phase)}",
         caption=_caption(meta, plan, frozen),
     )
     for header, justify in (("class", "left"), ("at peak", "right"), ("share", "right"),
@@ -253,9 +253,9 @@ def highest_moment(steps: list[StepRecord], evals: list[EvalRecord]) -> str | No
         if step is not None:
             text += f", above the highest training step (step {step.step}, {format_bytes(step.peak)})"
         return text
-    if step is None:
+    if step is None or loop is None:  # no eval loop: the table's title names the peak step already
         return None
-    text = f"highest moment of the run: training step {step.step} at {step.peak_phase} — {format_bytes(step.peak)}"
+    text = f"highest moment of the run: training step {step.step} {phase_words(step.peak_phase)} — {format_bytes(step.peak)}"
     if loop is not None:
         text += f"; eval loops peaked at {format_bytes(loop.peak)}"
     return text
