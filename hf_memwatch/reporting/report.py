@@ -23,6 +23,7 @@ from typing import Any
 from ..core.categories import LIVE_CLASSES, PHASES, STEP_BEGIN
 from ..core.errors import MemWatchConfigError
 from ..core.extras import installed, off_line
+from ..core.optimizers import EIGHT_BIT_NAMES
 from ..core.records import (
     EvalRecord,
     MetaRecord,
@@ -139,11 +140,24 @@ def predicted_peak_of(run: RankTimeline) -> int | None:
 
 
 def event_label(event: PlanRecord | OomRecord) -> str:
-    """``plan: micro-batch 2 × accum 4`` (a plan), ``oom``: what the picture writes at an event."""
+    """``plan: micro-batch 2 × accum 4, checkpointing`` (a plan: every remedy it holds, checkpointing and
+    an 8-bit optimizer included, so a plan whose only change is checkpointing says so), ``oom``: what the
+    picture writes at an event."""
     label = event.EVENT
     if isinstance(event, PlanRecord) and event.micro_batch_size:
         label += f": micro-batch {event.micro_batch_size} × accum {event.gradient_accumulation_steps or 1}"
+        label += ", checkpointing" if event.activation_checkpointing else ""
+        label += f", {event.optim}" if event.optim in EIGHT_BIT_NAMES else ""  # the optimizer remedy
     return label
+
+
+def event_text(event: PlanRecord | OomRecord) -> str:
+    """An event in words for the page's list (not the record's raw fields)."""
+    if isinstance(event, PlanRecord):
+        return (f"{event_label(event)} — predicted peak {format_bytes(event.predicted_peak)}, budget "
+                f"{format_bytes(event.budget)}: {event.reason}")
+    return (f"out of memory at step {event.step} ({event.stage or 'train'}, {event.last_phase}): "
+            f"{format_bytes(event.requested)} requested with {format_bytes(event.allocated_at_failure)} allocated")
 
 
 def event_step(event: PlanRecord | OomRecord) -> int | None:
@@ -452,7 +466,7 @@ def _rank_section(run: RankTimeline) -> str:
     parts = [f"<h2>rank {run.rank}: steps</h2>", _steps_table(run)]
     if run.events:
         parts.append("<h3>events</h3><ul>")
-        parts += [f"<li>{html.escape(str(e.to_dict()))}</li>" for e in run.events]
+        parts += [f"<li>{html.escape(event_text(e))}</li>" for e in run.events]
         parts.append("</ul>")
     return "\n".join(parts)
 
