@@ -107,3 +107,14 @@ def test_the_readme_layout_table_names_every_module(subpackage: str) -> None:
     named = set(re.findall(r"`(\w+)`", row.split("|", 2)[2]))
     modules = {p.stem for p in (PACKAGE / subpackage).glob("*.py") if p.stem not in ("__init__", "__main__")}
     assert modules - named == set(), f"modules the README's layout table does not name: {sorted(modules - named)}"
+
+
+def test_the_readme_is_short_above_its_reference_part_and_states_the_gpu_status() -> None:
+    """For a newcomer: under 150 lines before ``# Reference`` (the rest lives in docs/), and that no GPU
+    has verified the CUDA paths said near the top, not mid-paragraph."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    reference = lines.index("# Reference")
+    assert reference < 150, f"{reference} lines above the reference part"
+    assert any("No GPU has verified" in line for line in lines[:20])
+    for name in re.findall(r"\(docs/([\w-]+\.md)\)", "\n".join(lines[:reference])):
+        assert (ROOT / "docs" / name).is_file(), name
