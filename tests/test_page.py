@@ -21,7 +21,7 @@ from hf_memwatch.reporting.report import write_report
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
         "--disable-component-update", "--disable-sync", "--no-first-run"]
-TRACES_PER_RANK = 7  # five classes, the spike, the step peaks
+TRACES_PER_RANK = 8  # five classes, the spike, the step peaks, the host RSS
 
 
 @pytest.fixture(scope="module")
@@ -124,3 +124,6 @@ def test_the_chart_speaks_mib_and_every_hover_shows_every_class_and_the_total(ru
         for name in ("weights", "gradients", "optimizer states", "activations", "other"):
             assert f"{name}: " in hover
         assert f"total: {format_bytes(snap.allocated)}" in hover
+    (rss,) = [t for t in fig.data if t.name.startswith("host RSS (rank 0")]
+    assert list(rss.y) == [s.host_rss for s in snaps] and rss.yaxis == "y2"
+    assert all(text.endswith((" MiB", " GiB", " KiB")) for text in fig.layout.yaxis2.ticktext)

@@ -170,3 +170,21 @@ def test_events_are_words_and_the_plan_label_names_its_remedies(run):
     assert event_label(plan.replace(activation_checkpointing=True)).endswith(", checkpointing")
     assert event_label(plan.replace(activation_checkpointing=False, optim="adamw_bnb_8bit")).endswith(
         "× accum " + str(plan.gradient_accumulation_steps or 1) + ", adamw_bnb_8bit")
+
+
+def test_two_runs_side_by_side(run, tmp_path, capsys):
+    """``hf-memwatch report RUN_A RUN_B``: a panel per run, named by its path, on shared axes; the page of a
+    comparison is the static one (picture and each run's steps table)."""
+    from hf_memwatch.reporting.report import load_runs
+
+    other = tmp_path / "other"
+    shutil.copytree(run["out"] / "memwatch", other / "memwatch")
+    paths = [str(run["out"]), str(other)]
+    assert cli_main(["report", *paths, "-o", str(tmp_path / "compare.png")]) == 0
+    assert "(2 ranks of 2 runs" in capsys.readouterr().out
+    assert matplotlib.image.imread(tmp_path / "compare.png").shape[0] > 500
+    fig = draw(load_runs(paths))
+    assert [ax.get_title(loc="left") for ax in fig.axes] == [f"{p} rank 0" for p in paths]
+    assert cli_main(["report", *paths, "-o", str(tmp_path / "compare.html")]) == 0
+    page = (tmp_path / "compare.html").read_text()
+    assert all(f"<h2>{p} rank 0: steps</h2>" in page for p in paths) and "plotly" not in page.lower()

@@ -2,9 +2,10 @@
 
 Plotly (``include_plotlyjs=True``: the library is inlined, the page loads with no network) draws,
 for every rank, the live classes of each snapshot as stacked bars (one bar per phase of each step,
-hover: step, micro-batch, phase, every class, their total and the phase peak, in MiB/GiB as the y-axis), the spike on top, each step's peak as a
-marker, the budget and the plan's predicted peak as lines, eval/predict loops and plan/remedy/OOM
-events as marked vertical lines; a range slider zooms over steps; a menu selects the rank. A click on
+hover: step, micro-batch, phase, every class, their total and the phase peak, in MiB/GiB as the
+y-axis), the spike on top, each step's peak as a marker, the process's host RSS as a dotted line on a
+right-hand axis, the budget and the plan's predicted peak as lines, eval/predict loops and
+plan/remedy/OOM events as marked vertical lines; a range slider zooms over steps; a menu selects the rank. A click on
 a step (its bars or its peak marker) shows that step's ``peak_tensors`` record below the chart: the
 largest tensors alive at its peak, then the bytes by module and by operator. The static PNG
 (``memory.png``) stays for the summary and CI logs; the page also embeds it, and a table of every step.
@@ -126,6 +127,14 @@ def _rank_traces(go: Any, run: RankTimeline, visible: bool) -> list[Any]:
         x=peak_x, y=peak_y, mode="markers", name=f"step peak (rank {run.rank})", customdata=peak_custom,
         marker={"symbol": "triangle-down", "size": 11, "color": "black"}, text=peak_text, visible=visible,
         hovertemplate="%{text}<extra></extra>"))
+    # The process's resident host memory (every snapshot's host_rss), on its own axis at the right:
+    # on the CPU it holds the libraries too, far above the tensors, and would flatten the bars.
+    rss = [s.host_rss for s in snaps]
+    traces.append(go.Scatter(
+        x=xs, y=rss, mode="lines", name=f"host RSS (rank {run.rank}, right axis)", yaxis="y2", visible=visible,
+        line={"color": "#555555", "dash": "dot", "width": 1.5}, customdata=custom,
+        text=[f"{labels[i]}<br>host RSS: {format_bytes(v)}" for i, v in enumerate(rss)],
+        hovertemplate="%{text}<extra></extra>"))
     return traces
 
 
@@ -203,6 +212,7 @@ def build_figure(runs: list[RankTimeline], budget: int | None = None) -> Any:
     every = max(1, len(starts) // 20)
     ticks = binary_ticks(max([s.peak or s.allocated or 0 for r in runs for s in r.snapshots]
                              + [e.peak or 0 for r in runs for e in r.evals] + [budget or 0, predicted or 0]))
+    rss_ticks = binary_ticks(max([s.host_rss or 0 for r in runs for s in r.snapshots] or [0]))
     buttons = []
     for n, run in enumerate(runs):
         visible = [m == n for m, count in enumerate(per_rank) for _ in range(count)]
@@ -213,6 +223,8 @@ def build_figure(runs: list[RankTimeline], budget: int | None = None) -> Any:
         xaxis={"title": "optimizer step (one bar per phase)", "rangeslider": {"visible": True},
                "tickvals": [i for i, _ in starts[::every]], "ticktext": [str(step) for _, step in starts[::every]]},
         yaxis={"title": "memory", "tickvals": ticks[0], "ticktext": ticks[1], "rangemode": "tozero"}, height=620,
+        yaxis2={"title": "host RSS (resident)", "overlaying": "y", "side": "right", "showgrid": False,
+                "tickvals": rss_ticks[0], "ticktext": rss_ticks[1], "rangemode": "tozero"},
         legend={"orientation": "v"},
         updatemenus=[{"buttons": buttons, "direction": "down", "x": 0, "xanchor": "left", "y": 1.12,
                       "yanchor": "top", "showactive": True}] if len(runs) > 1 else [],

@@ -16,7 +16,7 @@ import html
 import io
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +70,18 @@ class RankTimeline:
     peak_tensors: dict[int, PeakTensorsRecord] = field(default_factory=dict)  # step -> its ``peak_tensors``
     skipped: list[str] = field(default_factory=list)  # "<file> record N: why" of each malformed record left out
     unknown: list[str] = field(default_factory=list)  # "<file> record N: unknown event ..." (a newer version's)
+    label: str = ""  # the run it belongs to, where several runs are compared (load_runs)
+
+    @property
+    def name(self) -> str:  # "rank 1", or "RUN_B rank 1" where runs are compared
+        return f"{self.label} rank {self.rank}".strip()
+
+
+def load_runs(paths: str | os.PathLike[str] | list[Any]) -> list[RankTimeline]:
+    """:func:`load_run` of one path, or of several runs to compare (each rank labelled with its run)."""
+    if isinstance(paths, (str, os.PathLike)) or len(paths) == 1:
+        return load_run(paths if isinstance(paths, (str, os.PathLike)) else paths[0])
+    return [replace(rank, label=str(path)) for path in paths for rank in load_run(path)]
 
 
 def load_run(path: str | os.PathLike[str]) -> list[RankTimeline]:
@@ -258,7 +270,7 @@ def _draw_rank(ax: Any, run: RankTimeline, unit: str, scale: int, budget: int | 
     ax.set_xlim(-0.5, len(snaps) - 0.5)
     ax.grid(axis="y", alpha=0.3)
     if show_rank:
-        ax.set_title(f"rank {run.rank}", fontsize=10, loc="left")
+        ax.set_title(run.name, fontsize=10, loc="left")
 
 
 @dataclass
@@ -394,9 +406,10 @@ def _step_ticks(ax: Any, snaps: list[Snapshot]) -> None:
             ax.axvline(i, color="white", linewidth=0.6, alpha=0.6)
 
 
-def write_report(path: str | os.PathLike[str], out: str | os.PathLike[str], budget: int | None = None,
+def write_report(path: str | os.PathLike[str] | list[Any], out: str | os.PathLike[str], budget: int | None = None,
                  notes: list[str] | None = None) -> Path:
     """Draw the run under ``path`` into ``out`` (``.png`` or ``.html``); returns the file written.
+    Several paths: the runs side by side (a panel each, shared axes; the page is the static one).
 
     Without matplotlib (the ``plot`` extra) a ``.png`` cannot be drawn: the steps table is written
     beside it as ``.html`` instead (the path returned); without Plotly (``page``) the page is the
@@ -407,10 +420,11 @@ def write_report(path: str | os.PathLike[str], out: str | os.PathLike[str], budg
     suffix = out.suffix.lower()
     if suffix not in (".png", ".html", ".htm"):
         raise MemWatchConfigError(f"report output must end in .png or .html; got {out.name!r}")
-    runs = load_run(path)
+    runs = load_runs(path)
     notes = [] if notes is None else notes
     drawable = installed("matplotlib")
     out.parent.mkdir(parents=True, exist_ok=True)
+    compared = len({run.label for run in runs}) > 1
     if suffix == ".png" and not drawable:  # the steps table alone (no Plotly either: it is written in no time)
         out = out.with_suffix(".html")
         notes.append(f"{off_line('matplotlib')}; wrote the steps table to {out.name} instead")
@@ -426,7 +440,7 @@ def write_report(path: str | os.PathLike[str], out: str | os.PathLike[str], budg
         if suffix == ".png":
             fig.savefig(out, dpi=120, bbox_inches="tight")
         else:
-            out.write_text(render_html(runs, fig, budget), encoding="utf-8")
+            out.write_text(render_html(runs, fig, budget, interactive=not compared), encoding="utf-8")
     finally:
         import matplotlib.pyplot as plt
 
@@ -463,7 +477,7 @@ def render_html(runs: list[RankTimeline], fig: Any, budget: int | None = None, i
 
 
 def _rank_section(run: RankTimeline) -> str:
-    parts = [f"<h2>rank {run.rank}: steps</h2>", _steps_table(run)]
+    parts = [f"<h2>{html.escape(run.name)}: steps</h2>", _steps_table(run)]
     if run.events:
         parts.append("<h3>events</h3><ul>")
         parts += [f"<li>{html.escape(event_text(e))}</li>" for e in run.events]
