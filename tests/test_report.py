@@ -60,9 +60,9 @@ def test_picture_shows_the_timeline_figures(run):
     assert any(text.get_text().startswith("plan: micro-batch") for text in ax.texts)
     title = fig._suptitle.get_text()
     assert "GPT2LMHeadModel" in title and f"batch {plan['micro_batch_size']} × accum" in title
-    # The stacked layers are the live classes, in order, then the spike on top.
+    # The stacked layers: what stays (weights, optimizer states) below what each step makes, the spike on top.
     legend = [t.get_text() for t in fig.legends[0].get_texts()]
-    assert legend[: len(LIVE_CLASSES)] == ["weights", "gradients", "optimizer states",
+    assert legend[: len(LIVE_CLASSES)] == ["weights", "optimizer states", "gradients",
                                           "activations (saved for backward)", "other (inputs, logits, buffers)"]
     assert any(label.startswith("spike") for label in legend)
 

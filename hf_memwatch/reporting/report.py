@@ -55,6 +55,8 @@ LABELS = {
     SPIKE: "spike (temporaries inside the phase)",
 }
 PHASE_LETTERS = dict(zip(PHASES, "bFBOe", strict=True))
+# Bottom up: what stays from step to step (weights, optimizer states), then what each step makes and frees.
+STACK_ORDER = ("weights", "optimizer_states", "gradients", "activations", "other")
 
 
 @dataclass
@@ -294,7 +296,7 @@ def live_bands(snaps: list[Snapshot]) -> list[Band]:
     models' part (hatched) below the trained model's own."""
     live = {name: [int(s.live.get(name) or 0) for s in snaps] for name in LIVE_CLASSES}
     frozen = [sum((s.frozen_models or {}).values()) for s in snaps]
-    bands = [Band(name, LABELS[name], COLOURS[name], live[name]) for name in LIVE_CLASSES]
+    bands = [Band(name, LABELS[name], COLOURS[name], live[name]) for name in STACK_ORDER]
     if not any(frozen):
         return bands
     names = sorted({name for s in snaps for name in (s.frozen_models or {})})
