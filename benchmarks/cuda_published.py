@@ -3,7 +3,7 @@
 Each :class:`Case` is one configuration someone measured on a real card and published with its
 settings: the source, the model (built here from its architecture's hyper-parameters with
 Transformers' config classes: no hub access), batch, sequence length, precision, optimizer,
-checkpointing, accumulation, the card (a name of :mod:`hf_memwatch.estimation.gpus`; a stand-in of
+checkpointing, accumulation, the card (a name of :mod:`hf_memwatch.core.gpus`; a stand-in of
 the same compute capability where the card is not in that table, said in ``gpu_note``), the measured
 figure and what it is:
 
@@ -121,7 +121,7 @@ class Case:
     optim: str | None       # None: forward and backward only (no optimizer)
     checkpointing: bool
     accum: int
-    gpu: str                # a name of hf_memwatch.estimation.gpus.GPUS
+    gpu: str                # a name of hf_memwatch.core.gpus.GPUS
     attn: str               # the attention implementation the run used: eager | sdpa
     measured: int           # bytes
     kind: str               # allocated | reserved | nvidia-smi

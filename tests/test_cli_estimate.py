@@ -36,7 +36,8 @@ def test_json_output_matches_the_python_api(model_dir, capsys):
     # The logits are most of this step: the fused/chunked loss routes are advised with their bytes.
     logits = sum(part for named in data["details"].values() for name, part in named.items() if name.startswith("logits"))
     assert logits >= 0.05 * data["peak_bytes"]
-    assert [a["name"].split(" ")[0] for a in data["advice"]] == ["use_liger_kernel=True", "trl.SFTTrainer"]
+    # a CPU target: no CUDA-only advice (Liger's Triton kernels); --device cuda adds it
+    assert [a["name"].split(" ")[0] for a in data["advice"]] == ["trl.SFTTrainer"]
     assert all(a["saving"] == logits for a in data["advice"])
 
 
@@ -60,7 +61,7 @@ def test_table_output(model_dir, capsys):
     status = main(["estimate", str(model_dir), "--batch-size", "2", "--seq-len", "32", "--budget", "1GiB"])
     assert status == 0
     out = capsys.readouterr().out
-    for word in ("activations", "optimizer_states", "peak phase", "fits", "remedies", "largest micro-batch"):
+    for word in ("activations", "optimizer_states", "peak during the", "fits", "remedies", "largest micro-batch"):
         assert word in out
 
 
@@ -68,10 +69,12 @@ def test_table_output(model_dir, capsys):
     ("argv", "message"),
     [
         (["MISSING"], "no such file"),
-        (["MODEL", "--batch-size", "0"], "batch_size must be a positive integer"),
-        (["MODEL", "--seq-len", "-5"], "seq_len must be a positive integer"),
+        (["MODEL", "--batch-size", "0"], "--batch-size must be at least 1"),
+        (["MODEL", "--seq-len", "-5"], "--seq-len must be at least 1"),
         (["MODEL", "--optim", "magic"], "unsupported optim 'magic'"),
-        (["MODEL", "--budget", "12 parsecs"], "cannot parse budget"),
+        (["MODEL", "--budget", "12 parsecs"], "cannot parse --budget"),
+        (["MODEL", "--budget", "0.8"], "give the size, e.g. --budget 24GiB"),
+        (["MODEL", "--load-in-4bit"], "add --lora-r 16 --lora-targets all-linear"),
         (["MODEL", "--task", "vision"], "invalid choice"),
         (["MODEL", "--precision", "fp8"], "invalid choice"),
         (["BADJSON"], "cannot load a config"),
@@ -170,3 +173,49 @@ def test_bad_lora_flags_are_one_line(llama_dir, capsys, argv, message):
     err = capsys.readouterr().err
     assert message in err
     assert "Traceback" not in err
+
+
+BAD_BEFORE_IMPORTS = [
+    (["estimate", "MODEL", "--budget", "0.8"], "--budget 0.8 is a fraction"),
+    (["estimate", "MODEL", "--load-in-4bit"], "add --lora-r"),
+    (["estimate", "MODEL", "--batch-size", "0"], "--batch-size must be at least 1"),
+    (["estimate"], "give MODEL"),
+    (["report", "EMPTY"], "give the output_dir of a Trainer run with MemWatch()"),
+    (["report", "EMPTY", "-o", "memory.pdf"], "-o must end in .png"),
+]
+
+
+@pytest.mark.parametrize(("argv", "message"), BAD_BEFORE_IMPORTS)
+def test_bad_arguments_answer_before_torch_is_imported(model_dir, tmp_path, argv, message):
+    """The check runs before the heavy imports: the process that answers never imported torch."""
+    (tmp_path / "empty").mkdir()
+    argv = [{"MODEL": str(model_dir), "EMPTY": str(tmp_path / "empty")}.get(a, a) for a in argv]
+    code = ("import sys; from hf_memwatch.cli.main import main; status = main(sys.argv[1:]); "
+            "print(status, 'torch' in sys.modules, 'transformers' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120)
+    assert proc.stdout.split() == ["2", "False", "False"]
+    (line,) = proc.stderr.strip().splitlines()
+    assert message in line
+
+
+def test_version():
+    proc = subprocess.run([sys.executable, "-m", "hf_memwatch.cli", "--version"], capture_output=True, text=True,
+                          timeout=120)
+    import hf_memwatch
+
+    assert proc.returncode == 0 and proc.stdout.strip() == f"hf-memwatch {hf_memwatch.__version__}"
+
+
+def test_unknown_model_type_names_the_close_ones(tmp_path, capsys):
+    config = tmp_path / "config.json"
+    config.write_text('{"model_type": "lama", "hidden_size": 8}')
+    assert main(["estimate", str(config)]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "model_type 'lama' is not one of the" in line and "did you mean llama" in line
+    assert "hf_memwatch.estimate(model" in line
+
+
+def test_cuda_only_advice_only_for_a_cuda_target(model_dir, capsys):
+    assert main(["estimate", str(model_dir), "--batch-size", "2", "--seq-len", "32", "--device", "cuda", "--json"]) == 0
+    names = [a["name"].split(" ")[0] for a in json.loads(capsys.readouterr().out)["advice"]]
+    assert names == ["use_liger_kernel=True", "trl.SFTTrainer"]

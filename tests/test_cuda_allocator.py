@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hf_memwatch.core.gpus import GpuSpec, gpu_spec
 from hf_memwatch.estimation.cuda_allocator import (
     AllocatorConfig,
     AllocatorOOM,
@@ -26,7 +27,6 @@ from hf_memwatch.estimation.cuda_device import (
     predict_reserved,
     published_context,
 )
-from hf_memwatch.estimation.gpus import GpuSpec, gpu_spec
 from hf_memwatch.measure.tracker import StorageTracker, recording_allocations
 
 KiB = 1 << 10

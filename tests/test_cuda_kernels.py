@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from hf_memwatch.core.gpus import gpu_spec
 from hf_memwatch.estimation import cuda_kernels as ck
 from hf_memwatch.estimation.fake_dispatch import CUDA_BLOCK, EstimateTracker
-from hf_memwatch.estimation.gpus import gpu_spec
 from hf_memwatch.estimation.replay import tracked
 from hf_memwatch.measure.saved_tensors import SavedTensorRegistry
 

@@ -10,6 +10,7 @@ import torch
 from transformers import GPT2Config
 
 from hf_memwatch.cli.main import main
+from hf_memwatch.core.gpus import gpu_spec
 from hf_memwatch.estimation.cuda_libs import (
     CUBLAS_WORKSPACE,
     bnb_gemm_4bit_cuda,
@@ -18,7 +19,6 @@ from hf_memwatch.estimation.cuda_libs import (
     uses_custom_kernel,
 )
 from hf_memwatch.estimation.estimate import estimate
-from hf_memwatch.estimation.gpus import gpu_spec
 
 CONFIG = GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=128, n_positions=64, bos_token_id=0, eos_token_id=0,
                     architectures=["GPT2LMHeadModel"])

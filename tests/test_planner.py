@@ -89,6 +89,7 @@ def test_tight_budget_picks_the_fastest_fitting_plan():
     fitting_verified = [p for p in result.candidates if p.verified and p.predicted_peak <= budget]
     assert chosen.relative_throughput == max(p.relative_throughput for p in fitting_verified)
     assert "fastest plan that fits: micro-batch" in chosen.reason
+    assert chosen.reason.count("micro-batch") == 1  # the change named once
 
 
 def test_ample_headroom_raises_the_micro_batch():

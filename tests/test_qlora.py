@@ -117,7 +117,7 @@ def test_the_cli_quantized_path_checkpoints_as_prepare_model_for_kbit_training(l
 @pytest.mark.parametrize(("flags", "message"), [
     (["--double-quant"], "need --load-in-4bit"),
     (["--bnb-4bit-quant-type", "fp4", "--load-in-8bit"], "need --load-in-4bit"),
-    (["--load-in-4bit"], "no trainable parameter"),  # a quantized base trains adapters only
+    (["--load-in-4bit"], "add --lora-r 16 --lora-targets all-linear"),  # a quantized base trains adapters only
 ])
 def test_bad_quantization_flags_are_one_line(llama_checkpoint: Path, capsys: Any, flags: list[str],
                                              message: str) -> None:
@@ -128,7 +128,7 @@ def test_bad_quantization_flags_are_one_line(llama_checkpoint: Path, capsys: Any
 
 def test_quantization_without_bitsandbytes_fails_fast(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # what an environment without it imports
-    with pytest.raises(MemWatchConfigError, match=r"load_in_4bit needs bitsandbytes \(pip install bitsandbytes\)"):
+    with pytest.raises(MemWatchConfigError, match=r"load_in_4bit needs bitsandbytes, which is not installed \(pip install 'hf-memwatch\[bnb\]'\)"):
         QuantSpec(bits=4)
 
 

@@ -1,4 +1,4 @@
-"""No stray output: a normal run prints nothing from MemWatch but its summary table.
+"""No stray output: a normal run prints nothing from MemWatch but its summary table and, once, where its files are.
 
 The console (file descriptors 1 and 2, so C-level prints count too), the Python warnings and the
 ``hf_memwatch`` log records of a real Trainer run with ``MemWatch()`` are compared with the same run
@@ -18,6 +18,8 @@ from transformers import Trainer
 
 from hf_memwatch import MemWatch
 from hf_memwatch.reporting.summary import print_summary
+
+FILES = "hf-memwatch: files in "
 
 
 def captured_run(out_dir, callbacks, capfd) -> tuple[list[str], set[tuple[str, str]]]:
@@ -46,7 +48,9 @@ def extra_output(tmp_path, watch: MemWatch, capfd, caplog):
         lines, caught = captured_run(tmp_path / "watched", [watch], capfd)
     extra = [line for line in lines if line not in plain_lines]
     summary = summary_lines(tmp_path / "watched")
-    unexplained = [line for line in extra if line not in summary and not line.startswith("hf-memwatch plan:")]
+    unexplained = [line for line in extra if line not in summary and not line.startswith(("hf-memwatch plan:", FILES))]
+    assert len([line for line in extra if line.startswith(FILES)]) == 1  # where the files are: once, at the end
+    assert extra[-1].startswith(FILES)
     ours = [r.getMessage() for r in caplog.records if r.name.startswith("hf_memwatch") and r.levelno >= logging.WARNING]
     return unexplained, caught - plain_warnings, ours, extra
 
@@ -63,3 +67,16 @@ def test_auto_run_prints_only_its_plan_line_and_summary(tmp_path, capfd, caplog)
     unexplained, new_warnings, ours, _ = extra_output(tmp_path, MemWatch(auto=True), capfd, caplog)
     assert (unexplained, new_warnings) == ([], set())
     assert len(ours) == 1 and ours[0].startswith("hf-memwatch plan: ")  # the plan line, nothing else
+
+
+def test_added_with_add_callback_the_console_gets_no_raw_byte_counts(tmp_path, capfd):
+    """``trainer.add_callback(MemWatch())`` puts it after the console printer: it is moved before it, so the
+    printed logs carry no ``memory/*`` keys (the integrations, before the printer, still get them)."""
+    capfd.readouterr()
+    trainer = Trainer(model=gpt2_model(n_embd=32), args=training_args(tmp_path / "late", logging_steps=1, max_steps=2),
+                      train_dataset=token_dataset(16, 16, 1000))
+    trainer.add_callback(MemWatch(report=False))
+    trainer.train()
+    out, err = capfd.readouterr()
+    logged = [line for line in (out + err).splitlines() if line.startswith("{'loss'")]
+    assert len(logged) == 2 and not any("memory/" in line for line in logged)

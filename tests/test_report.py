@@ -60,9 +60,9 @@ def test_picture_shows_the_timeline_figures(run):
     assert any(text.get_text().startswith("plan: micro-batch") for text in ax.texts)
     title = fig._suptitle.get_text()
     assert "GPT2LMHeadModel" in title and f"batch {plan['micro_batch_size']} × accum" in title
-    # The stacked layers are the live classes, in order, then the spike on top.
+    # The stacked layers: what stays (weights, optimizer states) below what each step makes, the spike on top.
     legend = [t.get_text() for t in fig.legends[0].get_texts()]
-    assert legend[: len(LIVE_CLASSES)] == ["weights", "gradients", "optimizer states",
+    assert legend[: len(LIVE_CLASSES)] == ["weights", "optimizer states", "gradients",
                                           "activations (saved for backward)", "other (inputs, logits, buffers)"]
     assert any(label.startswith("spike") for label in legend)
 
@@ -124,7 +124,7 @@ def test_cli_errors_are_one_line_and_status_2(tmp_path, capsys):
     assert err.startswith("hf-memwatch report: error:") and "timeline" in err and "\n" not in err
     (tmp_path / "timeline.jsonl").write_text('{"event": "snapshot", "allocated": null}\n')
     assert cli_main(["report", str(tmp_path), "-o", str(tmp_path / "m.svg")]) == 2
-    assert ".png or .html" in capsys.readouterr().err
+    assert "-o must end in .png (the picture) or .html (the page)" in capsys.readouterr().err
 
 
 def test_report_sync_draws_before_train_returns_and_bad_values_fail(tmp_path):
@@ -153,3 +153,38 @@ def test_background_picture_never_writes_into_a_removed_run_folder(run, tmp_path
     kept.mkdir()
     assert draw_in_background([str(run["out"] / "memwatch"), str(kept / "memory.png")]) == 0
     assert sorted(p.name for p in kept.iterdir()) == ["memory.png"]  # no partial file left beside it
+
+
+def test_events_are_words_and_the_plan_label_names_its_remedies(run):
+    """The page's event list says the plan in words (not the record's raw dict), and the plan's label
+    names checkpointing when the plan holds it."""
+    from hf_memwatch.reporting.report import event_label, event_text, render_html
+
+    (rank,) = load_run(run["out"])
+    (plan,) = [e for e in rank.events if e.EVENT == "plan"]
+    assert event_label(plan).endswith(", checkpointing") == bool(plan.activation_checkpointing)
+    assert event_text(plan).startswith(event_label(plan)) and plan.reason in event_text(plan)
+    page = render_html([rank], None, interactive=False)
+    assert "{&#x27;" not in page and "{'" not in page  # no raw record dict
+    assert f"<li>{event_label(plan)}" in page
+    assert event_label(plan.replace(activation_checkpointing=True)).endswith(", checkpointing")
+    assert event_label(plan.replace(activation_checkpointing=False, optim="adamw_bnb_8bit")).endswith(
+        "× accum " + str(plan.gradient_accumulation_steps or 1) + ", adamw_bnb_8bit")
+
+
+def test_two_runs_side_by_side(run, tmp_path, capsys):
+    """``hf-memwatch report RUN_A RUN_B``: a panel per run, named by its path, on shared axes; the page of a
+    comparison is the static one (picture and each run's steps table)."""
+    from hf_memwatch.reporting.report import load_runs
+
+    other = tmp_path / "other"
+    shutil.copytree(run["out"] / "memwatch", other / "memwatch")
+    paths = [str(run["out"]), str(other)]
+    assert cli_main(["report", *paths, "-o", str(tmp_path / "compare.png")]) == 0
+    assert "(2 ranks of 2 runs" in capsys.readouterr().out
+    assert matplotlib.image.imread(tmp_path / "compare.png").shape[0] > 500
+    fig = draw(load_runs(paths))
+    assert [ax.get_title(loc="left") for ax in fig.axes] == [f"{p} rank 0" for p in paths]
+    assert cli_main(["report", *paths, "-o", str(tmp_path / "compare.html")]) == 0
+    page = (tmp_path / "compare.html").read_text()
+    assert all(f"<h2>{p} rank 0: steps</h2>" in page for p in paths) and "plotly" not in page.lower()

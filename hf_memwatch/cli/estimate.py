@@ -21,31 +21,37 @@ import contextlib
 import io
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..core.categories import ESTIMATE_CLASSES
+from ..core.choices import COMPUTE_DTYPE_NAMES, DEVICES, PRECISIONS, QUANT_TYPES, SHARDS, TASKS
 from ..core.errors import MemWatchConfigError
+from ..core.extras import require
+from ..core.gpus import DEFAULT_GPU, GPUS, gpu_spec
 from ..core.optimizers import SUPPORTED_OPTIMS
-from ..core.run_config import RunConfig
 from ..core.units import format_bytes, parse_bytes
-from ..estimation.cuda_optim import default_optim
-from ..estimation.estimate import (
-    DEVICES,
-    PRECISIONS,
-    SHARDS,
-    TASKS,
-    estimate,
-    logits_bytes,
+from .figures import (
+    CUDA_MEANINGS,
+    add_cuda_rows,
+    add_figure_arguments,
+    budget_line,
+    peak_line,
+    readable_config,
+    remedy_cells,
+    remedy_columns,
+    removes_line,
+    subject_of,
+    tensors_scope,
+    weights_dtype,
+    weights_line,
 )
-from ..estimation.gpus import DEFAULT_GPU, GPUS, gpu_spec
-from ..estimation.quantized import COMPUTE_DTYPES, QUANT_TYPES
-from ..measure.peak_tensors import PeakTensors, headline, removed_by
-from ..planning.catalogue import advice, with_state_share
-from ..planning.chooser import PlanRequest
-from ..planning.plan import Plan
-from ..planning.predict import EstimatorPredictor
-from ..planning.remedies import setting_rows
 
+# Light imports only (no torch, no transformers): the arguments are checked (check_arguments) before
+# anything heavy is imported; the estimator, planner and their types are imported where used.
+if TYPE_CHECKING:
+    from ..core.run_config import RunConfig
+    from ..measure.peak_tensors import PeakTensors
+    from ..planning.chooser import PlanRequest
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``hf-memwatch estimate``."""
@@ -89,6 +95,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "with --budget, what each remedy removes")
     add_peft_arguments(parser)
     add_eval_arguments(parser)
+    add_figure_arguments(parser)
 
 
 def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
@@ -106,6 +113,47 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
                        help="generation_max_length (default: the model's generation config, else 20)")
     group.add_argument("--generation-num-beams", type=int, default=None,
                        help="generation_num_beams (default: the model's generation config, else 1)")
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """Reject bad arguments before anything heavy is imported (torch, transformers: seconds), each with
+    one actionable line (:class:`MemWatchConfigError`); the estimate's own checks follow."""
+    for flag in ("batch_size", "seq_len", "accum", "world_size"):
+        if getattr(args, flag) < 1:
+            raise MemWatchConfigError(f"--{flag.replace('_', '-')} must be at least 1; got {getattr(args, flag)}")
+    if args.top < 0:
+        raise MemWatchConfigError(f"--top must be >= 0; got {args.top}")
+    if args.budget is not None:
+        check_budget(args.budget)
+    if args.gpu is not None:
+        gpu_kwargs(args)  # an unknown card, or a card for a CPU target: one line, before the imports
+    if args.model is None and args.adapter is None:
+        raise MemWatchConfigError("give MODEL: a model folder or its config.json (or a hub id), or --adapter DIR")
+    if args.lora_r is None and ((args.lora_alpha, args.lora_targets) != (None, None) or args.lora_dropout):
+        raise MemWatchConfigError("--lora-alpha/--lora-targets/--lora-dropout need --lora-r")
+    four_bit_options = (args.bnb_4bit_quant_type, args.bnb_4bit_compute_dtype) != (None, None) or args.double_quant
+    if four_bit_options and not args.load_in_4bit:
+        raise MemWatchConfigError("--bnb-4bit-quant-type/--double-quant/--bnb-4bit-compute-dtype need --load-in-4bit")
+    if (args.load_in_4bit or args.load_in_8bit) and args.lora_r is None and args.adapter is None:
+        raise MemWatchConfigError("a quantized base is frozen, only adapters train on it (QLoRA): add --lora-r 16 "
+                                  "--lora-targets all-linear, or --adapter DIR")
+    if args.lora_r is not None or args.adapter is not None:
+        require("peft", "--lora-r/--adapter (LoRA estimates)")
+    if args.load_in_4bit or args.load_in_8bit:
+        require("bitsandbytes", f"--load-in-{4 if args.load_in_4bit else 8}bit (a quantized base)")
+
+
+def check_budget(text: str) -> None:
+    """``--budget``: a size; a fraction (``0.8``) is refused with the way to say it in bytes (the command
+    knows no device's capacity)."""
+    try:
+        parse_bytes(text, what="--budget")
+    except MemWatchConfigError as exc:
+        if "fraction" in str(exc) and "needs a known device capacity" in str(exc):
+            raise MemWatchConfigError(
+                f"--budget {text} is a fraction of a device's memory, which the estimate does not know: give the "
+                "size, e.g. --budget 24GiB (80% of a 30 GiB card: --budget 24GiB)") from None
+        raise
 
 
 def eval_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -156,37 +204,26 @@ def add_peft_arguments(parser: argparse.ArgumentParser) -> None:
     quant.add_argument("--bnb-4bit-quant-type", choices=QUANT_TYPES, default=None,
                        help="bnb_4bit_quant_type (default nf4)")
     quant.add_argument("--double-quant", action="store_true", help="bnb_4bit_use_double_quant")
-    quant.add_argument("--bnb-4bit-compute-dtype", choices=tuple(COMPUTE_DTYPES), default=None,
+    quant.add_argument("--bnb-4bit-compute-dtype", choices=COMPUTE_DTYPE_NAMES, default=None,
                        help="bnb_4bit_compute_dtype (default fp32)")
 
 
 def peft_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """The ``lora``/``adapter`` keywords of :func:`estimate` from the CLI options (one-line errors)."""
-    from ..core.errors import MemWatchConfigError
+    """The ``lora``/``adapter`` keywords of :func:`estimate` from the CLI options (checked by
+    :func:`check_arguments`)."""
     from ..estimation.peft import LoraSpec
 
-    lora_options = (args.lora_alpha, args.lora_targets) != (None, None) or args.lora_dropout
-    if args.lora_r is None:
-        if lora_options:
-            raise MemWatchConfigError("--lora-alpha/--lora-targets/--lora-dropout need --lora-r")
-        lora = None
-    else:
-        lora = LoraSpec.from_targets_text(args.lora_r, args.lora_alpha, args.lora_targets, args.lora_dropout)
-    if args.model is None and args.adapter is None:
-        raise MemWatchConfigError("give MODEL (or --adapter DIR)")
+    lora = None if args.lora_r is None else LoraSpec.from_targets_text(args.lora_r, args.lora_alpha,
+                                                                        args.lora_targets, args.lora_dropout)
     return dict(lora=lora, adapter=args.adapter, quantization=quantization(args))
 
 
 def quantization(args: argparse.Namespace) -> Any:
     """The :class:`~hf_memwatch.estimation.quantized.QuantSpec` of ``--load-in-4bit``/``--load-in-8bit``
-    (None without them); one-line errors."""
-    from ..core.errors import MemWatchConfigError
+    (None without them; the flags checked by :func:`check_arguments`)."""
     from ..estimation.quantized import QuantSpec
 
-    four_bit_options = (args.bnb_4bit_quant_type, args.bnb_4bit_compute_dtype) != (None, None) or args.double_quant
     if not args.load_in_4bit:
-        if four_bit_options:
-            raise MemWatchConfigError("--bnb-4bit-quant-type/--double-quant/--bnb-4bit-compute-dtype need --load-in-4bit")
         return QuantSpec(bits=8) if args.load_in_8bit else None
     return QuantSpec(bits=4, quant_type=args.bnb_4bit_quant_type or "nf4", double_quant=args.double_quant,
                      compute_dtype=args.bnb_4bit_compute_dtype or "fp32")
@@ -204,9 +241,11 @@ def checkpointing_of(args: argparse.Namespace) -> bool:
 
 def _run_config(args: argparse.Namespace) -> RunConfig:
     """The command's configuration as the planning core's :class:`RunConfig`."""
+    from ..core.run_config import RunConfig
+
     return RunConfig(
         micro_batch_size=args.batch_size, gradient_accumulation_steps=args.accum, checkpointing=checkpointing_of(args),
-        optim=args.optim or default_optim(args.device), precision=args.precision, device=args.device,
+        optim=args.optim or _default_optim(args.device), precision=args.precision, device=args.device,
         world_size=args.world_size,
         shard=args.shard, seq_len=args.seq_len, task=args.task, seq2seq_target_len=args.target_len,
         engine=deepspeed_engine(args) or fsdp_engine(args),
@@ -255,6 +294,11 @@ def planning_request(args: argparse.Namespace, budget: int, given: Any) -> PlanR
     """The one planning request of the command: the chooser's candidates and one cache of predictions
     (the estimator, as the auto mode's predictor, seeded with the command's own estimate ``given``),
     from which the plan and the remedy table are read."""
+    from ..planning.catalogue import with_state_share
+    from ..planning.chooser import PlanRequest
+    from ..planning.plan import Plan
+    from ..planning.predict import EstimatorPredictor
+
     run = with_state_share(_run_config(args), given)
     extra = dict(peft_kwargs(args), **gpu_kwargs(args))
     if args.top > 0:  # every prediction lists its peak tensors: what each remedy removes
@@ -269,6 +313,9 @@ def remedies(request: PlanRequest, args: argparse.Namespace, given: Any) -> list
     given micro-batch, the estimator's peak and the chooser's prediction of it (margin included:
     what ``fits`` compares), and the largest micro-batch of that setting that fits (same effective
     batch) — all from ``request``'s predictions (:func:`~hf_memwatch.planning.remedies.setting_rows`)."""
+    from ..measure.peak_tensors import removed_by
+    from ..planning.remedies import setting_rows
+
     rows = []
     for row in setting_rows(request):
         estimated = request.predictor.estimate(row.plan)
@@ -299,13 +346,8 @@ NOTHING_FITS = 1
 def positions_warning(model: Any, lengths: dict[str, int | None]) -> str | None:
     """A line when a requested length exceeds the model's positions (``max_position_embeddings``,
     ``n_positions``): such a sequence cannot run, the figure would be for a step that cannot exist."""
-    if model is None:
-        return None
-    from ..estimation.estimate import load_config
-
-    try:
-        config = load_config(model)
-    except Exception:  # noqa: BLE001 - the estimate itself reports an unreadable model
+    config = readable_config(model)
+    if config is None:
         return None
     for name in ("max_position_embeddings", "n_positions", "max_target_positions"):
         positions = getattr(config, name, None)
@@ -328,17 +370,29 @@ def gpu_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return {"gpu": gpu_spec(args.gpu)}
 
 
+def _default_optim(device: str) -> str:
+    """The optimizer a run without ``--optim`` gets on ``device`` (the Trainer's default on CUDA)."""
+    from ..estimation.cuda_optim import default_optim
+
+    return default_optim(device)
+
+
 def run(args: argparse.Namespace) -> int:
     """Estimate, print (table or JSON); 0 on success, :data:`NOTHING_FITS` when nothing fits the
     budget. Errors raise and the dispatcher exits 2."""
+    from ..estimation.estimate import estimate, logits_bytes
+    from ..planning.catalogue import advice
+
     budget = None if args.budget is None else parse_bytes(args.budget)
     card = gpu_kwargs(args)
     # libraries print on import (transformers' W&B offline notice): stdout is for our output only,
     # stderr for one line on error
     with contextlib.redirect_stdout(io.StringIO()):
+        args.model = subject_of(args)  # MODEL, or its config with --weights-dtype set
         result = estimate(args.model, budget=budget, **_run_config(args).estimate_kwargs(), **peft_kwargs(args),
                           **eval_kwargs(args), top_tensors=max(args.top, 0), **card)
         payload = result.to_dict()
+        payload["weights"] = weights_dtype(args, args.model)
         if args.checkpointing is None and checkpointing_of(args):
             payload["notes"] = [*payload.get("notes", []), "activation checkpointing on, as "
                                 "prepare_model_for_kbit_training turns it on for a quantized base (--no-checkpointing: off)"]
@@ -351,6 +405,7 @@ def run(args: argparse.Namespace) -> int:
             payload["plan"] = _plan(request)  # the choice first: the table reads the predictions it made
             payload["remedies"] = remedies(request, args, result)
             payload["largest_fitting_batch"] = payload["remedies"][0]["largest_fitting_batch"]
+            payload["fits"] = payload["remedies"][0]["fits"]  # the plan's verdict: the peak + the planning margin
     warning = positions_warning(args.model, {"--seq-len": args.seq_len, "--eval-seq-len": args.eval_seq_len})
     if warning:  # after the estimate: an error of the request itself stays the one line
         print(warning, file=sys.stderr)
@@ -392,32 +447,36 @@ def _print_table(payload: dict[str, Any]) -> None:
             table.add_row(f"  of which {detail}", f"{part:,}", format_bytes(part),
                           f"{100 * part / peak:.1f}%" if peak else "-", style="dim")
     table.add_row("peak", f"{peak:,}", format_bytes(peak), "100%", style="bold")
+    cuda = add_cuda_rows(table, payload)
     console.print(table)
-    console.print(f"peak phase: {payload['peak_phase']} · params {payload['params']:,} "
-                  f"(trainable {payload['trainable_params']:,}) · target {cfg['device']}{_card_text(cfg)}")
+    console.print(peak_line(payload) + _card_text(cfg))
     print_card_fit(payload, console)
+    for line in (CUDA_MEANINGS if cuda else None, weights_line(payload.get("weights"))):
+        if line:
+            console.print(line)
     for note in payload["notes"]:
         console.print(f"note: {note}")
     if payload.get("peak_tensors"):
+        from ..measure.peak_tensors import PeakTensors
+
+        if tensors_scope(payload):
+            console.print(tensors_scope(payload))
         print_peak_tensors(PeakTensors.from_record(payload["peak_tensors"]), payload["peak_phase"], console)
     print_eval(payload, console)
     for item in payload.get("advice", []):
         console.print(f"advice (not planned): {item['name']} saves up to {format_bytes(item['saving'])} — {item['how']}")
     if payload.get("budget") is None:
         return
-    verdict = "[green]fits[/green]" if payload["fits"] else "[red]does not fit[/red]"
-    console.print(f"budget {format_bytes(payload['budget'])}: {verdict}; "
-                  f"largest micro-batch that fits (same effective batch): {payload['largest_fitting_batch']}")
+    console.print(budget_line(payload))
     remedy_table = Table(title="remedies")
-    for column in ("remedy", "peak", "fits", "largest micro-batch"):
+    for column in remedy_columns(payload):
         remedy_table.add_column(column)
     for row in payload["remedies"]:
-        remedy_table.add_row(row["remedy"], format_bytes(row["peak_bytes"]), "yes" if row["fits"] else "no",
-                             str(row["largest_fitting_batch"]))
+        remedy_table.add_row(*remedy_cells(payload, row))
     console.print(remedy_table)
     for row in payload["remedies"]:
         if row.get("removes"):
-            console.print(f"{row['remedy']} removes: " + "; ".join(row["removes"]))
+            console.print(removes_line(payload, row))
     plan = payload.get("plan")
     console.print(f"plan (same effective batch): {plan['explain'] if plan else 'nothing fits'}")
 
@@ -445,6 +504,8 @@ def print_card_fit(payload: dict[str, Any], console: Any) -> None:
 def print_peak_tensors(peak: PeakTensors, phase: str, console: Any, groups: int = 5) -> None:
     """The largest tensors at the peak (``--top N``), then the bytes by module and by operator."""
     from rich.table import Table
+
+    from ..measure.peak_tensors import headline
 
     for line in headline(peak, phase):
         console.print(line)

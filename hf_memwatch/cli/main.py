@@ -1,7 +1,8 @@
 """``hf-memwatch`` command line: ``estimate`` (pre-flight prediction) and ``report`` (pictures).
 
 Each subcommand lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``;
-this module only dispatches. Bad input: one line on stderr, exit status 2, no traceback.
+this module only dispatches. Bad input: one line on stderr, exit status 2, no traceback; each module's
+``check_arguments(args)`` runs first, before anything heavy (torch, transformers) is imported.
 """
 
 from __future__ import annotations
@@ -26,7 +27,10 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .. import __version__
+
     parser = _Parser(prog="hf-memwatch", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"hf-memwatch {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for name, (module_name, help_text) in SUBCOMMANDS.items():
         module = importlib.import_module(module_name)
@@ -43,6 +47,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        args._module.check_arguments(args)  # bad arguments answered before the heavy imports
         return int(args._module.run(args) or 0)
     except (MemWatchError, OSError, ValueError, KeyError, TypeError) as exc:  # one line, never a traceback
         print(f"hf-memwatch {args.command}: error: {exc}", file=sys.stderr)

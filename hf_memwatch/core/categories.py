@@ -60,3 +60,20 @@ PHASES: tuple[str, ...] = (STEP_BEGIN, AFTER_FORWARD, AFTER_BACKWARD, AFTER_OPTI
 FORWARD_BACKWARD_PHASES: tuple[str, ...] = (AFTER_FORWARD, AFTER_BACKWARD)
 #: The stage that runs after each snapshot phase until the model's hooks say otherwise.
 STAGE_AFTER: dict[str, str] = dict(zip(PHASES, ("forward", "backward", "optimizer", "zero_grad", "outside"), strict=True))
+
+
+def phase_words(phase: str | None) -> str:
+    """A phase's peak as the user reads it: the stage of the interval that *ends* at the snapshot
+    (``after_backward``'s peak is the backward's, the gradients are still being made), the phase's name
+    kept in parentheses; a name that is no step phase (``eval_forward``) is returned as it is.
+
+    Example:
+        >>> phase_words("after_backward"), phase_words("step_begin")
+        ('during the backward (after_backward)', 'between steps (step_begin)')
+    """
+    if phase not in PHASES:
+        return str(phase)
+    before = PHASES[PHASES.index(phase) - 1]  # step_begin: the previous step's end
+    stage = STAGE_AFTER[before]
+    words = "between steps" if stage == "outside" else f"during the {'optimizer step' if stage == 'optimizer' else stage}"
+    return f"{words} ({phase})"

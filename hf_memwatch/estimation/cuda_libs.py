@@ -27,7 +27,7 @@
   The backward (``MatMul4Bit.backward``) dequantizes on every device: the same Python code, replayed as is.
 
 Example:
-    >>> from hf_memwatch.estimation.gpus import gpu_spec
+    >>> from hf_memwatch.core.gpus import gpu_spec
     >>> cublas_workspace_size(gpu_spec("T4"), {}), cublas_workspace_size(gpu_spec("H100"), {}) >> 20
     (8519680, 32)
     >>> cublas_workspace_size(gpu_spec("A100"), {"CUBLAS_WORKSPACE_CONFIG": ":4096:2:16:8"})
@@ -48,7 +48,7 @@ import torch
 CUBLAS_WORKSPACE = "cublas_workspace"
 # GEMM threads of a training step on one stream: the Python thread (forward), the autograd device thread (backward)
 GEMM_THREADS = 2
-# Streaming multiprocessors per card of estimation.gpus.GPUS (NVIDIA's data sheets): bitsandbytes' 4-bit
+# Streaming multiprocessors per card of core.gpus.GPUS (NVIDIA's data sheets): bitsandbytes' 4-bit
 # routing reads them (``torch.cuda.get_device_properties().multi_processor_count``).
 SM_COUNTS = {"H200": 132, "H100-80GB": 132, "A100-80GB": 108, "A100-40GB": 108, "L4": 58, "A10G": 80,
              "RTX-4090": 128, "RTX-3090": 82, "T4": 40, "V100-16GB": 80, "V100-32GB": 80}
@@ -56,7 +56,7 @@ BNB_CUSTOM_MAX_M = 1536  # bitsandbytes 0.50 ``_gemm_4bit_custom_max_m`` on CUDA
 
 
 def cublas_workspace_size(gpu: Any, environ: Mapping[str, str] | None = None) -> int:
-    """``getChosenWorkspaceSize`` for ``gpu`` (a :class:`~hf_memwatch.estimation.gpus.GpuSpec`): see the module doc."""
+    """``getChosenWorkspaceSize`` for ``gpu`` (a :class:`~hf_memwatch.core.gpus.GpuSpec`): see the module doc."""
     env = os.environ if environ is None else environ
     default = 4096 * 8 * 1024 if gpu.capability[0] in (9, 10, 12) else 4096 * 1024 * 2 + 16 * 1024 * 8
     config = env.get("CUBLAS_WORKSPACE_CONFIG")

@@ -30,7 +30,7 @@ buffers (decoding only), the memory-efficient backward's shared-memory fit check
 (``torch.use_deterministic_algorithms``: ``dq_accum`` split per SM group).
 
 Example:
-    >>> from hf_memwatch.estimation.gpus import gpu_spec
+    >>> from hf_memwatch.core.gpus import gpu_spec
     >>> q = torch.empty(2, 12, 1024, 64, dtype=torch.bfloat16, requires_grad=True)
     >>> sdp_backend(gpu_spec("A100"), q, q, q, dropout_p=0.1, is_causal=True)
     'flash_attention'

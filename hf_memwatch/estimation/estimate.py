@@ -28,6 +28,7 @@ import torch
 from ..compat.versions import check_versions
 from ..core.categories import STEP_END
 from ..core.errors import MemWatchConfigError, unknown_keywords
+from ..core.gpus import card_fits, gpu_record, target_gpu
 from ..core.run_config import RunConfig
 from ..core.units import format_bytes
 from ..measure.attribution import weight_storages
@@ -37,7 +38,6 @@ from .cuda_autocast import policy_notes
 from .cuda_device import cuda_step_reserve, ddp_resident
 from .fake_model import auto_class, count_params, fake_copy, fake_model, load_config, resolve_adapter
 from .fsdp_replay import fsdp_applies, fsdp_flow
-from .gpus import card_fits, gpu_record, target_gpu
 from .layers import AUTO_MIN_LAYERS, SHORT_DEPTHS, extrapolate, homogeneous_layers, truncated
 from .peft import LoraSpec
 from .quantized import QuantSpec
@@ -83,7 +83,7 @@ class MemoryEstimate:
     precision). A breakdown, not an addition: they are already in ``classes``. ``fits``: the peak
     within ``budget``; without a budget, for a CUDA target, whether the step fits the card
     (``config["gpu"]``: the device total, else the predicted reserve, against its memory:
-    :func:`~hf_memwatch.estimation.gpus.card_fits`); None for a CPU target without a budget.
+    :func:`~hf_memwatch.core.gpus.card_fits`); None for a CPU target without a budget.
     """
 
     peak_bytes: int

@@ -65,7 +65,7 @@ class EstimateTracker(StorageTracker):
         self.bnb_cpu_kernels = bnb_cpu_kernels
         self.snapshot: tuple[dict[int, Any], set[int]] | None = None
         self.kernel_workspaces = device_type == "cpu" and round_to == 1
-        self.gpu: Any = None  # a CUDA target's card (estimation.gpus.GpuSpec), set by replay.new_tracker
+        self.gpu: Any = None  # a CUDA target's card (core.gpus.GpuSpec), set by replay.new_tracker
         # True within a torch optimizer's step for a CUDA target: tensors made from Python data are host
         # tensors, not counted (estimation.cuda_optim.steps_on_host)
         self.host_scalars = False

@@ -52,11 +52,14 @@ def load_config(model_or_config: Any) -> Any:
                 data = json.load(handle)
             if not isinstance(data, dict) or "model_type" not in data:
                 raise MemWatchConfigError(f"{path}: not a Transformers config (no 'model_type')")
+            check_model_type(data["model_type"], path)
             config_cls = AutoConfig.for_model(data["model_type"]).__class__
             return config_cls.from_dict(data)
         if os.path.isdir(path):
             if not os.path.isfile(os.path.join(path, "config.json")):
                 raise MemWatchConfigError(f"{path}: no config.json in this directory")
+            with open(os.path.join(path, "config.json"), encoding="utf-8") as handle:
+                check_model_type((json.load(handle) or {}).get("model_type"), path)
             return AutoConfig.from_pretrained(path)
         if os.path.sep in path or path.endswith(".json"):
             raise MemWatchConfigError(f"{path}: no such file or directory")
@@ -66,6 +69,26 @@ def load_config(model_or_config: Any) -> Any:
     except (OSError, ValueError, KeyError, json.JSONDecodeError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise MemWatchConfigError(f"cannot load a config from {path!r}: {first}") from None
+
+
+def check_model_type(model_type: Any, path: str) -> None:
+    """One actionable line when ``model_type`` is not one this transformers knows: the closest names,
+    how to list them all, and the way for a custom architecture (a built model, in Python)."""
+    import difflib
+
+    import transformers
+    from transformers import CONFIG_MAPPING
+
+    if model_type is None or model_type in CONFIG_MAPPING:
+        return
+    known = sorted(CONFIG_MAPPING.keys())
+    close = difflib.get_close_matches(str(model_type), known, n=3)
+    hint = f"did you mean {', '.join(close)}? " if close else ""
+    raise MemWatchConfigError(
+        f"{path}: model_type {model_type!r} is not one of the {len(known)} model types transformers "
+        f"{transformers.__version__} knows; {hint}list them with python -c \"import transformers; "
+        "print(sorted(transformers.CONFIG_MAPPING))\"; a custom architecture: build the model and call "
+        "hf_memwatch.estimate(model, ...) in Python")
 
 
 def infer_task(config: Any) -> str:

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from ..core.errors import MemWatchConfigError
+from ..core.extras import require
 
 ADAPTER_CONFIG = "adapter_config.json"
 PEFT_TASK_TYPES = {"causal-lm": "CAUSAL_LM", "seq-cls": "SEQ_CLS", "seq2seq": "SEQ_2_SEQ_LM"}
@@ -41,6 +42,7 @@ class LoraSpec:
     dropout: float = 0.0
 
     def __post_init__(self) -> None:
+        require("peft", "a LoRA adapter (--lora-r, LoraSpec)")
         if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r <= 0:
             raise MemWatchConfigError(f"lora r must be a positive integer; got {self.r!r}")
         if not 0.0 <= float(self.dropout) < 1.0:
@@ -82,6 +84,7 @@ def load_adapter(path: str | os.PathLike) -> tuple[Any, str | None]:
     ``save_pretrained`` writes ``inference_mode: true``; the estimate is of training the adapter
     further, so it is loaded trainable.
     """
+    require("peft", "a saved PEFT adapter (--adapter)")
     from peft import PeftConfig
 
     path = os.fspath(path)

@@ -28,10 +28,11 @@ from typing import Any
 
 import torch
 
+from ..core.choices import COMPUTE_DTYPE_NAMES, QUANT_TYPES
 from ..core.errors import MemWatchConfigError
+from ..core.extras import MissingExtra, install_hint
 
-QUANT_TYPES = ("nf4", "fp4")
-COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+COMPUTE_DTYPES = dict(zip(COMPUTE_DTYPE_NAMES, (torch.float32, torch.bfloat16, torch.float16), strict=True))
 
 
 def require_bitsandbytes(what: str) -> None:
@@ -39,7 +40,7 @@ def require_bitsandbytes(what: str) -> None:
     try:
         import bitsandbytes  # noqa: F401 - imported to know it imports (a broken install fails here, not mid-step)
     except ImportError:
-        raise MemWatchConfigError(f"{what} needs bitsandbytes (pip install bitsandbytes)") from None
+        raise MissingExtra(f"{what} needs bitsandbytes, which is not installed ({install_hint('bitsandbytes')})") from None
 
 
 @dataclass(frozen=True)

@@ -24,15 +24,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..core.categories import ESTIMATE_CLASSES
+from ..core.choices import DEVICES, PRECISIONS, SHARDS, TASKS  # noqa: F401 - estimation's names for them
 from ..core.errors import MemWatchConfigError
 from ..core.run_config import RunConfig
 from ..core.units import parse_bytes
 from .generation import GenerationSettings
 
-TASKS = ("causal-lm", "seq-cls", "masked-lm", "seq2seq")
-PRECISIONS = ("fp32", "bf16", "fp16")
-SHARDS = ("none", "zero1", "zero2", "zero3", "fsdp")
-DEVICES = ("cpu", "cuda")
 CLASS_NAMES = ESTIMATE_CLASSES  # core's one list, under the name estimation's API has exported
 
 # RunConfig's fields a request takes (None: the Trainer's own, else RunConfig's default)
@@ -66,7 +63,7 @@ class EstimateRequest:
     generation_max_length: int | None = None
     generation_num_beams: int | None = None
     engine: Any = None
-    gpu: Any = None  # a CUDA target's card: a name of estimation.gpus.GPUS or a GpuSpec (None: the local one, else assumed)
+    gpu: Any = None  # a CUDA target's card: a name of core.gpus.GPUS or a GpuSpec (None: the local one, else assumed)
     # -- the estimate's own --
     budget: int | str | None = None
     extrapolate_layers: bool | None = None
@@ -161,7 +158,7 @@ class EstimateRequest:
             raise MemWatchConfigError(f"unsupported optim {self.optim!r}; choose one of {', '.join(SUPPORTED_OPTIMS)}")
         check_choice("device", self.device, DEVICES)
         if self.gpu is not None:
-            from .gpus import GpuSpec, gpu_spec
+            from ..core.gpus import GpuSpec, gpu_spec
 
             if self.device != "cuda":
                 raise MemWatchConfigError(f"gpu={self.gpu!r} is for a CUDA target: pass device='cuda'")

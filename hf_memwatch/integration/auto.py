@@ -367,9 +367,7 @@ class AutoMode(BetweenSteps):
                 note = ""
             raise over_budget_error(no_fit_message(result, budget.describe()) + note,
                                     result.best_effort().predicted_peak, budget.usable)
-        if result.chosen.key() != result.given.key():
-            for name, why in result.unavailable.items():
-                logger.warning("hf-memwatch: remedy %s unavailable: %s", name, why)
+        # the remedies unavailable are named once, in the plan line (chooser.explain)
         sample = planned_batch(trainer, result.chosen.micro_batch_size, worst, run.seq_len, list(given_estimate.notes))
         record = plan_record(result, run, budget, sample).replace(
             **self._plan_eval(trainer, run, budget, predictor, result.chosen))

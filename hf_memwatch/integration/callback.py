@@ -37,8 +37,8 @@ from ..planning.budget import validate_budget
 from ..reporting.background import wait_for_report
 from ..reporting.context import KnownPlan
 from ..reporting.oom import prepare_post_mortem, write_oom_report
-from ..reporting.sinks import eval_scalars, strip_memory_keys
-from ..reporting.summary import PICTURE_NAME, finish_reports
+from ..reporting.sinks import eval_scalars, run_before_printer, strip_memory_keys
+from ..reporting.summary import PICTURE_NAME, TABLE_NAME, finish_reports
 from .auto import AutoMode
 from .compiled import tracing
 from .options import check_options, find_trainer, guarded
@@ -319,6 +319,7 @@ class MemWatch(TrainerCallback, ExportableState):
     @guarded
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         self._remember_trainer(in_train=True)
+        run_before_printer(getattr(self.trainer, "callback_handler", None), self)  # add_callback: after it
         self._close_session()
         self._failed = False
         # A run from step 0 starts its timeline anew (the auto mode's plan, decided inside train()
@@ -493,8 +494,7 @@ class MemWatch(TrainerCallback, ExportableState):
             if not wait_for_report(process, timeout):
                 return None  # still drawing (kept: a later call waits again) or failed (memory.png.log)
             self._report_process = None
-        trainer = self.trainer
-        if trainer is None:
+        if (trainer := self.trainer) is None:
             return None
-        path = self.memwatch_dir(trainer.args) / PICTURE_NAME
-        return path if path.exists() else None
+        folder = self.memwatch_dir(trainer.args)  # memory.png, or the steps table without matplotlib
+        return next((p for p in (folder / PICTURE_NAME, folder / TABLE_NAME) if p.exists()), None)

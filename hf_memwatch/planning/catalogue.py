@@ -31,6 +31,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ..core.extras import install_hint, installed
 from ..core.optimizers import ADAMW_NAMES, EIGHT_BIT_NAMES
 from ..core.run_config import RunConfig
 
@@ -51,7 +52,7 @@ def divisors(n: int) -> list[int]:
 
 
 def bitsandbytes_installed() -> bool:
-    return importlib.util.find_spec("bitsandbytes") is not None
+    return installed("bitsandbytes")
 
 
 def eight_bit_optim(device: str) -> str:
@@ -161,7 +162,7 @@ def _eight_bit_unavailable(run: RunConfig) -> str | None:
         return (f"the optimizer states are {100 * share:.1f}% of the predicted peak (below "
                 f"{100 * MIN_STATE_SHARE:.0f}%): 8-bit states would save almost nothing")
     if not bitsandbytes_installed():
-        return "bitsandbytes is not installed (pip install bitsandbytes)"
+        return f"bitsandbytes is not installed ({install_hint('bitsandbytes')})"
     return None
 
 
@@ -292,7 +293,7 @@ def advice(run: RunConfig, frozen_models: Mapping[str, int], logits: int = 0, pe
         ['precompute_ref_log_probs=True, ref_model=None', 'LoRA policy, ref_model=None']
     """
     # The fused routes replace a plain language-model loss; a preference trainer's (DPO) has none of them.
-    found = fused_loss_advice(logits, peak) if run.precompute_ref_log_probs is None else []
+    found = fused_loss_advice(logits, peak, run.device) if run.precompute_ref_log_probs is None else []
     if classes:  # the engine's own remedies (ZeRO stage, offload, buckets), from the predicted split
         from .engine_advice import engine_advice
 
@@ -321,13 +322,16 @@ def advice(run: RunConfig, frozen_models: Mapping[str, int], logits: int = 0, pe
 LOGITS_ADVICE_SHARE = 0.05
 
 
-def fused_loss_advice(logits: int, peak: int) -> list[Advice]:
+def fused_loss_advice(logits: int, peak: int, device: str = "cuda") -> list[Advice]:
     """The routes to a loss without the full logits that exist in the installed stack, each saving up
-    to ``logits`` (the logits and their fp32 upcast live at the peak; a chunk of them remains).
+    to ``logits`` (the logits and their fp32 upcast live at the peak; a chunk of them remains); only
+    those that run on ``device`` (Liger's kernels are Triton kernels: CUDA only, not advised to a CPU run).
 
     Example:
         >>> [a.name.split(" ")[0] for a in fused_loss_advice(300, 1000)]
         ['use_liger_kernel=True', 'trl.SFTTrainer']
+        >>> [a.name.split(" ")[0] for a in fused_loss_advice(300, 1000, device="cpu")]
+        ['trl.SFTTrainer']
         >>> fused_loss_advice(10, 1000)
         []
     """
@@ -335,10 +339,11 @@ def fused_loss_advice(logits: int, peak: int) -> list[Advice]:
         return []
     found = []
     liger = importlib.util.find_spec("liger_kernel") is not None
-    found.append(Advice(
-        "use_liger_kernel=True (Liger fused linear cross-entropy)", logits,
-        "the LM head and the loss are computed in chunks, the logits never whole; CUDA only (Triton kernels); "
-        + ("liger-kernel is installed" if liger else "needs pip install liger-kernel")))
+    if device == "cuda":
+        found.append(Advice(
+            "use_liger_kernel=True (Liger fused linear cross-entropy)", logits,
+            "the LM head and the loss are computed in chunks, the logits never whole; CUDA only (Triton kernels); "
+            + ("liger-kernel is installed" if liger else "needs pip install liger-kernel")))
     if importlib.util.find_spec("trl") is not None:
         found.append(Advice(
             "trl.SFTTrainer (its fused LM head)", logits,

@@ -364,9 +364,10 @@ def explain(result: PlanResult, run: RunConfig) -> str:
                 f"{format_bytes(budget)}")
     changes = "; ".join(chosen.changes_from(run))
     if (given.predicted_peak or 0) > budget:
+        # the changes once (describe() would name them again beside the settings left alone)
         text = (f"configuration as given is predicted to peak at {format_bytes(given.predicted_peak)}, over the budget "
-                f"{format_bytes(budget)}; fastest plan that fits: {chosen.describe()} ({changes}; throughput "
-                f"x{chosen.relative_throughput:.2f})")
+                f"{format_bytes(budget)}; fastest plan that fits: {changes}, predicted peak "
+                f"{format_bytes(chosen.predicted_peak)} (throughput x{chosen.relative_throughput:.2f})")
     else:
         text = (f"ample headroom (given configuration predicted at {format_bytes(given.predicted_peak)} of "
                 f"{format_bytes(budget)}): raised to {chosen.describe()} (throughput x{chosen.relative_throughput:.2f})")

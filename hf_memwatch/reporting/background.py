@@ -78,6 +78,7 @@ def draw_atomically(directory: str, out: str) -> Path | None:
     target = Path(out)
     with tempfile.TemporaryDirectory(prefix="hf-memwatch-report-") as scratch:
         drawn = write_report(directory, Path(scratch) / target.name)
+        target = target.with_name(drawn.name)  # the steps table (.html) where no picture can be drawn
         if not target.parent.is_dir():
             return None
         partial = target.with_name(f".{target.stem}.partial{target.suffix}")

@@ -2,9 +2,10 @@
 
 Plotly (``include_plotlyjs=True``: the library is inlined, the page loads with no network) draws,
 for every rank, the live classes of each snapshot as stacked bars (one bar per phase of each step,
-hover: step, micro-batch, phase and each class's bytes), the spike on top, each step's peak as a
-marker, the budget and the plan's predicted peak as lines, eval/predict loops and plan/remedy/OOM
-events as marked vertical lines; a range slider zooms over steps; a menu selects the rank. A click on
+hover: step, micro-batch, phase, every class, their total and the phase peak, in MiB/GiB as the
+y-axis), the spike on top, each step's peak as a marker, the process's host RSS as a dotted line on a
+right-hand axis, the budget and the plan's predicted peak as lines, eval/predict loops and
+plan/remedy/OOM events as marked vertical lines; a range slider zooms over steps; a menu selects the rank. A click on
 a step (its bars or its peak marker) shows that step's ``peak_tensors`` record below the chart: the
 largest tensors alive at its peak, then the bytes by module and by operator. The static PNG
 (``memory.png``) stays for the summary and CI logs; the page also embeds it, and a table of every step.
@@ -32,6 +33,7 @@ from .report import (
     SPIKE,
     RankTimeline,
     budget_of,
+    choose_unit,
     eval_position,
     event_label,
     event_step,
@@ -89,13 +91,14 @@ def _rank_traces(go: Any, run: RankTimeline, visible: bool) -> list[Any]:
     xs = list(range(len(snaps)))
     custom = [[run.rank, s.step] for s in snaps]
     labels = [f"step {s.step} · mb {s.micro_step or 0} · {s.phase}" for s in snaps]
+    bands = live_bands(snaps)
+    everything = [hover_text(labels[i], bands, i, snap) for i, snap in enumerate(snaps)]
     traces = []
-    for band in live_bands(snaps):
+    for band in bands:
         traces.append(go.Bar(
             x=xs, y=band.values, name=f"{band.label} (rank {run.rank})", legendgroup=band.name,
             marker_color=band.colour, customdata=custom, text=labels, textposition="none", visible=visible,
-            hovertext=[format_bytes(v) for v in band.values],
-            hovertemplate="%{text}<br>" + band.name + ": %{hovertext}<extra></extra>"))
+            hovertext=everything, hovertemplate="%{hovertext}<extra></extra>"))
     # The spike of each phase: from the higher live end of the phase up to its peak, between the snapshots.
     sx: list[Any] = []
     sy: list[Any] = []
@@ -124,7 +127,41 @@ def _rank_traces(go: Any, run: RankTimeline, visible: bool) -> list[Any]:
         x=peak_x, y=peak_y, mode="markers", name=f"step peak (rank {run.rank})", customdata=peak_custom,
         marker={"symbol": "triangle-down", "size": 11, "color": "black"}, text=peak_text, visible=visible,
         hovertemplate="%{text}<extra></extra>"))
+    # The process's resident host memory (every snapshot's host_rss), on its own axis at the right:
+    # on the CPU it holds the libraries too, far above the tensors, and would flatten the bars.
+    rss = [s.host_rss for s in snaps]
+    traces.append(go.Scatter(
+        x=xs, y=rss, mode="lines", name=f"host RSS (rank {run.rank}, right axis)", yaxis="y2", visible=visible,
+        line={"color": "#555555", "dash": "dot", "width": 1.5}, customdata=custom,
+        text=[f"{labels[i]}<br>host RSS: {format_bytes(v)}" for i, v in enumerate(rss)],
+        hovertemplate="%{text}<extra></extra>"))
     return traces
+
+
+def hover_text(label: str, bands: list[Any], i: int, snap: Any) -> str:
+    """A bar's hover, whichever class is under the pointer: every class at that snapshot, their total
+    (allocated) and the phase's peak, in MiB/GiB as the axis."""
+    rows = [f"{band.name.replace('_', ' ')}: {format_bytes(band.values[i])}" for band in bands]
+    total = sum(band.values[i] for band in bands)
+    rows.append(f"<b>total: {format_bytes(total)}</b>")
+    if snap.peak is not None:
+        rows.append(f"phase peak: {format_bytes(snap.peak)}")
+    return "<br>".join([label, *rows])
+
+
+def binary_ticks(highest: float, count: int = 6) -> tuple[list[float], list[str]]:
+    """Y-axis ticks in binary units (MiB/GiB, as every label of the page and the picture) at a round
+    step, instead of Plotly's SI ("350M" for 350 MB while the labels say MiB).
+
+    Example:
+        >>> binary_ticks(420 * 2**20)[1]
+        ['0 MiB', '100 MiB', '200 MiB', '300 MiB', '400 MiB']
+    """
+    unit, scale = choose_unit(highest or 1)
+    top = (highest or 1) / scale
+    step = next(s * 10**e for e in range(-2, 6) for s in (1, 2, 5) if top / (s * 10**e) <= count - 1)
+    values = [n * step for n in range(int(top / step) + 1)]
+    return [v * scale for v in values], [f"{v:g} {unit}" for v in values]
 
 
 def _marks(run: RankTimeline) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -173,6 +210,9 @@ def build_figure(runs: list[RankTimeline], budget: int | None = None) -> Any:
     snaps = runs[0].snapshots
     starts = step_starts(snaps)
     every = max(1, len(starts) // 20)
+    ticks = binary_ticks(max([s.peak or s.allocated or 0 for r in runs for s in r.snapshots]
+                             + [e.peak or 0 for r in runs for e in r.evals] + [budget or 0, predicted or 0]))
+    rss_ticks = binary_ticks(max([s.host_rss or 0 for r in runs for s in r.snapshots] or [0]))
     buttons = []
     for n, run in enumerate(runs):
         visible = [m == n for m, count in enumerate(per_rank) for _ in range(count)]
@@ -182,7 +222,9 @@ def build_figure(runs: list[RankTimeline], budget: int | None = None) -> Any:
         barmode="stack", bargap=0.05, shapes=shapes, annotations=notes, hovermode="closest",
         xaxis={"title": "optimizer step (one bar per phase)", "rangeslider": {"visible": True},
                "tickvals": [i for i, _ in starts[::every]], "ticktext": [str(step) for _, step in starts[::every]]},
-        yaxis={"title": "bytes", "tickformat": "~s", "rangemode": "tozero"}, height=620,
+        yaxis={"title": "memory", "tickvals": ticks[0], "ticktext": ticks[1], "rangemode": "tozero"}, height=620,
+        yaxis2={"title": "host RSS (resident)", "overlaying": "y", "side": "right", "showgrid": False,
+                "tickvals": rss_ticks[0], "ticktext": rss_ticks[1], "rangemode": "tozero"},
         legend={"orientation": "v"},
         updatemenus=[{"buttons": buttons, "direction": "down", "x": 0, "xanchor": "left", "y": 1.12,
                       "yanchor": "top", "showactive": True}] if len(runs) > 1 else [],
@@ -195,7 +237,7 @@ def peak_data(runs: list[RankTimeline]) -> dict[str, Any]:
     return {f"{run.rank}:{step}": record.to_dict() for run in runs for step, record in run.peak_tensors.items()}
 
 
-def render_page(runs: list[RankTimeline], png_base64: str, steps_tables: list[str], budget: int | None = None) -> str:
+def render_page(runs: list[RankTimeline], png_base64: str | None, steps_tables: list[str], budget: int | None = None) -> str:
     """The whole page: the chart (Plotly inlined), the click target, the PNG and the steps tables."""
     fig = build_figure(runs, budget)
     chart = fig.to_html(full_html=False, include_plotlyjs=True, div_id=CHART_ID, post_script=_CLICK_JS,
@@ -210,8 +252,8 @@ def render_page(runs: list[RankTimeline], png_base64: str, steps_tables: list[st
         "<p class='hint'>Hover a bar for its bytes; drag or use the slider to zoom over steps; click a step "
         "(a bar or its peak ▼) for the tensors alive at its peak, by module and operator.</p>",
         "<div id='tensors'></div>",
-        "<h2>picture</h2>",
-        f"<img alt='memory per phase' src='data:image/png;base64,{png_base64}'>",
+        *(["<h2>picture</h2>", f"<img alt='memory per phase' src='data:image/png;base64,{png_base64}'>"]
+          if png_base64 is not None else []),  # None: no matplotlib
         *steps_tables,
         "</body></html>",
     ]

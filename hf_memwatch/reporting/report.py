@@ -16,12 +16,14 @@ import html
 import io
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from ..core.categories import LIVE_CLASSES, PHASES, STEP_BEGIN
 from ..core.errors import MemWatchConfigError
+from ..core.extras import installed, off_line
+from ..core.optimizers import EIGHT_BIT_NAMES
 from ..core.records import (
     EvalRecord,
     MetaRecord,
@@ -53,6 +55,8 @@ LABELS = {
     SPIKE: "spike (temporaries inside the phase)",
 }
 PHASE_LETTERS = dict(zip(PHASES, "bFBOe", strict=True))
+# Bottom up: what stays from step to step (weights, optimizer states), then what each step makes and frees.
+STACK_ORDER = ("weights", "optimizer_states", "gradients", "activations", "other")
 
 
 @dataclass
@@ -68,6 +72,18 @@ class RankTimeline:
     peak_tensors: dict[int, PeakTensorsRecord] = field(default_factory=dict)  # step -> its ``peak_tensors``
     skipped: list[str] = field(default_factory=list)  # "<file> record N: why" of each malformed record left out
     unknown: list[str] = field(default_factory=list)  # "<file> record N: unknown event ..." (a newer version's)
+    label: str = ""  # the run it belongs to, where several runs are compared (load_runs)
+
+    @property
+    def name(self) -> str:  # "rank 1", or "RUN_B rank 1" where runs are compared
+        return f"{self.label} rank {self.rank}".strip()
+
+
+def load_runs(paths: str | os.PathLike[str] | list[Any]) -> list[RankTimeline]:
+    """:func:`load_run` of one path, or of several runs to compare (each rank labelled with its run)."""
+    if isinstance(paths, (str, os.PathLike)) or len(paths) == 1:
+        return load_run(paths if isinstance(paths, (str, os.PathLike)) else paths[0])
+    return [replace(rank, label=str(path)) for path in paths for rank in load_run(path)]
 
 
 def load_run(path: str | os.PathLike[str]) -> list[RankTimeline]:
@@ -140,11 +156,24 @@ def predicted_peak_of(run: RankTimeline) -> int | None:
 
 
 def event_label(event: PlanRecord | OomRecord) -> str:
-    """``plan: micro-batch 2 × accum 4`` (a plan), ``oom``: what the picture writes at an event."""
+    """``plan: micro-batch 2 × accum 4, checkpointing`` (a plan: every remedy it holds, checkpointing and
+    an 8-bit optimizer included, so a plan whose only change is checkpointing says so), ``oom``: what the
+    picture writes at an event."""
     label = event.EVENT
     if isinstance(event, PlanRecord) and event.micro_batch_size:
         label += f": micro-batch {event.micro_batch_size} × accum {event.gradient_accumulation_steps or 1}"
+        label += ", checkpointing" if event.activation_checkpointing else ""
+        label += f", {event.optim}" if event.optim in EIGHT_BIT_NAMES else ""  # the optimizer remedy
     return label
+
+
+def event_text(event: PlanRecord | OomRecord) -> str:
+    """An event in words for the page's list (not the record's raw fields)."""
+    if isinstance(event, PlanRecord):
+        return (f"{event_label(event)} — predicted peak {format_bytes(event.predicted_peak)}, budget "
+                f"{format_bytes(event.budget)}: {event.reason}")
+    return (f"out of memory at step {event.step} ({event.stage or 'train'}, {event.last_phase}): "
+            f"{format_bytes(event.requested)} requested with {format_bytes(event.allocated_at_failure)} allocated")
 
 
 def event_step(event: PlanRecord | OomRecord) -> int | None:
@@ -245,7 +274,7 @@ def _draw_rank(ax: Any, run: RankTimeline, unit: str, scale: int, budget: int | 
     ax.set_xlim(-0.5, len(snaps) - 0.5)
     ax.grid(axis="y", alpha=0.3)
     if show_rank:
-        ax.set_title(f"rank {run.rank}", fontsize=10, loc="left")
+        ax.set_title(run.name, fontsize=10, loc="left")
 
 
 @dataclass
@@ -269,7 +298,7 @@ def live_bands(snaps: list[Snapshot]) -> list[Band]:
     models' part (hatched) below the trained model's own."""
     live = {name: [int(s.live.get(name) or 0) for s in snaps] for name in LIVE_CLASSES}
     frozen = [sum((s.frozen_models or {}).values()) for s in snaps]
-    bands = [Band(name, LABELS[name], COLOURS[name], live[name]) for name in LIVE_CLASSES]
+    bands = [Band(name, LABELS[name], COLOURS[name], live[name]) for name in STACK_ORDER]
     if not any(frozen):
         return bands
     names = sorted({name for s in snaps for name in (s.frozen_models or {})})
@@ -381,20 +410,41 @@ def _step_ticks(ax: Any, snaps: list[Snapshot]) -> None:
             ax.axvline(i, color="white", linewidth=0.6, alpha=0.6)
 
 
-def write_report(path: str | os.PathLike[str], out: str | os.PathLike[str], budget: int | None = None) -> Path:
-    """Draw the run under ``path`` into ``out`` (``.png`` or ``.html``); returns ``out``."""
+def write_report(path: str | os.PathLike[str] | list[Any], out: str | os.PathLike[str], budget: int | None = None,
+                 notes: list[str] | None = None) -> Path:
+    """Draw the run under ``path`` into ``out`` (``.png`` or ``.html``); returns the file written.
+    Several paths: the runs side by side (a panel each, shared axes; the page is the static one).
+
+    Without matplotlib (the ``plot`` extra) a ``.png`` cannot be drawn: the steps table is written
+    beside it as ``.html`` instead (the path returned); without Plotly (``page``) the page is the
+    static one. Each such fallback appends its one line (:func:`~hf_memwatch.core.extras.off_line`)
+    to ``notes`` for the caller to print.
+    """
     out = Path(out)
     suffix = out.suffix.lower()
     if suffix not in (".png", ".html", ".htm"):
         raise MemWatchConfigError(f"report output must end in .png or .html; got {out.name!r}")
-    runs = load_run(path)
-    fig = draw(runs, budget)
+    runs = load_runs(path)
+    notes = [] if notes is None else notes
+    drawable = installed("matplotlib")
     out.parent.mkdir(parents=True, exist_ok=True)
+    compared = len({run.label for run in runs}) > 1
+    if suffix == ".png" and not drawable:  # the steps table alone (no Plotly either: it is written in no time)
+        out = out.with_suffix(".html")
+        notes.append(f"{off_line('matplotlib')}; wrote the steps table to {out.name} instead")
+        out.write_text(render_html(runs, None, budget, interactive=False), encoding="utf-8")
+        return out
+    if suffix != ".png" and not installed("plotly"):
+        notes.append(f"{off_line('plotly')}; {out.name} is the static page (picture and table)")
+    if not drawable:
+        out.write_text(render_html(runs, None, budget), encoding="utf-8")
+        return out
+    fig = draw(runs, budget)
     try:
         if suffix == ".png":
             fig.savefig(out, dpi=120, bbox_inches="tight")
         else:
-            out.write_text(render_html(runs, fig, budget), encoding="utf-8")
+            out.write_text(render_html(runs, fig, budget, interactive=not compared), encoding="utf-8")
     finally:
         import matplotlib.pyplot as plt
 
@@ -402,17 +452,18 @@ def write_report(path: str | os.PathLike[str], out: str | os.PathLike[str], budg
     return out
 
 
-def render_html(runs: list[RankTimeline], fig: Any, budget: int | None = None) -> str:
+def render_html(runs: list[RankTimeline], fig: Any, budget: int | None = None, interactive: bool = True) -> str:
     """A self-contained page: the interactive chart (:mod:`hf_memwatch.reporting.page`, Plotly inlined)
-    where Plotly is installed, the picture (inline PNG) and a table of every step."""
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=110, bbox_inches="tight")
-    image = base64.b64encode(buffer.getvalue()).decode("ascii")
-    try:
+    where Plotly is installed and ``interactive``, the picture (inline PNG; none when ``fig`` is None: no matplotlib) and a
+    table of every step."""
+    image = None
+    if fig is not None:
+        buffer = io.BytesIO()
+        fig.savefig(buffer, format="png", dpi=110, bbox_inches="tight")
+        image = base64.b64encode(buffer.getvalue()).decode("ascii")
+    if interactive and installed("plotly"):
         from .page import render_page
-    except ImportError:  # no plotly (the ``page`` extra): the static page below
-        pass
-    else:
+
         return render_page(runs, image, [_rank_section(run) for run in runs], budget)
     title = html.escape(title_of(runs).replace("\n", " — "))
     parts = [
@@ -421,18 +472,19 @@ def render_html(runs: list[RankTimeline], fig: Any, budget: int | None = None) -
         "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
         "td,th{border:1px solid #ccc;padding:2px 8px;text-align:right}th{background:#eee}</style>",
         f"</head><body><h1>{title}</h1>",
-        f"<img alt='memory per phase' src='data:image/png;base64,{image}'>",
     ]
+    if image is not None:
+        parts.append(f"<img alt='memory per phase' src='data:image/png;base64,{image}'>")
     parts += [_rank_section(run) for run in runs]
     parts.append("</body></html>")
     return "\n".join(parts)
 
 
 def _rank_section(run: RankTimeline) -> str:
-    parts = [f"<h2>rank {run.rank}: steps</h2>", _steps_table(run)]
+    parts = [f"<h2>{html.escape(run.name)}: steps</h2>", _steps_table(run)]
     if run.events:
         parts.append("<h3>events</h3><ul>")
-        parts += [f"<li>{html.escape(str(e.to_dict()))}</li>" for e in run.events]
+        parts += [f"<li>{html.escape(event_text(e))}</li>" for e in run.events]
         parts.append("</ul>")
     return "\n".join(parts)
 

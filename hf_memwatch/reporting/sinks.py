@@ -198,6 +198,22 @@ def strip_memory_keys(logs: dict[str, Any] | None) -> None:
             del logs[key]
 
 
+def run_before_printer(handler: Any, callback: Any) -> None:
+    """Move ``callback`` just before the console printer (``ProgressCallback``/``PrinterCallback``) where
+    ``trainer.add_callback`` put it after: its ``on_log`` strips the ``memory/*`` keys before the printer
+    prints them (raw byte counts would fill the console). The integrations, which the Trainer adds
+    before the printer, still see the keys."""
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+    callbacks = getattr(handler, "callbacks", None)
+    if not callbacks or callback not in callbacks:
+        return
+    printer = next((i for i, c in enumerate(callbacks) if isinstance(c, (PrinterCallback, ProgressCallback))), None)
+    if printer is not None and callbacks.index(callback) > printer:
+        callbacks.remove(callback)
+        callbacks.insert(printer, callback)
+
+
 def is_training_log(logs: Mapping[str, Any]) -> bool:
     """A training logging step's logs (carry ``loss``), not evaluation or end-of-training metrics."""
     return "loss" in logs and not any(isinstance(k, str) and k.startswith(("eval_", "test_")) for k in logs)

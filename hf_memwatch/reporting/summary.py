@@ -16,7 +16,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ..core.categories import LIVE_CLASSES
+from ..core.categories import LIVE_CLASSES, phase_words
+from ..core.extras import installed
 from ..core.records import EvalRecord, FootprintRecord, MetaRecord, PlanRecord, Record, Snapshot, StepRecord
 from ..core.units import format_bytes
 from ..measure.footprint import allocator_settings, expandable_segments_advice
@@ -25,6 +26,7 @@ from .sinks import composition_at_peak
 logger = logging.getLogger("hf_memwatch")
 
 PICTURE_NAME = "memory.png"
+TABLE_NAME = "memory.html"  # the steps table, written instead of the picture without matplotlib
 
 
 def rule_of_thumb(name: str, precision: str | None, optim: str | None) -> float | None:
@@ -101,7 +103,7 @@ def build_table(
     step_snaps = [s for s in snapshots or [] if s.step == step.step]
     frozen = next((s.frozen_models for s in step_snaps if s.frozen_models), None)
     table = Table(
-        title=f"hf-memwatch: peak step {step.step} — {format_bytes(step.peak)} at {step.peak_phase}",
+        title=f"hf-memwatch: peak step {step.step} — {format_bytes(step.peak)} {phase_words(step.peak_phase)}",
         caption=_caption(meta, plan, frozen),
     )
     for header, justify in (("class", "left"), ("at peak", "right"), ("share", "right"),
@@ -251,9 +253,9 @@ def highest_moment(steps: list[StepRecord], evals: list[EvalRecord]) -> str | No
         if step is not None:
             text += f", above the highest training step (step {step.step}, {format_bytes(step.peak)})"
         return text
-    if step is None:
+    if step is None or loop is None:  # no eval loop: the table's title names the peak step already
         return None
-    text = f"highest moment of the run: training step {step.step} at {step.peak_phase} — {format_bytes(step.peak)}"
+    text = f"highest moment of the run: training step {step.step} {phase_words(step.peak_phase)} — {format_bytes(step.peak)}"
     if loop is not None:
         text += f"; eval loops peaked at {format_bytes(loop.peak)}"
     return text
@@ -286,23 +288,27 @@ def print_summary(path: str | os.PathLike[str], plan: Mapping[str, Any] | None =
 def finish_reports(directory: str | os.PathLike[str], report: bool | str, summary: bool,
                    plan: Mapping[str, Any] | None) -> Any:
     """Train-end reporting of ``MemWatch`` in ``directory``: the picture and the summary (with the
-    ``plan`` record in force), each failing alone, quietly.
+    ``plan`` record in force), each failing alone, quietly; then, once, where the run's files are
+    (:func:`files_line`; printed with the summary, else logged at INFO).
 
     ``report`` is ``True`` (the picture is drawn by a detached background process, returned so the
-    caller can wait for it), ``"sync"`` (drawn here, before returning) or ``False``.
+    caller can wait for it), ``"sync"`` (drawn here, before returning) or ``False``. Without
+    matplotlib (the ``plot`` extra) no picture can be drawn: the steps table is written here instead
+    (``memory.html``, no Plotly needed) and one line says so.
     """
     directory = Path(directory)
     process = None
-    if report == "sync":
-        _draw_now(directory)
+    picture: Path | None = None
+    if report == "sync" or (report and not installed("matplotlib")):
+        picture = _draw_now(directory)
     elif report:
         try:
             from .background import start_report_process
 
-            process = start_report_process(directory, directory / PICTURE_NAME)
-            logger.info("hf-memwatch: drawing the memory picture into %s in the background",
-                        directory / PICTURE_NAME)
+            picture = directory / PICTURE_NAME
+            process = start_report_process(directory, picture)
         except Exception as exc:  # noqa: BLE001 - no process (fork refused, ...): no picture, say so
+            picture = None
             logger.warning("hf-memwatch: no memory picture (%s: %s); `hf-memwatch report %s` draws it",
                            type(exc).__name__, exc, directory)
     if summary:
@@ -310,17 +316,49 @@ def finish_reports(directory: str | os.PathLike[str], report: bool | str, summar
             print_summary(directory, plan=plan, settings=allocator_settings())
         except Exception as exc:  # noqa: BLE001
             logger.warning("hf-memwatch: no summary table (%s: %s)", type(exc).__name__, exc)
+    line = files_line(directory, picture, drawing=process is not None)
+    if summary:
+        print(line)
+    else:
+        logger.info(line)
     return process
 
 
-def _draw_now(directory: Path) -> None:
+def files_line(directory: Path, picture: Path | None, drawing: bool) -> str:
+    """One line: where the run's timeline, picture and page are (the page: the command that writes it).
+
+    Example:
+        >>> files_line(Path("out/memwatch"), Path("out/memwatch/memory.png"), drawing=True)  # doctest: +NORMALIZE_WHITESPACE
+        'hf-memwatch: files in out/memwatch: timeline timeline.jsonl; picture memory.png (drawn in the background:
+        MemWatch.wait_for_reports() waits for it); page: hf-memwatch report out/memwatch -o memory.html'
+    """
+    from ..core.timeline import find_timelines
+
+    timelines = [path.name for path in find_timelines(directory)] if directory.is_dir() else []
+    timeline = (timelines[0] if len(timelines) == 1 else
+                f"{len(timelines)} files timeline*.jsonl (one per rank)" if timelines else "timeline.jsonl")
+    parts = [f"timeline {timeline}"]
+    if picture is None:
+        parts.append("no picture")
+    elif picture.suffix == ".png":
+        parts.append(f"picture {picture.name}" + (" (drawn in the background: MemWatch.wait_for_reports() "
+                                                  "waits for it)" if drawing else ""))
+    else:
+        parts.append(f"steps table {picture.name} (no picture: matplotlib is not installed)")
+    parts.append(f"page: hf-memwatch report {directory} -o memory.html")
+    return f"hf-memwatch: files in {directory}: " + "; ".join(parts)
+
+
+def _draw_now(directory: Path) -> Path | None:
+    """Draw the picture (or, without matplotlib, the steps table) here; the file written, else None."""
     try:
         from .report import write_report
 
-        path = write_report(directory, directory / PICTURE_NAME)
-        logger.info("hf-memwatch: memory picture in %s", path)
-    except ImportError as exc:
-        logger.warning("hf-memwatch: no memory picture: %s (pip install 'hf-memwatch[plot]', or "
-                       "MemWatch(report=False))", exc)
+        notes: list[str] = []
+        path = write_report(directory, directory / PICTURE_NAME, notes=notes)
+        for note in notes:
+            logger.warning("hf-memwatch: %s", note)
+        return path
     except Exception as exc:  # noqa: BLE001 - a picture must never fail a finished run
         logger.warning("hf-memwatch: no memory picture (%s: %s)", type(exc).__name__, exc)
+        return None

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..core.errors import MemWatchConfigError
+from .errors import MemWatchConfigError
 
 MiB = 1 << 20
 
