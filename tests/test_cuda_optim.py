@@ -122,7 +122,7 @@ def test_a_trainers_own_step_scales_its_loss_through_the_scaler(tmp_path):
 
 
 def test_a_cuda_target_takes_the_local_card_when_none_is_named(monkeypatch):
-    from hf_memwatch.estimation import gpus
+    from hf_memwatch.core import gpus
     from hf_memwatch.estimation.cuda_libs import CUBLAS_WORKSPACE, cublas_workspace_size
 
     local = gpus.gpu_spec("L4")

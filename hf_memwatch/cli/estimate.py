@@ -35,6 +35,7 @@ from .figures import (
     add_cuda_rows,
     add_figure_arguments,
     budget_line,
+    card_fit_line,
     peak_line,
     readable_config,
     remedy_cells,
@@ -449,9 +450,8 @@ def _print_table(payload: dict[str, Any]) -> None:
     table.add_row("peak", f"{peak:,}", format_bytes(peak), "100%", style="bold")
     cuda = add_cuda_rows(table, payload)
     console.print(table)
-    console.print(peak_line(payload) + _card_text(cfg))
-    print_card_fit(payload, console)
-    for line in (CUDA_MEANINGS if cuda else None, weights_line(payload.get("weights"))):
+    console.print(peak_line(payload))
+    for line in (card_fit_line(payload), CUDA_MEANINGS if cuda else None, weights_line(payload.get("weights"))):
         if line:
             console.print(line)
     for note in payload["notes"]:
@@ -479,26 +479,6 @@ def _print_table(payload: dict[str, Any]) -> None:
             console.print(removes_line(payload, row))
     plan = payload.get("plan")
     console.print(f"plan (same effective batch): {plan['explain'] if plan else 'nothing fits'}")
-
-
-def _card_text(cfg: dict[str, Any]) -> str:
-    """`` · GPU H100-80GB (sm_90, 79.6 GiB)`` for a CUDA target's card (empty for a CPU target)."""
-    card = cfg.get("gpu")
-    if not card:
-        return ""
-    major, minor = card["capability"]
-    return f" · GPU {card['name']} (sm_{major}{minor}, {format_bytes(card['memory'])})"
-
-
-def print_card_fit(payload: dict[str, Any], console: Any) -> None:
-    """Without a budget, a CUDA target's verdict against the card's memory (``fits``: ``gpus.card_fits``)."""
-    card = payload["config"].get("gpu")
-    if payload.get("budget") is not None or not card or payload.get("fits") is None:
-        return
-    held = payload.get("device_bytes") or payload.get("reserved_bytes")
-    verdict = "[green]fits[/green]" if payload["fits"] else "[red]does not fit[/red]"
-    what = "device total" if payload.get("device_bytes") else "reserved"
-    console.print(f"{card['name']} ({format_bytes(card['memory'])}): {verdict} ({what} {format_bytes(held)})")
 
 
 def print_peak_tensors(peak: PeakTensors, phase: str, console: Any, groups: int = 5) -> None:

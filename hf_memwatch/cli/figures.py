@@ -97,7 +97,27 @@ def peak_line(payload: dict[str, Any]) -> str:
     """The line under the table: when the peak is, the parameters, the target."""
     cfg = payload["config"]
     return (f"peak {phase_words(payload['peak_phase'])} · params {payload['params']:,} "
-            f"(trainable {payload['trainable_params']:,}) · target {cfg['device']}")
+            f"(trainable {payload['trainable_params']:,}) · target {cfg['device']}{card_text(cfg)}")
+
+
+def card_text(cfg: dict[str, Any]) -> str:
+    """`` · GPU H100-80GB (sm_90, 79.6 GiB)`` for a CUDA target's card (empty for a CPU target)."""
+    card = cfg.get("gpu")
+    if not card:
+        return ""
+    major, minor = card["capability"]
+    return f" · GPU {card['name']} (sm_{major}{minor}, {format_bytes(card['memory'])})"
+
+
+def card_fit_line(payload: dict[str, Any]) -> str | None:
+    """Without a budget, a CUDA target's verdict against the card's memory (``fits``: ``gpus.card_fits``)."""
+    card = payload["config"].get("gpu")
+    if payload.get("budget") is not None or not card or payload.get("fits") is None:
+        return None
+    held = payload.get("device_bytes") or payload.get("reserved_bytes")
+    verdict = "[green]fits[/green]" if payload["fits"] else "[red]does not fit[/red]"
+    what = "device total" if payload.get("device_bytes") else "reserved"
+    return f"{card['name']} ({format_bytes(card['memory'])}): {verdict} ({what} {format_bytes(held)})"
 
 
 def add_cuda_rows(table: Any, payload: dict[str, Any]) -> bool:

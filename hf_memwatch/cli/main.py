@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
         module = importlib.import_module(module_name)
         command = sub.add_parser(name, help=help_text, description=help_text)
         module.add_arguments(command)
-        command.set_defaults(_module=module)
+        command.set_defaults(subcommand=module)
     return parser
 
 
@@ -47,8 +47,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        args._module.check_arguments(args)  # bad arguments answered before the heavy imports
-        return int(args._module.run(args) or 0)
+        args.subcommand.check_arguments(args)  # bad arguments answered before the heavy imports
+        return int(args.subcommand.run(args) or 0)
     except (MemWatchError, OSError, ValueError, KeyError, TypeError) as exc:  # one line, never a traceback
         print(f"hf-memwatch {args.command}: error: {exc}", file=sys.stderr)
         return 2

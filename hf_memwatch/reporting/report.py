@@ -38,14 +38,8 @@ from ..core.timeline import Unread, _rank_of, find_timelines, read_records
 from ..core.units import format_bytes
 
 SPIKE = "spike"
-COLOURS = {
-    "weights": "#4C72B0",
-    "gradients": "#DD8452",
-    "optimizer_states": "#55A868",
-    "activations": "#C44E52",
-    "other": "#8C8C8C",
-    SPIKE: "#F2C14E",
-}
+COLOURS = {"weights": "#4C72B0", "gradients": "#DD8452", "optimizer_states": "#55A868", "activations": "#C44E52",
+           "other": "#8C8C8C", SPIKE: "#F2C14E"}
 LABELS = {
     "weights": "weights",
     "gradients": "gradients",
