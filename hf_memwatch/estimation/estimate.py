@@ -60,6 +60,7 @@ from .trainer_replay import (
     worst_case_batch,
 )
 from .trl_replay import TrainerReplay, dataloader_batch_size
+from .user_optimizer import with_user_optimizer
 from .zero3_gather import gloo_gather_staging
 from .zero_backward import flow_applies, zero_gradient_flow
 from .zero_step import zero_optimizer_step
@@ -180,6 +181,7 @@ def estimate_request(model_or_config: Any, request: EstimateRequest) -> MemoryEs
     sample = None
     if trainer is not None:
         request, sample = _trainer_batch(trainer, request, notes)
+        request = with_user_optimizer(trainer, request, notes)  # optimizers=(opt, None): opt replayed
         model_or_config = trainer.model
     request.validate()
     if request.device == "cuda":  # the card every architecture choice of the replay reads
