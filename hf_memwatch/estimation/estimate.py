@@ -32,6 +32,7 @@ from ..core.units import format_bytes
 from ..measure.attribution import weight_storages
 from ..measure.peak_tensors import PeakTensors
 from ..measure.tracker import recording_allocations
+from .branches import worst_branch
 from .cuda_device import cuda_step_reserve
 from .fake_model import auto_class, count_params, fake_copy, fake_model, load_config, resolve_adapter
 from .fsdp_replay import fsdp_applies, fsdp_flow
@@ -251,7 +252,8 @@ def _replay_step(model: torch.nn.Module, fake_mode: Any, request: EstimateReques
             or zero_gradient_flow(model, engine, request.precision))
     try:
         with guard, recording as traces, flow:
-            simulation = _simulate(model, fake_mode, request, inputs, notes)
+            simulation = worst_branch(lambda branch_notes: _simulate(model, fake_mode, request, inputs, branch_notes),
+                                      inputs.replay, trainer, notes, traces)  # GKD's lmbda: every branch
     except (MemWatchConfigError, KeyboardInterrupt):
         raise
     except Exception as exc:  # the model cannot run this configuration: say so in one line
