@@ -385,5 +385,5 @@ def no_fit_message(result: PlanResult, budget_text: str) -> str:
             f"{format_bytes(result.given.predicted_peak)}; the best plan ({best.describe()}) still needs "
             f"{format_bytes(best.predicted_peak)}.")
     if result.unavailable:
-        text += " Unavailable: " + "; ".join(f"{k} ({v})" for k, v in result.unavailable.items())
+        text += " Unavailable: " + "; ".join(f"{k} ({v})" for k, v in result.unavailable.items()) + "."
     return text
