@@ -120,7 +120,8 @@ def _lengths(d: Draw, gen: torch.Generator) -> list[int]:
     """Each row's length, in the order the sequential sampler feeds them (2 steps of ``batch x accum``).
 
     Ragged draws: the first step's rows are of random lengths in (seq_len/2, seq_len]; every
-    micro-batch of the second (optimizer states resident) is the worst batch the estimator replays —
+    micro-batch of the second (optimizer states resident), and the one accelerate fetches ahead during it,
+    is the worst batch the estimator replays —
     ``batch`` rows of ``seq_len``, one of them the shortest (seq_len/2) where a padded batch has several
     (its padding mask materialised), so the run reaches the worst case the estimate is of.
     """
@@ -131,7 +132,7 @@ def _lengths(d: Draw, gen: torch.Generator) -> list[int]:
     worst = [d.seq_len] * d.batch
     if d.shape == "padded" and d.batch > 1:
         worst[-1] = d.seq_len // 2
-    return first + worst * d.accum
+    return first + worst * (d.accum + 1)  # + the micro-batch accelerate fetches ahead during the last step
 
 
 def _rows(d: Draw) -> list[dict[str, Any]]:
