@@ -87,6 +87,7 @@ bench: venv
 	$(PY) benchmarks/perturbation.py
 	$(PY) benchmarks/start_fast.py --out benchmarks/results/start_fast.md
 	$(PY) benchmarks/cuda_published.py --out benchmarks/results/cuda_published.md
+	$(PY) benchmarks/sweep.py --draws 150 --out benchmarks/results/sweep.md
 
 gpu-check: venv
 	$(PY) benchmarks/gpu_check.py --out benchmarks/results/gpu

@@ -34,7 +34,7 @@ class RandomAtTrainBegin(TrainerCallback):
         self.state = random.getstate()
 
 
-def gkd(out: Path, callbacks: list[Any], layers: int = 2, **overrides: Any) -> Any:
+def gkd(out: Path, callbacks: list[Any], layers: int = 2, answer: int = 4, **overrides: Any) -> Any:
     from datasets import Dataset
     from trl.experimental.gkd import GKDConfig, GKDTrainer
 
@@ -46,7 +46,7 @@ def gkd(out: Path, callbacks: list[Any], layers: int = 2, **overrides: Any) -> A
     tokenizer = word_tokenizer()
     tokenizer.chat_template = "{% for message in messages %}{{ message['content'] }} {% endfor %}"
     data = Dataset.from_list([{"messages": [{"role": "user", "content": words(12)},
-                                            {"role": "assistant", "content": words(4)}]} for _ in range(16)])
+                                            {"role": "assistant", "content": words(answer)}]} for _ in range(16)])
     values = dict(output_dir=str(out), per_device_train_batch_size=4, max_new_tokens=4, lmbda=0.5, max_length=64,
                   max_steps=2, logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True,
                   dataloader_num_workers=0, activation_checkpointing=False)  # TRL's default is on

@@ -34,6 +34,7 @@ from ..core.units import format_bytes
 from ..measure.attribution import weight_storages
 from ..measure.peak_tensors import PeakTensors
 from ..measure.tracker import recording_allocations
+from .branches import worst_branch
 from .cuda_autocast import policy_notes
 from .cuda_device import cuda_step_reserve, ddp_resident
 from .fake_model import auto_class, count_params, fake_copy, fake_model, load_config, resolve_adapter
@@ -62,6 +63,7 @@ from .trainer_replay import (
     worst_case_batch,
 )
 from .trl_replay import TrainerReplay, dataloader_batch_size
+from .user_optimizer import with_user_optimizer
 from .zero3_gather import gloo_gather_staging
 from .zero_backward import flow_applies, zero_gradient_flow
 from .zero_step import zero_optimizer_step
@@ -186,6 +188,7 @@ def estimate_request(model_or_config: Any, request: EstimateRequest) -> MemoryEs
     sample = None
     if trainer is not None:
         request, sample = _trainer_batch(trainer, request, notes)
+        request = with_user_optimizer(trainer, request, notes)  # optimizers=(opt, None): opt replayed
         model_or_config = trainer.model
     request.validate()
     if request.device == "cuda":  # the card every architecture choice of the replay reads
@@ -256,7 +259,8 @@ def _replay_step(model: torch.nn.Module, fake_mode: Any, request: EstimateReques
             or zero_gradient_flow(model, engine, request.precision))
     try:
         with guard, recording as traces, flow:
-            simulation = _simulate(model, fake_mode, request, inputs, notes)
+            simulation = worst_branch(lambda branch_notes: _simulate(model, fake_mode, request, inputs, branch_notes),
+                                      inputs.replay, trainer, notes, traces)  # GKD's lmbda: every branch
     except (MemWatchConfigError, KeyboardInterrupt):
         raise
     except Exception as exc:  # the model cannot run this configuration: say so in one line

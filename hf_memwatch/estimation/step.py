@@ -49,7 +49,6 @@ from .classify import Phases, refs
 from .cuda_libs import cublas_workspaces
 from .cuda_optim import step_scaler, steps_on_host
 from .fake_dispatch import CUDA_BLOCK, LOGITS, LOGITS_FP32, name_frozen_weights
-from .optim import BNB_OPTIMS, build_optimizer
 from .peak import PeakCensusWatch
 from .replay import REPLAY_DEVICE, TRAINING, model_in_mode, new_tracker, tracked
 from .trainer_mirror import (
@@ -64,6 +63,7 @@ from .trainer_mirror import (
     padded_rows,
 )
 from .trainer_replay import batch_tensors, fake_batch
+from .user_optimizer import is_bitsandbytes, optimizer_for
 
 __all__ = ["CUDA_BLOCK", "FORWARD_BACKWARD_PHASES", "GENERATION_PHASE", "LOGITS", "LOGITS_FP32", "StepInputs",
            "StepSimulation", "simulate_step"]
@@ -128,7 +128,7 @@ def simulate_step(model: torch.nn.Module, fake_mode: Any, request: Any, inputs: 
     sample = inputs.sample
     with model_in_mode(model, request, TRAINING):
         enabled = bool(request.checkpointing) and enable_checkpointing(model, getattr(inputs.trainer, "args", None))
-        run = _StepRun(model, request, inputs, build_optimizer(model, request.optim, request.device))
+        run = _StepRun(model, request, inputs, optimizer_for(model, request, inputs.trainer))
         try:
             with tracked(fake_mode, run.tracker, packed_rows(sample), padded_rows(sample)):
                 run.saved.start()
@@ -152,7 +152,7 @@ class _StepRun:
         self.device = REPLAY_DEVICE  # every target simulated on fake CPU tensors
         self.saved = saved = SavedTensorRegistry()
         self.tracker = tracker = new_tracker(
-            request, saved, bnb_cpu_kernels=(request.device == "cpu" and request.optim in BNB_OPTIMS))
+            request, saved, bnb_cpu_kernels=(request.device == "cpu" and is_bitsandbytes(optimizer)))
         weights_of_model = weight_tensors(model)  # quantization state included
         top = request.top_tensors
         if top > 0:

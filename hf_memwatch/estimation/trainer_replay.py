@@ -287,6 +287,14 @@ def worst_case_batch(trainer: Any, batch_size: int, sample_index: int | None = N
     if dataset is None:
         return None, None, "no training dataset: synthetic batches"
     if is_one_pass(dataset):
+        from .streaming import fixed_shape_batch, longest_fed_length
+
+        bound = longest_fed_length(trainer)
+        if bound is not None:
+            return None, None, f"one-pass (iterable) dataset, not read: synthetic batches at {bound[1]}"
+        fixed = fixed_shape_batch(trainer, dataset, batch_size)  # no bound: items without a sequence need none
+        if fixed is not None:
+            return fixed[0], None, fixed[1]
         return None, None, "one-pass (iterable) dataset, not read: synthetic batches at the longest length allowed"
     if len(dataset) == 0:
         return None, None, "empty training dataset: synthetic batches"
@@ -334,17 +342,12 @@ def shortest_index(dataset: Any, limit: int | None = None) -> tuple[int, int] | 
 
 
 def longest_allowed_length(trainer: Any) -> int | None:
-    """The longest sequence the run allows: the trainer's ``max_length`` (TRL) or the model's positions."""
-    args = trainer.args
-    for value in (getattr(args, "max_length", None), getattr(args, "max_seq_length", None)):
-        if isinstance(value, int) and value > 0:
-            return value
-    config = getattr(trainer.model, "config", None)
-    for name in ("max_position_embeddings", "n_positions"):
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
+    """The longest sequence the run allows: the trainer's ``max_length`` (TRL), the collator's fixed
+    length or the model's positions (:func:`~hf_memwatch.estimation.streaming.longest_fed_length`)."""
+    from .streaming import longest_fed_length
+
+    bound = longest_fed_length(trainer)
+    return None if bound is None else bound[0]
 
 
 def fake_batch(batch: Mapping[str, Any] | list[Any]) -> Any:

@@ -25,9 +25,9 @@ estimator replay that very code on fake tensors:
   estimated: ``generation_batch_size`` kept), and the first two micro-steps are replayed as they run
   — the first generates with no gradient yet, the second reuses the buffered completions with the
   gradients resident;
-* GKD's on-policy branch (drawn with ``random.random() <= lmbda``) is replayed whenever ``lmbda > 0``:
-  the worst case; the draw itself is undone with every other RNG
-  (:class:`~hf_memwatch.estimation.trainer_replay.RngStates`).
+* GKD's branches (drawn with ``random.random() <= lmbda``) are each replayed, the worst kept
+  (:mod:`~hf_memwatch.estimation.branches`, which sets :attr:`TrainerReplay.lmbda`); the draw itself
+  is undone with every other RNG (:class:`~hf_memwatch.estimation.trainer_replay.RngStates`).
 
 Everything set here is put back on exit.
 """
@@ -194,9 +194,9 @@ class TrainerReplay:
         if generates_in_training(trainer):
             self.notes.append("generation inside the step replayed: every completion to its longest "
                               "(max_new_tokens / max_completion_length), no early end")
-        if "GKDTrainer" in _class_names(trainer) and 0 < float(getattr(trainer, "lmbda", 0.0) or 0.0) < 1:
-            self.notes.append(f"GKD: the on-policy branch (drawn with probability lmbda={trainer.lmbda}) is "
-                              "replayed, the worst case")
+        # GKD's draw (random.random() <= lmbda) forced for the replay: 1.0 on-policy, -1.0 never; each branch
+        # the draw can take is replayed by estimation.branches.worst_branch, which sets it
+        self.lmbda: float | None = None
 
     def micro_steps(self) -> int:
         return replayed_micro_steps(self.trainer, self.accum)
@@ -245,8 +245,8 @@ class TrainerReplay:
                         setattr(args, name, value)
                 if saved_batch is not None:
                     trainer._train_batch_size = self.batch_size * max(1, int(getattr(args, "n_gpu", 1) or 1))
-                if "GKDTrainer" in _class_names(trainer) and float(getattr(trainer, "lmbda", 0.0) or 0.0) > 0:
-                    trainer.lmbda = 1.0  # a plain attribute: the state guard puts the user's back
+                if self.lmbda is not None:
+                    trainer.lmbda = self.lmbda  # a plain attribute: the state guard puts the user's back
                 for fake in fakes:
                     if hasattr(fake, "generate"):
                         stack.enter_context(decoding_every_token(fake, tracker, generating))

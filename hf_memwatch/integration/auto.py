@@ -58,7 +58,7 @@ from ..planning.budget import (
     resolve_budget,
     with_predicted_reserve,
 )
-from ..planning.catalogue import advice, with_state_share
+from ..planning.catalogue import advice, no_fit_advice, with_state_share
 from ..planning.chooser import no_fit_message, plan_run
 from ..planning.eval_plan import eval_request, plan_eval
 from ..planning.lengths import worst_batch
@@ -363,6 +363,7 @@ class AutoMode(BetweenSteps):
             try:  # what bounds the smallest plan, and the engine's remedies
                 best = predictor.estimate(result.best_effort())
                 note = no_fit_note(run, best.classes, best.peak_bytes, best.peak_phase)
+                note += no_fit_advice(run, best, budget.usable)  # what changes to the run would reach it
             except Exception:  # noqa: BLE001 - the message goes out without it
                 note = ""
             raise over_budget_error(no_fit_message(result, budget.describe()) + note,

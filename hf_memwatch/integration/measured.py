@@ -247,7 +247,8 @@ def optimizer_bytes(trainer: Any, optim: str) -> tuple[int, int]:
     the fake mode (bitsandbytes fills its quantization maps with ``tolist()``) and, for 8-bit
     bitsandbytes, keeps embeddings' states in 32 bits as ``Trainer.create_optimizer`` does; its CPU
     kernels are replayed as they allocate (:class:`~hf_memwatch.estimation.fake_dispatch.EstimateTracker`).
-    A custom optimizer handed to the Trainer is rebuilt from its class and ``defaults``.
+    A custom optimizer handed to the Trainer is rebuilt as the estimate rebuilds it
+    (:func:`~hf_memwatch.estimation.user_optimizer.rebuild`: its groups' options, bitsandbytes' rules).
     """
     import types
     import warnings
@@ -256,13 +257,14 @@ def optimizer_bytes(trainer: Any, optim: str) -> tuple[int, int]:
     from torch.utils._python_dispatch import _disable_current_modes
 
     from ..estimation.fake_dispatch import EstimateTracker
-    from ..estimation.optim import BNB_OPTIMS, optimizer_class_and_kwargs
+    from ..estimation.optim import optimizer_class_and_kwargs
+    from ..estimation.user_optimizer import is_bitsandbytes, rebuild, user_optimizer
     from ..measure.saved_tensors import SavedTensorRegistry
 
     trainable = [p for p in trainer.model.parameters() if p.requires_grad]
-    custom = getattr(trainer, "optimizer", None)
-    if custom is not None:
-        cls, kwargs = type(custom), dict(custom.defaults)
+    custom = user_optimizer(trainer, optim)
+    if custom is not None and custom.cls_and_kwargs is not None:
+        cls, kwargs = custom.cls_and_kwargs
     else:
         cls, kwargs = optimizer_class_and_kwargs(optim, trainer.model)
     device_type = trainer.model.device.type if hasattr(trainer.model, "device") else "cpu"
@@ -270,10 +272,14 @@ def optimizer_bytes(trainer: Any, optim: str) -> tuple[int, int]:
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         with fake_mode:
             params = [torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=p.device)) for p in trainable]
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            optimizer = cls(params, **kwargs)
-        if "bitsandbytes" in str(cls) and kwargs.get("optim_bits") == 8:
+        if custom is not None and custom.instance is not None:
+            optimizer = rebuild(custom.instance, {id(live): fake for live, fake in zip(trainable, params, strict=True)},
+                                "cpu")  # fake tensors on the live device: torch picks the implementation
+        else:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                optimizer = cls(params, **kwargs)
+        if (custom is None or custom.instance is None) and "bitsandbytes" in str(cls) and kwargs.get("optim_bits") == 8:
             from bitsandbytes.optim import GlobalOptimManager
 
             fakes = {id(live): fake for live, fake in zip(trainable, params, strict=True)}
@@ -285,7 +291,7 @@ def optimizer_bytes(trainer: Any, optim: str) -> tuple[int, int]:
                                                      "weight", {"optim_bits": 32})
             optimizer.mng = manager
         tracker = EstimateTracker(device_type, SavedTensorRegistry(),
-                                  bnb_cpu_kernels=device_type == "cpu" and optim in BNB_OPTIMS)
+                                  bnb_cpu_kernels=device_type == "cpu" and is_bitsandbytes(optimizer))
         with fake_mode, tracker:
             tracker.register(params)
             for param in params:

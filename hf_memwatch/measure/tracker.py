@@ -25,6 +25,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _pop_mode, _push_mode
 
 from .gloo_staging import staged
+from .rng_states import count_rng_states, uncount_rng_states
 from .storage import plain_tensors
 from .unperturbed import OPERATORS as _UNPERTURBED
 from .unperturbed import prepare as _prepare_unperturbed
@@ -354,7 +355,14 @@ class StorageTracker(TorchDispatchMode):
 
     def __enter__(self) -> StorageTracker:
         _prepare_unperturbed()  # once per process, before any operator is handled
+        count_rng_states()  # checkpointing's saved CPU RNG state: no operator makes it (rng_states.py)
         return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            uncount_rng_states()  # torch's own get_rng_state back once no tracker is entered
 
     # The mode is entered and left from different Trainer events, not in one ``with`` block.
     def start(self) -> None:

@@ -73,17 +73,20 @@ class PeakParts:
     ``forward_backward``: the highest live bytes of the forward and backward *without* optimizer
     states (a floor when the states are only known at the step's peak); ``trainable_params``:
     elements the optimizer keeps state for; ``state_share``: the part of those states each device
-    holds (1/world size when sharded); ``margin``: the predictor's margin on every figure.
+    holds (1/world size when sharded); ``margin``: the predictor's margin on every figure;
+    ``named_optimizer``: False where the Trainer steps an optimizer it was handed (``optimizers=``), not
+    the one the plan's ``optim`` names — its states have no floor (plain SGD keeps none).
     """
 
     forward_backward: int
     trainable_params: int
     state_share: float = 1.0
     margin: float = 0.0
+    named_optimizer: bool = True
 
     def floor(self, optim: str) -> int:
         """The least peak (margin included) of the same forward and backward with ``optim``'s states."""
-        states = state_bytes_floor(optim, self.trainable_params) * self.state_share
+        states = state_bytes_floor(optim, self.trainable_params) * self.state_share if self.named_optimizer else 0
         return math.ceil((self.forward_backward + states) * (1.0 + self.margin))
 
 
@@ -383,5 +386,5 @@ def no_fit_message(result: PlanResult, budget_text: str) -> str:
             f"{format_bytes(result.given.predicted_peak)}; the best plan ({best.describe()}) still needs "
             f"{format_bytes(best.predicted_peak)}.")
     if result.unavailable:
-        text += " Unavailable: " + "; ".join(f"{k} ({v})" for k, v in result.unavailable.items())
+        text += " Unavailable: " + "; ".join(f"{k} ({v})" for k, v in result.unavailable.items()) + "."
     return text

@@ -91,7 +91,8 @@ class EstimatorPredictor:
         forward_backward = max(estimate.phase_peaks.get(phase, 0) for phase in FORWARD_BACKWARD_PHASES)
         sharded = self.run.shard != "none" and self.run.world_size > 1
         return PeakParts(forward_backward - estimate.classes.get("optimizer_states", 0), estimate.trainable_params,
-                         state_share=1.0 / self.run.world_size if sharded else 1.0, margin=self.margin)
+                         state_share=1.0 / self.run.world_size if sharded else 1.0, margin=self.margin,
+                         named_optimizer=not self.run.custom_optimizer)
 
     def _with_margin(self, peak_bytes: int) -> int:
         return int(math.ceil(peak_bytes * (1.0 + self.margin)))

@@ -1,0 +1,31 @@
+"""The seeded sweep's fixed-seed slice (issue 37): ``benchmarks/sweep.py`` draws, measured against the profiler.
+
+The benchmark runs 150 draws (``make bench``); here two of them, one with the auto mode at 0.7 x its peak.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hf_memwatch.testing.sweep import _lengths, draw, run_draw
+
+
+def test_draws_are_the_same_for_a_seed_and_ragged_runs_reach_the_worst_batch() -> None:
+    assert draw(5) == draw(5) and draw(5) != draw(6)
+    padded = draw(2)  # bloom, 1 x 64, ragged and padded, accumulation 2
+    assert (padded.shape, padded.batch, padded.accum) == ("padded", 1, 2)
+    lengths = _lengths(padded, torch.Generator().manual_seed(0))
+    # step 1 ragged, step 2's two micro-batches and the one fetched ahead during it the longest
+    assert len(lengths) == 5 and max(lengths[:2]) <= 64 and lengths[2:] == [64, 64, 64]
+    wide = padded.__class__(**{**padded.__dict__, "batch": 4, "accum": 1})
+    assert _lengths(wide, torch.Generator().manual_seed(0))[4:] == [64, 64, 64, 32] * 2
+
+
+def test_a_fixed_seed_slice_is_within_one_percent() -> None:
+    plain = run_draw(draw(1))  # distilbert, 1 x 128, bf16, AdamW(foreach=False) handed in, accumulation 2
+    auto = run_draw(draw(2), auto=True)  # bloom, ragged 1 x 64, fp32, fused AdamW, accumulation 2
+    for result in (plain, auto):
+        assert result.error is None, result.error
+        assert abs(result.estimate_error) <= 0.01, (result.draw.describe(), result.estimate, result.truth)
+        assert result.live_error <= 0.01, (result.live, result.live_truth)
+    assert auto.auto in ("fits", "no plan fits (truthful)"), (auto.auto, auto.auto_peak, auto.budget)
