@@ -11,7 +11,7 @@ export HF_DATASETS_OFFLINE ?= 1
 export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: venv test test-stack2 lint demo bench gpu-check clean
+.PHONY: venv test test-stack2 test-minimal lint demo bench gpu-check clean
 
 # `make test` installs the dev extras (2.4 GB: DeepSpeed, TRL, Playwright, ...); `make demo` only what the
 # demo needs (the `demo` extra: the example's data and metrics, and matplotlib for the picture).
@@ -65,6 +65,24 @@ test-stack2: $(STACK2_STAMP)
 	$(STACK2)/bin/python -c "import transformers, torch; print('stack2: transformers', transformers.__version__, 'torch', torch.__version__)"
 	$(STACK2)/bin/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --durations=10 $(STACK2_TESTS)
 
+# A venv with only the required dependencies (no extra): every optional feature says what is off in one
+# line and writes its fallback (tests/test_extras.py, real absences instead of simulated ones); in .ci/run.
+MINIMAL := .venv-minimal
+MINIMAL_STAMP := $(MINIMAL)/.installed
+
+$(MINIMAL_STAMP): setup.cfg pyproject.toml constraints.txt
+	rm -rf $(MINIMAL)
+	$(PYTHON) -m venv $(MINIMAL)
+	$(MINIMAL)/bin/python -m pip install -q --upgrade pip
+	$(MINIMAL)/bin/python -m pip install -q -c constraints.txt torch==2.13.0
+	$(MINIMAL)/bin/python -m pip install -q -c constraints.txt -e . pytest
+	touch $(MINIMAL_STAMP)
+
+test-minimal: $(MINIMAL_STAMP)
+	$(MINIMAL)/bin/python -c "import importlib.util as u; extras = [m for m in ('matplotlib', 'plotly', 'peft', \
+		'bitsandbytes', 'trl', 'deepspeed', 'datasets') if u.find_spec(m)]; assert not extras, extras"
+	$(MINIMAL)/bin/python -m pytest -q -p no:cacheprovider tests/test_extras.py tests/test_figures.py
+
 # The console is kept (demo-output/console.txt) and its transcript written to docs/demo-transcript.txt, the
 # README's "make demo" block (tests/test_example.py keeps the two equal).
 demo: SHELL := /bin/bash
@@ -93,4 +111,4 @@ gpu-check: venv
 	$(PY) benchmarks/gpu_check.py --out benchmarks/results/gpu
 
 clean:
-	rm -rf $(VENV) $(STACK2) demo-output
+	rm -rf $(VENV) $(STACK2) $(MINIMAL) demo-output
