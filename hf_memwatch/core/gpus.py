@@ -109,10 +109,10 @@ def gpu_record(spec: GpuSpec) -> dict[str, object]:
 def card_fits(spec: GpuSpec | None, reserved: int | None, device: int | None, notes: list[str]) -> bool | None:
     """A CUDA estimate's ``fits`` without a budget: the step's highest on the card against its memory.
 
-    The device total (``device``: reserved + the CUDA context measured on this machine's card + NCCL
-    buffers) when known; else the caching allocator's predicted reserve alone, noted (the context, a few
-    hundred MiB, is measured only where a CUDA device is at hand); None when neither is predicted
-    (sharded states). The card's memory is the driver's total (:class:`GpuSpec`).
+    The device total (``device``: reserved + the CUDA context — measured on this machine's card, else
+    the published measurement of ``estimation.cuda_device.PUBLISHED_CONTEXTS`` — + NCCL buffers) when
+    known; else the caching allocator's predicted reserve alone, noted; None when neither is predicted
+    (ZeRO's sharded states). The card's memory is the driver's total (:class:`GpuSpec`).
 
     Example:
         >>> notes = []

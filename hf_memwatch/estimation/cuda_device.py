@@ -3,7 +3,7 @@
 ``estimate(..., device="cuda")`` predicts allocated bytes by replaying the step on fake tensors; an
 out-of-memory error happens at the device's limit, which counts
 
-* the caching allocator's **reserved** bytes: :func:`predict_reserved` replays the rules of
+* the caching allocator's **reserved** bytes: :func:`replay_reserve` replays the rules of
   :mod:`~hf_memwatch.estimation.cuda_allocator` over the allocation sequence the estimator's tracker
   recorded (weights as registered, optimizer states as the priming step creates them, the step),
   with this process's ``PYTORCH_CUDA_ALLOC_CONF``, the cuBLAS workspaces of the target's card among them
