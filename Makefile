@@ -11,7 +11,7 @@ export HF_DATASETS_OFFLINE ?= 1
 export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: venv test test-stack2 test-minimal lint demo bench gpu-check clean
+.PHONY: venv test test-stack2 test-minimal lint demo screenshots bench gpu-check clean
 
 # `make test` installs the dev extras (2.4 GB: DeepSpeed, TRL, Playwright, ...); `make demo` only what the
 # demo needs (the `demo` extra: the example's data and metrics, and matplotlib for the picture).
@@ -107,8 +107,16 @@ bench: venv
 	$(PY) benchmarks/cuda_published.py --out benchmarks/results/cuda_published.md
 	$(PY) benchmarks/sweep.py --draws 150 --out benchmarks/results/sweep.md
 
+# The docs' screenshots (docs/page.png, page-seconds.png, page-compare.png, example-memory.png): the demo's
+# run and the same example without --auto (the configuration as given), in headless Chromium (Debian's
+# chromium, Playwright from the dev extras); benchmarks/page_build.py measures the page itself.
+screenshots: venv
+	test -d demo-output || $(MAKE) demo
+	$(PY) examples/train_glue.py --output-dir demo-output-as-given > demo-output-as-given.log 2>&1
+	$(PY) examples/screenshots.py demo-output demo-output-as-given docs/
+
 gpu-check: venv
 	$(PY) benchmarks/gpu_check.py --out benchmarks/results/gpu
 
 clean:
-	rm -rf $(VENV) $(STACK2) $(MINIMAL) demo-output
+	rm -rf $(VENV) $(STACK2) $(MINIMAL) demo-output demo-output-as-given demo-output-as-given.log

@@ -180,6 +180,7 @@ BAD_BEFORE_IMPORTS = [
     (["estimate", "MODEL", "--load-in-4bit"], "add --lora-r"),
     (["estimate", "MODEL", "--batch-size", "0"], "--batch-size must be at least 1"),
     (["estimate"], "give MODEL"),
+    (["estimate", "MISSING", "--batch-size", "2"], "no such file or directory"),
     (["report", "EMPTY"], "give the output_dir of a Trainer run with MemWatch()"),
     (["report", "EMPTY", "-o", "memory.pdf"], "-o must end in .png"),
 ]
@@ -189,7 +190,8 @@ BAD_BEFORE_IMPORTS = [
 def test_bad_arguments_answer_before_torch_is_imported(model_dir, tmp_path, argv, message):
     """The check runs before the heavy imports: the process that answers never imported torch."""
     (tmp_path / "empty").mkdir()
-    argv = [{"MODEL": str(model_dir), "EMPTY": str(tmp_path / "empty")}.get(a, a) for a in argv]
+    argv = [{"MODEL": str(model_dir), "EMPTY": str(tmp_path / "empty"), "MISSING": str(tmp_path / "nope")}.get(a, a)
+            for a in argv]
     code = ("import sys; from hf_memwatch.cli.main import main; status = main(sys.argv[1:]); "
             "print(status, 'torch' in sys.modules, 'transformers' in sys.modules)")
     proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120)

@@ -20,6 +20,7 @@ import argparse
 import contextlib
 import io
 import json
+import os
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -130,6 +131,9 @@ def check_arguments(args: argparse.Namespace) -> None:
         gpu_kwargs(args)  # an unknown card, or a card for a CPU target: one line, before the imports
     if args.model is None and args.adapter is None:
         raise MemWatchConfigError("give MODEL: a model folder or its config.json (or a hub id), or --adapter DIR")
+    for given in (args.model, args.adapter):  # a missing path: at once, not after 5-50 s of imports
+        if given and not os.path.exists(given) and (os.sep in given or given.endswith(".json")):
+            raise MemWatchConfigError(f"{given}: no such file or directory")  # as estimation.fake_model says it
     if args.lora_r is None and ((args.lora_alpha, args.lora_targets) != (None, None) or args.lora_dropout):
         raise MemWatchConfigError("--lora-alpha/--lora-targets/--lora-dropout need --lora-r")
     four_bit_options = (args.bnb_4bit_quant_type, args.bnb_4bit_compute_dtype) != (None, None) or args.double_quant

@@ -1,14 +1,17 @@
 """The interactive page: ``hf-memwatch report RUN -o memory.html`` — one self-contained file.
 
-Plotly (``include_plotlyjs=True``: the library is inlined, the page loads with no network) draws,
+Plotly (inlined gzip-compressed, base64: :func:`plotly_script`; the page loads with no network) draws,
 for every rank, the live classes of each snapshot as stacked bars (one bar per phase of each step,
 hover: step, micro-batch, phase, every class, their total and the phase peak, in MiB/GiB as the
 y-axis), the spike on top, each step's peak as a marker, the process's host RSS as a dotted line on a
 right-hand axis, the budget and the plan's predicted peak as lines, eval/predict loops and
-plan/remedy/OOM events as marked vertical lines; a range slider zooms over steps; a menu selects the rank. A click on
+plan/remedy/OOM events as marked vertical lines; a range slider zooms over steps; a menu selects the rank;
+two buttons put the x-axis on steps (one bar per phase) or on wall-clock seconds since the first
+snapshot (each bar spans the phase it closes: :func:`time_positions`). A click on
 a step (its bars or its peak marker) shows that step's ``peak_tensors`` record below the chart: the
 largest tensors alive at its peak, then the bytes by module and by operator. The static PNG
-(``memory.png``) stays for the summary and CI logs; the page also embeds it, and a table of every step.
+(``memory.png``) stays for the summary and CI logs; the page holds the chart and a table of every step
+(``hf-memwatch report`` no longer draws the picture into it: 1.2 s and 150 kB for what the chart shows).
 
 ==================  ===================================================================
 element id           content
@@ -16,11 +19,23 @@ element id           content
 ``memchart``         the Plotly chart (``data``: per rank, the classes, spike, peaks)
 ``peak-data``        JSON: ``"rank:step"`` -> that step's ``peak_tensors`` record
 ``tensors``          filled on click: ``<h2>``, the top-tensors table, module/operator tables
+``plotly-gzip``      plotly.js, gzip-compressed, base64 (decompressed by the browser)
+``chart-figure``     JSON: the figure's ``data``, ``layout`` and ``config``
+``chart-status``     empty once drawn; says why where the chart could not be drawn
 ==================  ===================================================================
+
+Size and build time (``benchmarks/page_build.py``, ``benchmarks/results/page_build.md``): Plotly's
+bundle is 4.8 MB of the 5.4 MB page as ``to_html(include_plotlyjs=True)`` inlined it; gzip at level 6
+(0.17 s) and base64 make it 1.96 MB, which the browser's standard ``DecompressionStream`` (Chromium
+80, Firefox 113, Safari 16.4) inflates before drawing. The installed Plotly's own bundle is used, so
+the page's plotly.js always matches the figure's schema.
 """
 
 from __future__ import annotations
 
+import base64
+import functools
+import gzip
 import html
 import json
 from typing import Any
@@ -49,7 +64,7 @@ CHART_ID = "memchart"
 
 # Runs after Plotly drew the chart: a click on any point carries [rank, step] in its customdata.
 _CLICK_JS = """
-var chart = document.getElementById('{plot_id}');
+var chart = document.getElementById('memchart');
 var peaks = JSON.parse(document.getElementById('peak-data').textContent);
 function esc(s) { var d = document.createElement('div'); d.textContent = String(s); return d.innerHTML; }
 function size(n) {
@@ -186,8 +201,79 @@ def _marks(run: RankTimeline) -> tuple[list[dict[str, Any]], list[dict[str, Any]
     return shapes, notes
 
 
+def time_positions(xs: list[Any], times: list[float]) -> list[Any]:
+    """Positions on the step axis (snapshot ``i`` at ``i``, a phase's middle at ``i - 0.5``) as seconds:
+    linear between the snapshots' wall-clock ``times`` (seconds since the first snapshot), clamped to
+    the first and the last; None (a gap in a line) stays None.
+
+    Example:
+        >>> time_positions([0, 0.5, 1, None, 2.5, -0.5], [0.0, 2.0, 3.0])
+        [0.0, 1.0, 2.0, None, 3.0, 0.0]
+    """
+    out: list[Any] = []
+    last = len(times) - 1
+    for x in xs:
+        if x is None:
+            out.append(None)
+            continue
+        i = min(max(int(x // 1), 0), last)
+        if x <= 0 or i >= last:
+            out.append(times[0] if x <= 0 else times[last])
+            continue
+        out.append(round(times[i] + (x - i) * (times[i + 1] - times[i]), 3))
+    return out
+
+
+def _time_restyle(runs: list[RankTimeline], per_rank: list[int], fig: Any) -> dict[str, list[Any]]:
+    """The traces' ``x`` on the time axis (and each bar's span: the phase it closes, from the previous
+    snapshot to its own), for the x-axis buttons; every rank on one clock (the earliest snapshot = 0 s)."""
+    start = min(s.time for run in runs for s in run.snapshots)
+    xs: list[Any] = []
+    widths: list[Any] = []
+    offsets: list[Any] = []
+    traces = iter(fig.data)
+    for run, count in zip(runs, per_rank, strict=True):
+        times = [round(s.time - start, 3) for s in run.snapshots]
+        spans = [0.0] + [round(b - a, 3) for a, b in zip(times, times[1:], strict=False)]
+        for _ in range(count):
+            trace = next(traces)
+            bar = trace.type == "bar"
+            xs.append(times if bar else time_positions(list(trace.x), times))
+            widths.append(spans if bar else None)
+            offsets.append([-w for w in spans] if bar else None)
+    return {"x": xs, "width": widths, "offset": offsets}
+
+
+def _axis_buttons(runs: list[RankTimeline], per_rank: list[int], fig: Any, step_axis: dict[str, Any]) -> dict[str, Any]:
+    """Two buttons: the x-axis on optimizer steps (one bar per phase) or on wall-clock seconds."""
+    by_step = {"x": [list(t.x) for t in fig.data], "width": [None] * len(fig.data), "offset": [None] * len(fig.data)}
+    by_time = _time_restyle(runs, per_rank, fig)
+    start = min(s.time for run in runs for s in run.snapshots)
+    times = [s.time - start for s in runs[0].snapshots]
+
+    def moved(items: list[dict[str, Any]], keys: tuple[str, ...]) -> list[dict[str, Any]]:
+        return [{**item, **{k: time_positions([item[k]], times)[0] for k in keys if k in item
+                            and item.get("xref", "x") == "x"}} for item in items]
+
+    shapes, notes = list(fig.layout.shapes), list(fig.layout.annotations)
+    shapes = [s.to_plotly_json() for s in shapes]
+    notes = [n.to_plotly_json() for n in notes]
+    time_axis = {"xaxis.title.text": "seconds since the first snapshot (wall clock; a bar spans the phase it closes)",
+                 "xaxis.tickmode": "auto", "xaxis.tickvals": None, "xaxis.ticktext": None, "xaxis.autorange": True,
+                 "shapes": moved(shapes, ("x0", "x1")), "annotations": moved(notes, ("x",))}
+    step_layout = {"xaxis.title.text": step_axis["title"], "xaxis.tickmode": "array",
+                   "xaxis.tickvals": step_axis["tickvals"], "xaxis.ticktext": step_axis["ticktext"],
+                   "xaxis.autorange": True, "shapes": shapes, "annotations": notes}
+    every = list(range(len(fig.data)))
+    return {"type": "buttons", "direction": "right", "x": 1, "xanchor": "right", "y": 1.12, "yanchor": "top",
+            "showactive": True, "active": 0, "buttons": [
+                {"label": "x: steps", "method": "update", "args": [by_step, step_layout, every]},
+                {"label": "x: seconds", "method": "update", "args": [by_time, time_axis, every]}]}
+
+
 def build_figure(runs: list[RankTimeline], budget: int | None = None) -> Any:
-    """The Plotly figure: every rank's traces, the first rank visible, a menu to choose."""
+    """The Plotly figure: every rank's traces, the first rank visible, a menu to choose, the x-axis
+    buttons (steps or seconds)."""
     import plotly.graph_objects as go
 
     budget = budget if budget is not None else budget_of(runs)
@@ -217,18 +303,23 @@ def build_figure(runs: list[RankTimeline], budget: int | None = None) -> Any:
     for n, run in enumerate(runs):
         visible = [m == n for m, count in enumerate(per_rank) for _ in range(count)]
         buttons.append({"label": f"rank {run.rank}", "method": "update", "args": [{"visible": visible}]})
+    step_axis = {"title": "optimizer step (one bar per phase)", "tickvals": [i for i, _ in starts[::every]],
+                 "ticktext": [str(step) for _, step in starts[::every]]}
     fig.update_layout(
         title=title_of(runs).replace("\n", "<br><sup>") + ("</sup>" if "\n" in title_of(runs) else ""),
         barmode="stack", bargap=0.05, shapes=shapes, annotations=notes, hovermode="closest",
-        xaxis={"title": "optimizer step (one bar per phase)", "rangeslider": {"visible": True},
-               "tickvals": [i for i, _ in starts[::every]], "ticktext": [str(step) for _, step in starts[::every]]},
+        xaxis={"title": step_axis["title"], "rangeslider": {"visible": True}, "tickmode": "array",
+               "tickvals": step_axis["tickvals"], "ticktext": step_axis["ticktext"]},
         yaxis={"title": "memory", "tickvals": ticks[0], "ticktext": ticks[1], "rangemode": "tozero"}, height=620,
         yaxis2={"title": "host RSS (resident)", "overlaying": "y", "side": "right", "showgrid": False,
                 "tickvals": rss_ticks[0], "ticktext": rss_ticks[1], "rangemode": "tozero"},
-        legend={"orientation": "v"},
-        updatemenus=[{"buttons": buttons, "direction": "down", "x": 0, "xanchor": "left", "y": 1.12,
-                      "yanchor": "top", "showactive": True}] if len(runs) > 1 else [],
+        legend={"orientation": "v", "x": 1.07, "xanchor": "left"},  # clear of the host RSS axis
     )
+    menus = [_axis_buttons(runs, per_rank, fig, step_axis)] if snaps else []
+    if len(runs) > 1:
+        menus.append({"buttons": buttons, "direction": "down", "x": 0, "xanchor": "left", "y": 1.12,
+                      "yanchor": "top", "showactive": True})
+    fig.update_layout(updatemenus=menus)
     return fig
 
 
@@ -237,20 +328,72 @@ def peak_data(runs: list[RankTimeline]) -> dict[str, Any]:
     return {f"{run.rank}:{step}": record.to_dict() for run in runs for step, record in run.peak_tensors.items()}
 
 
+# Inflates plotly.js (gzip, base64) with the browser's DecompressionStream, runs it, then draws the
+# figure and wires the clicks. Any failure is shown in #chart-status and logged as a console error.
+_LOADER_JS = """
+(function () {
+  var status = document.getElementById('chart-status');
+  function fail(e) {
+    status.textContent = 'The chart could not be drawn (' + e + '). It needs a browser with DecompressionStream '
+      + '(Chromium 80, Firefox 113, Safari 16.4 or later); the tables below need nothing.';
+    console.error('hf-memwatch page: ' + e);
+  }
+  if (typeof DecompressionStream === 'undefined') { fail('no DecompressionStream'); return; }
+  var text = atob(document.getElementById('plotly-gzip').textContent.trim());
+  var bytes = new Uint8Array(text.length);
+  for (var i = 0; i < text.length; i++) { bytes[i] = text.charCodeAt(i); }
+  var inflated = new Blob([bytes]).stream().pipeThrough(new DecompressionStream('gzip'));
+  new Response(inflated).text().then(function (js) {
+    var script = document.createElement('script');
+    script.textContent = js;
+    document.head.appendChild(script);
+    var fig = JSON.parse(document.getElementById('chart-figure').textContent);
+    return Plotly.newPlot('memchart', fig.data, fig.layout, fig.config);
+  }).then(function () {
+    status.textContent = '';
+    CLICK_JS
+  }).catch(fail);
+})();
+"""
+
+
+@functools.lru_cache(maxsize=1)
+def plotly_script() -> str:
+    """The installed Plotly's plotly.min.js, gzip-compressed (level 6) and base64-encoded: 4.8 MB ->
+    1.96 MB for plotly.js 4.1.1, in 0.17 s (once per process)."""
+    from plotly.offline import get_plotlyjs
+
+    packed = gzip.compress(get_plotlyjs().encode("utf-8"), compresslevel=6, mtime=0)
+    return base64.b64encode(packed).decode("ascii")
+
+
+def chart_html(fig: Any) -> str:
+    """The chart's part of the page: the target div, the figure as JSON, plotly.js packed, its loader."""
+    figure = json.loads(fig.to_json())
+    figure["config"] = {"displaylogo": False, "responsive": True}
+    data = json.dumps(figure, separators=(",", ":")).replace("</", "<\\/")
+    return "\n".join([
+        f"<div id='{CHART_ID}' style='height:{fig.layout.height or 620}px;width:100%'></div>",
+        "<p id='chart-status' class='hint'>drawing the chart...</p>",
+        f"<script type='application/json' id='chart-figure'>{data}</script>",
+        f"<script type='application/octet-stream' id='plotly-gzip'>{plotly_script()}</script>",
+        f"<script>{_LOADER_JS.replace('CLICK_JS', _CLICK_JS)}</script>",
+    ])
+
+
 def render_page(runs: list[RankTimeline], png_base64: str | None, steps_tables: list[str], budget: int | None = None) -> str:
-    """The whole page: the chart (Plotly inlined), the click target, the PNG and the steps tables."""
+    """The whole page: the chart (Plotly inlined, packed), the click target, the PNG and the steps tables."""
     fig = build_figure(runs, budget)
-    chart = fig.to_html(full_html=False, include_plotlyjs=True, div_id=CHART_ID, post_script=_CLICK_JS,
-                        config={"displaylogo": False, "responsive": True})
     data = json.dumps(peak_data(runs)).replace("</", "<\\/")
     title = html.escape(title_of(runs).replace("\n", " — "))
     parts = [
         "<!doctype html><html><head><meta charset='utf-8'>", f"<title>{title}</title>",
         f"<style>{_STYLE}</style></head><body>",
         f"<script type='application/json' id='peak-data'>{data}</script>",
-        chart,
-        "<p class='hint'>Hover a bar for its bytes; drag or use the slider to zoom over steps; click a step "
-        "(a bar or its peak ▼) for the tensors alive at its peak, by module and operator.</p>",
+        chart_html(fig),
+        "<p class='hint'>Hover a bar for its bytes; drag or use the slider to zoom over steps; the buttons at the "
+        "top right put the x-axis on steps or on seconds; click a step (a bar or its peak ▼) for the tensors "
+        "alive at its peak, by module and operator.</p>",
         "<div id='tensors'></div>",
         *(["<h2>picture</h2>", f"<img alt='memory per phase' src='data:image/png;base64,{png_base64}'>"]
           if png_base64 is not None else []),  # None: no matplotlib
@@ -260,4 +403,5 @@ def render_page(runs: list[RankTimeline], png_base64: str | None, steps_tables: 
     return "\n".join(parts)
 
 
-__all__ = ["CHART_ID", "build_figure", "peak_data", "render_page", "LIVE_CLASSES"]
+__all__ = ["CHART_ID", "build_figure", "chart_html", "peak_data", "plotly_script", "render_page", "time_positions",
+           "LIVE_CLASSES"]
