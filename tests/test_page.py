@@ -210,7 +210,7 @@ def test_the_page_is_under_half_of_plotly_alone(run, tmp_path):
 
 def test_the_page_is_built_without_torch(run, tmp_path):
     """``hf-memwatch report`` needs neither torch nor matplotlib for the interactive page (importing
-    them was 5.4 s of the 10.5 s build: benchmarks/results/page_build.md)."""
+    them was 4.3 s of the 11.3 s build: benchmarks/results/page_build.md)."""
     code = ("import sys; from hf_memwatch.cli.main import main; status = main(sys.argv[1:]); "
             "print(status, 'torch' in sys.modules, 'matplotlib' in sys.modules)")
     proc = subprocess.run([sys.executable, "-c", code, "report", str(run["out"]), "-o", str(tmp_path / "m.html")],
