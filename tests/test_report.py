@@ -158,7 +158,8 @@ def test_background_picture_never_writes_into_a_removed_run_folder(run, tmp_path
 def test_events_are_words_and_the_plan_label_names_its_remedies(run):
     """The page's event list says the plan in words (not the record's raw dict), and the plan's label
     names checkpointing when the plan holds it."""
-    from hf_memwatch.reporting.report import event_label, event_text, render_html
+    from hf_memwatch.reporting.page import render_html
+    from hf_memwatch.reporting.report import event_label, event_text
 
     (rank,) = load_run(run["out"])
     (plan,) = [e for e in rank.events if e.EVENT == "plan"]
@@ -188,3 +189,24 @@ def test_two_runs_side_by_side(run, tmp_path, capsys):
     assert cli_main(["report", *paths, "-o", str(tmp_path / "compare.html")]) == 0
     page = (tmp_path / "compare.html").read_text()
     assert all(f"<h2>{p} rank 0: steps</h2>" in page for p in paths) and "plotly" not in page.lower()
+
+
+def test_the_picture_on_wall_clock_seconds(run, tmp_path, capsys):
+    """``--x seconds``: the picture's x-axis in seconds since the first snapshot, each step's peak
+    marker at the middle of its phase in time, as the page's seconds button puts it."""
+    from hf_memwatch.reporting.report import peak_index
+    from hf_memwatch.reporting.timeaxis import time_positions
+
+    (rank,) = load_run(run["out"])
+    seconds = [round(s.time - rank.snapshots[0].time, 3) for s in rank.snapshots]
+    fig = draw([rank], x_axis="seconds")
+    (ax,) = fig.axes
+    assert ax.get_xlabel().startswith("seconds since the first snapshot")
+    markers = next(line for line in ax.get_lines() if line.get_label() == "step peak")
+    expected = [time_positions([i - 0.5 if i else 0], seconds)[0] for i, _ in peak_index(rank)]
+    assert list(markers.get_xdata()) == pytest.approx(expected)
+    assert 0 < max(expected) <= seconds[-1] == pytest.approx(ax.get_xlim()[1])
+    assert cli_main(["report", str(run["out"]), "-o", str(tmp_path / "s.png"), "--x", "seconds"]) == 0
+    assert matplotlib.image.imread(tmp_path / "s.png").shape[1] >= 1200
+    with pytest.raises(MemWatchConfigError, match="x-axis is one of steps, seconds"):
+        draw([rank], x_axis="time")

@@ -20,12 +20,11 @@ import argparse
 import contextlib
 import io
 import json
-import os
 import sys
 from typing import TYPE_CHECKING, Any
 
 from ..core.categories import ESTIMATE_CLASSES
-from ..core.choices import COMPUTE_DTYPE_NAMES, DEVICES, PRECISIONS, QUANT_TYPES, SHARDS, TASKS
+from ..core.choices import COMPUTE_DTYPE_NAMES, DEVICES, PRECISIONS, QUANT_TYPES, SHARDS, TASKS, check_path
 from ..core.errors import MemWatchConfigError
 from ..core.extras import require
 from ..core.gpus import DEFAULT_GPU, GPUS, gpu_spec
@@ -132,8 +131,7 @@ def check_arguments(args: argparse.Namespace) -> None:
     if args.model is None and args.adapter is None:
         raise MemWatchConfigError("give MODEL: a model folder or its config.json (or a hub id), or --adapter DIR")
     for given in (args.model, args.adapter):  # a missing path: at once, not after 5-50 s of imports
-        if given and not os.path.exists(given) and (os.sep in given or given.endswith(".json")):
-            raise MemWatchConfigError(f"{given}: no such file or directory")  # as estimation.fake_model says it
+        check_path(given)
     if args.lora_r is None and ((args.lora_alpha, args.lora_targets) != (None, None) or args.lora_dropout):
         raise MemWatchConfigError("--lora-alpha/--lora-targets/--lora-dropout need --lora-r")
     four_bit_options = (args.bnb_4bit_quant_type, args.bnb_4bit_compute_dtype) != (None, None) or args.double_quant
@@ -165,8 +163,6 @@ def eval_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The ``estimate()`` keywords of the evaluation options (empty without ``--eval-batch-size``)."""
     if args.eval_batch_size is None and args.eval_samples is None:
         if args.predict_with_generate or args.generation_max_length or args.generation_num_beams:
-            from ..core.errors import MemWatchConfigError
-
             raise MemWatchConfigError("--predict-with-generate/--generation-* need --eval-batch-size and --eval-samples")
         return {}
     return dict(eval_batch_size=args.eval_batch_size, eval_samples=args.eval_samples,

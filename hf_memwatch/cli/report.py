@@ -6,6 +6,7 @@ Example:
     wrote memory.png (2 ranks, 40 steps)
     $ hf-memwatch report runs/before runs/after -o compare.png
     wrote compare.png (2 ranks of 2 runs, 40 steps)
+    $ hf-memwatch report runs/gpt2 -o memory.png --x seconds    # x: wall-clock seconds
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                 "two or more: the runs side by side, to compare")
     parser.add_argument("-o", "--output", default="memory.png", help="memory.png or memory.html (default: %(default)s)")
     parser.add_argument("--budget", default=None, help="draw this budget line (e.g. 20GiB) instead of the plan's")
+    parser.add_argument("--x", dest="x_axis", choices=("steps", "seconds"), default="steps",
+                        help="the picture's x-axis: optimizer steps, one band per phase (default), or wall-clock "
+                             "seconds since the first snapshot (the page has buttons for both)")
 
 
 def check_arguments(args: argparse.Namespace) -> None:
@@ -50,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
 
     budget = parse_bytes(args.budget, what="--budget") if args.budget is not None else None
     notes: list[str] = []
-    out = write_report(args.path, args.output, budget=budget, notes=notes)
+    out = write_report(args.path, args.output, budget=budget, notes=notes, x_axis=args.x_axis)
     for note in notes:  # an optional package missing: what is off, how to turn it on, what stands in
         print(f"hf-memwatch report: {note}", file=sys.stderr)
     runs = load_runs(args.path)

@@ -1,4 +1,6 @@
-"""The interactive page: ``hf-memwatch report RUN -o memory.html`` — one self-contained file.
+"""The pages: ``hf-memwatch report RUN -o memory.html`` — one self-contained file. The interactive
+one (below) where Plotly is installed and one run is drawn; else the static one (:func:`render_html`:
+the picture, each rank's steps table and events in words; a comparison of runs, or no Plotly).
 
 Plotly (inlined gzip-compressed, base64: :func:`plotly_script`; the page loads with no network) draws,
 for every rank, the live classes of each snapshot as stacked bars (one bar per phase of each step,
@@ -7,7 +9,7 @@ y-axis), the spike on top, each step's peak as a marker, the process's host RSS 
 right-hand axis, the budget and the plan's predicted peak as lines, eval/predict loops and
 plan/remedy/OOM events as marked vertical lines; a range slider zooms over steps; a menu selects the rank;
 two buttons put the x-axis on steps (one bar per phase) or on wall-clock seconds since the first
-snapshot (each bar spans the phase it closes: :func:`time_positions`). A click on
+snapshot (each bar spans the phase it closes: :func:`~hf_memwatch.reporting.report.time_positions`). A click on
 a step (its bars or its peak marker) shows that step's ``peak_tensors`` record below the chart: the
 largest tensors alive at its peak, then the bytes by module and by operator. The static PNG
 (``memory.png``) stays for the summary and CI logs; the page holds the chart and a table of every step
@@ -37,10 +39,13 @@ import base64
 import functools
 import gzip
 import html
+import io
 import json
+from collections.abc import Mapping
 from typing import Any
 
 from ..core.categories import LIVE_CLASSES
+from ..core.extras import installed
 from ..core.units import format_bytes
 from .report import (
     COLOURS,
@@ -52,6 +57,7 @@ from .report import (
     eval_position,
     event_label,
     event_step,
+    event_text,
     first_of_steps,
     live_bands,
     peak_index,
@@ -59,6 +65,7 @@ from .report import (
     step_starts,
     title_of,
 )
+from .timeaxis import time_positions
 
 CHART_ID = "memchart"
 
@@ -199,29 +206,6 @@ def _marks(run: RankTimeline) -> tuple[list[dict[str, Any]], list[dict[str, Any]
         notes.append({"x": x - 0.5, "yref": "paper", "y": 1.0, "text": label, "showarrow": False,
                       "font": {"color": "purple", "size": 10}, "xanchor": "left"})
     return shapes, notes
-
-
-def time_positions(xs: list[Any], times: list[float]) -> list[Any]:
-    """Positions on the step axis (snapshot ``i`` at ``i``, a phase's middle at ``i - 0.5``) as seconds:
-    linear between the snapshots' wall-clock ``times`` (seconds since the first snapshot), clamped to
-    the first and the last; None (a gap in a line) stays None.
-
-    Example:
-        >>> time_positions([0, 0.5, 1, None, 2.5, -0.5], [0.0, 2.0, 3.0])
-        [0.0, 1.0, 2.0, None, 3.0, 0.0]
-    """
-    out: list[Any] = []
-    last = len(times) - 1
-    for x in xs:
-        if x is None:
-            out.append(None)
-            continue
-        i = min(max(int(x // 1), 0), last)
-        if x <= 0 or i >= last:
-            out.append(times[0] if x <= 0 else times[last])
-            continue
-        out.append(round(times[i] + (x - i) * (times[i + 1] - times[i]), 3))
-    return out
 
 
 def _time_restyle(runs: list[RankTimeline], per_rank: list[int], fig: Any) -> dict[str, list[Any]]:
@@ -403,5 +387,53 @@ def render_page(runs: list[RankTimeline], png_base64: str | None, steps_tables: 
     return "\n".join(parts)
 
 
-__all__ = ["CHART_ID", "build_figure", "chart_html", "peak_data", "plotly_script", "render_page", "time_positions",
-           "LIVE_CLASSES"]
+def render_html(runs: list[RankTimeline], fig: Any, budget: int | None = None, interactive: bool = True) -> str:
+    """A self-contained page: the interactive chart (:mod:`hf_memwatch.reporting.page`, Plotly inlined)
+    where Plotly is installed and ``interactive``, the picture (inline PNG; none when ``fig`` is None: no matplotlib) and a
+    table of every step."""
+    image = None
+    if fig is not None:
+        buffer = io.BytesIO()
+        fig.savefig(buffer, format="png", dpi=110, bbox_inches="tight")
+        image = base64.b64encode(buffer.getvalue()).decode("ascii")
+    if interactive and installed("plotly"):
+        return render_page(runs, image, [_rank_section(run) for run in runs], budget)
+    title = html.escape(title_of(runs).replace("\n", " — "))
+    parts = [
+        "<!doctype html><html><head><meta charset='utf-8'>",
+        f"<title>{title}</title>",
+        "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
+        "td,th{border:1px solid #ccc;padding:2px 8px;text-align:right}th{background:#eee}"
+        "img{max-width:100%;height:auto}</style>",  # the picture fits the window, its legend too
+        f"</head><body><h1>{title}</h1>",
+    ]
+    if image is not None:
+        parts.append(f"<img alt='memory per phase' src='data:image/png;base64,{image}'>")
+    parts += [_rank_section(run) for run in runs]
+    parts.append("</body></html>")
+    return "\n".join(parts)
+
+
+def _rank_section(run: RankTimeline) -> str:
+    parts = [f"<h2>{html.escape(run.name)}: steps</h2>", _steps_table(run)]
+    if run.events:
+        parts.append("<h3>events</h3><ul>")
+        parts += [f"<li>{html.escape(event_text(e))}</li>" for e in run.events]
+        parts.append("</ul>")
+    return "\n".join(parts)
+
+
+def _steps_table(run: RankTimeline) -> str:
+    head = ["step", "peak", "peak phase", "dominant", *LIVE_CLASSES, SPIKE]
+    rows = ["<table><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in head) + "</tr>"]
+    for step in run.steps:
+        live: Mapping[str, Any] = step.live_at_peak or {}
+        cells = [str(step.step), format_bytes(step.peak), str(step.peak_phase), str(step.dominant)]
+        cells += [format_bytes(live.get(name)) for name in LIVE_CLASSES]
+        cells.append(format_bytes(step.spike_at_peak))
+        rows.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>")
+    rows.append("</table>")
+    return "\n".join(rows)
+
+
+__all__ = ["CHART_ID", "build_figure", "chart_html", "peak_data", "plotly_script", "render_html", "render_page", "LIVE_CLASSES"]

@@ -11,11 +11,7 @@ Usage:
 
 from __future__ import annotations
 
-import base64
-import html
-import io
 import os
-from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -35,6 +31,7 @@ from ..core.records import (
 )
 from ..core.timeline import Unread, _rank_of, find_timelines, read_records
 from ..core.units import format_bytes
+from .timeaxis import XAxis, x_axes
 
 if TYPE_CHECKING:  # torch is imported by run_config; the report never needs it (1.35 s of its 6 s)
     from ..core.run_config import RunConfig
@@ -223,8 +220,9 @@ def _count(n: int) -> str:
     return str(n)
 
 
-def draw(runs: list[RankTimeline], budget: int | None = None) -> Any:
-    """The matplotlib Figure of ``runs`` (one panel per rank)."""
+def draw(runs: list[RankTimeline], budget: int | None = None, x_axis: str = "steps") -> Any:
+    """The matplotlib Figure of ``runs`` (one panel per rank); ``x_axis``: ``steps`` (one band per
+    phase) or ``seconds`` (wall clock since the first snapshot; a band spans the phase it closes)."""
     import matplotlib
 
     matplotlib.use("Agg", force=False)
@@ -237,13 +235,16 @@ def draw(runs: list[RankTimeline], budget: int | None = None) -> Any:
     )
     unit, scale = choose_unit(highest)
     panels = [run for run in runs if run.snapshots] or runs
+    axes_x = x_axes(panels, x_axis)
     fig, axes = plt.subplots(
         len(panels), 1, figsize=(11, 3.6 + 2.6 * (len(panels) - 1) if len(panels) > 1 else 5.2),
         sharex=True, sharey=True, squeeze=False,
     )
-    for ax, run in zip(axes[:, 0], panels, strict=True):
-        _draw_rank(ax, run, unit, scale, budget, show_rank=len(panels) > 1)
-    axes[-1, 0].set_xlabel("optimizer step (phases: b=begin, F=after forward, B=after backward, O=after optimizer)")
+    for ax, run, xaxis in zip(axes[:, 0], panels, axes_x, strict=True):
+        _draw_rank(ax, run, unit, scale, budget, show_rank=len(panels) > 1, xaxis=xaxis)
+    axes[-1, 0].set_xlabel("optimizer step (phases: b=begin, F=after forward, B=after backward, O=after optimizer)"
+                           if x_axis == "steps" else "seconds since the first snapshot (wall clock; a band spans "
+                                                     "the phase it closes)")
     handles, labels = axes[0, 0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.0, 0.92), frameon=False, fontsize=9)
     fig.suptitle(title_of(runs), fontsize=12)
@@ -251,32 +252,36 @@ def draw(runs: list[RankTimeline], budget: int | None = None) -> Any:
     return fig
 
 
-def _draw_rank(ax: Any, run: RankTimeline, unit: str, scale: int, budget: int | None, show_rank: bool) -> None:
+def _draw_rank(ax: Any, run: RankTimeline, unit: str, scale: int, budget: int | None, show_rank: bool,
+               xaxis: XAxis | None = None) -> None:
     snaps = run.snapshots
+    xaxis = xaxis or XAxis()
     # Each snapshot a flat band from i - 0.5 to i + 0.5 (as the page's bars), not a slope between
     # snapshots: a phase's spike, drawn at the boundary from the higher of its two ends, then sits on
     # the bars instead of floating over an interpolated middle.
-    xs = [x for i in range(len(snaps)) for x in (i - 0.5, i + 0.5)]
+    xs = [x for i in range(len(snaps)) for x in xaxis.span(i)]
     bands = live_bands(snaps)
     polys = ax.stackplot(xs, [[v / scale for v in band.values for _ in (0, 1)] for band in bands],
                          labels=[band.label for band in bands], colors=[band.colour for band in bands], alpha=0.9)
     for poly, band in zip(polys, bands, strict=True):
         if band.hatch:
             poly.set_hatch(band.hatch)
-    _draw_spikes(ax, snaps, scale)
-    _mark_peaks(ax, run, snaps, scale, unit)
+    _draw_spikes(ax, snaps, scale, xaxis)
+    _mark_peaks(ax, run, snaps, scale, unit, xaxis)
     if budget:
         ax.axhline(budget / scale, color="black", linestyle="--", linewidth=1.2, label=f"budget {format_bytes(budget)}")
     predicted = predicted_peak_of(run)
     if predicted:
         ax.axhline(predicted / scale, color="purple", linestyle="-.", linewidth=1.0,
                    label=f"predicted peak {format_bytes(predicted)}")
-    _mark_events(ax, run, snaps)
-    _mark_evals(ax, run, snaps, scale)
-    _step_ticks(ax, snaps)
+    _mark_events(ax, run, snaps, xaxis)
+    _mark_evals(ax, run, snaps, scale, xaxis)
+    if xaxis.times is None:
+        _step_ticks(ax, snaps)
     ax.set_ylabel(f"memory ({unit})")
     ax.set_ylim(bottom=0)
-    ax.set_xlim(-0.5, len(snaps) - 0.5)
+    low, high = xaxis.at(-0.5), xaxis.at(len(snaps) - 0.5)
+    ax.set_xlim(low, high if high > low else low + 1)
     ax.grid(axis="y", alpha=0.3)
     if show_rank:
         ax.set_title(run.name, fontsize=10, loc="left")
@@ -320,16 +325,18 @@ def _phase_span(snaps: list[Snapshot], i: int) -> tuple[float, float]:
     return i - 0.5, max(snaps[i - 1].allocated, snaps[i].allocated)
 
 
-def _draw_spikes(ax: Any, snaps: list[Snapshot], scale: int) -> None:
+def _draw_spikes(ax: Any, snaps: list[Snapshot], scale: int, xaxis: XAxis) -> None:
     """The spike of each phase: a block from the higher live end of the phase up to the phase's peak."""
-    xs, bottoms, heights = [], [], []
+    xs, bottoms, heights, widths = [], [], [], []
     for i, snap in enumerate(snaps):
         if snap.spike:
             x, floor = _phase_span(snaps, i)
-            xs.append(x)
+            xs.append(xaxis.at(x))
             bottoms.append(floor / scale)
             heights.append(snap.spike / scale)
-    ax.bar(xs, heights, bottom=bottoms, width=0.4, color=COLOURS[SPIKE], alpha=0.95, label=LABELS[SPIKE],
+            low, high = xaxis.span(i)
+            widths.append(0.4 if xaxis.times is None else 0.4 * (high - low))
+    ax.bar(xs, heights, bottom=bottoms, width=widths, color=COLOURS[SPIKE], alpha=0.95, label=LABELS[SPIKE],
            linewidth=0.4, edgecolor="#9a7612")
 
 
@@ -342,10 +349,10 @@ def peak_index(run: RankTimeline) -> list[tuple[int, StepRecord]]:
     return [(i, step) for i, step in found if i is not None and step.peak is not None]
 
 
-def _mark_peaks(ax: Any, run: RankTimeline, snaps: list[Snapshot], scale: int, unit: str) -> None:
+def _mark_peaks(ax: Any, run: RankTimeline, snaps: list[Snapshot], scale: int, unit: str, xaxis: XAxis) -> None:
     xs, ys = [], []
     for i, step in peak_index(run):
-        xs.append(_phase_span(snaps, i)[0])
+        xs.append(xaxis.at(_phase_span(snaps, i)[0]))
         ys.append(step.peak / scale)
     if xs:
         size = 6 if len(xs) <= 40 else 3
@@ -369,12 +376,12 @@ def eval_position(loop: EvalRecord, snaps: list[Snapshot]) -> float:
     return (after[-1] + 0.5) if after else -0.5
 
 
-def _mark_events(ax: Any, run: RankTimeline, snaps: list[Snapshot]) -> None:
+def _mark_events(ax: Any, run: RankTimeline, snaps: list[Snapshot], xaxis: XAxis) -> None:
     first_of_step = first_of_steps(snaps)
     labelled = False
     for event in run.events:
         step = event_step(event)
-        x = (first_of_step.get(step, 0) if step is not None else 0) - 0.5  # before the step's first bar
+        x = xaxis.at((first_of_step.get(step, 0) if step is not None else 0) - 0.5)  # before the step's first bar
         label = event_label(event)
         ax.axvline(x, color="purple", linestyle=":", linewidth=1.4, label=None if labelled else "plan / remedy / oom")
         ax.annotate(label, (x, 1.0), xycoords=("data", "axes fraction"), xytext=(3, -12),
@@ -382,11 +389,11 @@ def _mark_events(ax: Any, run: RankTimeline, snaps: list[Snapshot]) -> None:
         labelled = True
 
 
-def _mark_evals(ax: Any, run: RankTimeline, snaps: list[Snapshot], scale: int) -> None:
+def _mark_evals(ax: Any, run: RankTimeline, snaps: list[Snapshot], scale: int, xaxis: XAxis) -> None:
     """Each eval/predict loop: a dashed line after the step it followed, its peak as a diamond."""
     labelled = False
     for loop in run.evals:
-        x = eval_position(loop, snaps)
+        x = xaxis.at(eval_position(loop, snaps))
         label = None if labelled else "eval / predict loop (its peak)"
         ax.axvline(x, color="darkorange", linestyle="--", linewidth=1.2, label=label)
         ax.plot([x], [loop.peak / scale], linestyle="none", marker="D", color="darkorange", markersize=6)
@@ -416,7 +423,7 @@ def _step_ticks(ax: Any, snaps: list[Snapshot]) -> None:
 
 
 def write_report(path: str | os.PathLike[str] | list[Any], out: str | os.PathLike[str], budget: int | None = None,
-                 notes: list[str] | None = None) -> Path:
+                 notes: list[str] | None = None, x_axis: str = "steps") -> Path:
     """Draw the run under ``path`` into ``out`` (``.png`` or ``.html``); returns the file written.
     Several paths: the runs side by side (a panel each, shared axes; the page is the static one).
 
@@ -424,13 +431,16 @@ def write_report(path: str | os.PathLike[str] | list[Any], out: str | os.PathLik
     (the chart shows all it does; drawing it cost 1.2 s and 150 kB). Without matplotlib (the ``plot``
     extra) a ``.png`` cannot be drawn: the steps table is written
     beside it as ``.html`` instead (the path returned); without Plotly (``page``) the page is the
-    static one. Each such fallback appends its one line (:func:`~hf_memwatch.core.extras.off_line`)
+    static one. ``x_axis``: the picture's (``steps`` or ``seconds``: :func:`draw`; the interactive page
+    has buttons for both). Each such fallback appends its one line (:func:`~hf_memwatch.core.extras.off_line`)
     to ``notes`` for the caller to print.
     """
     out = Path(out)
     suffix = out.suffix.lower()
     if suffix not in (".png", ".html", ".htm"):
         raise MemWatchConfigError(f"report output must end in .png or .html; got {out.name!r}")
+    from .page import render_html  # the pages, static and interactive
+
     runs = load_runs(path)
     notes = [] if notes is None else notes
     drawable = installed("matplotlib")
@@ -449,7 +459,7 @@ def write_report(path: str | os.PathLike[str] | list[Any], out: str | os.PathLik
     if not drawable:
         out.write_text(render_html(runs, None, budget), encoding="utf-8")
         return out
-    fig = draw(runs, budget)
+    fig = draw(runs, budget, x_axis)
     try:
         if suffix == ".png":
             fig.savefig(out, dpi=120, bbox_inches="tight")
@@ -460,54 +470,3 @@ def write_report(path: str | os.PathLike[str] | list[Any], out: str | os.PathLik
 
         plt.close(fig)
     return out
-
-
-def render_html(runs: list[RankTimeline], fig: Any, budget: int | None = None, interactive: bool = True) -> str:
-    """A self-contained page: the interactive chart (:mod:`hf_memwatch.reporting.page`, Plotly inlined)
-    where Plotly is installed and ``interactive``, the picture (inline PNG; none when ``fig`` is None: no matplotlib) and a
-    table of every step."""
-    image = None
-    if fig is not None:
-        buffer = io.BytesIO()
-        fig.savefig(buffer, format="png", dpi=110, bbox_inches="tight")
-        image = base64.b64encode(buffer.getvalue()).decode("ascii")
-    if interactive and installed("plotly"):
-        from .page import render_page
-
-        return render_page(runs, image, [_rank_section(run) for run in runs], budget)
-    title = html.escape(title_of(runs).replace("\n", " — "))
-    parts = [
-        "<!doctype html><html><head><meta charset='utf-8'>",
-        f"<title>{title}</title>",
-        "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
-        "td,th{border:1px solid #ccc;padding:2px 8px;text-align:right}th{background:#eee}"
-        "img{max-width:100%;height:auto}</style>",  # the picture fits the window, its legend too
-        f"</head><body><h1>{title}</h1>",
-    ]
-    if image is not None:
-        parts.append(f"<img alt='memory per phase' src='data:image/png;base64,{image}'>")
-    parts += [_rank_section(run) for run in runs]
-    parts.append("</body></html>")
-    return "\n".join(parts)
-
-
-def _rank_section(run: RankTimeline) -> str:
-    parts = [f"<h2>{html.escape(run.name)}: steps</h2>", _steps_table(run)]
-    if run.events:
-        parts.append("<h3>events</h3><ul>")
-        parts += [f"<li>{html.escape(event_text(e))}</li>" for e in run.events]
-        parts.append("</ul>")
-    return "\n".join(parts)
-
-
-def _steps_table(run: RankTimeline) -> str:
-    head = ["step", "peak", "peak phase", "dominant", *LIVE_CLASSES, SPIKE]
-    rows = ["<table><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in head) + "</tr>"]
-    for step in run.steps:
-        live: Mapping[str, Any] = step.live_at_peak or {}
-        cells = [str(step.step), format_bytes(step.peak), str(step.peak_phase), str(step.dominant)]
-        cells += [format_bytes(live.get(name)) for name in LIVE_CLASSES]
-        cells.append(format_bytes(step.spike_at_peak))
-        rows.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>")
-    rows.append("</table>")
-    return "\n".join(rows)
