@@ -111,6 +111,7 @@ bench: venv
 # run and the same example without --auto (the configuration as given), in headless Chromium (Debian's
 # chromium, Playwright from the dev extras); benchmarks/page_build.py measures the page itself.
 screenshots: venv
+	command -v chromium >/dev/null || (apt-get update && apt-get install -y chromium)
 	test -d demo-output || $(MAKE) demo
 	$(PY) examples/train_glue.py --output-dir demo-output-as-given > demo-output-as-given.log 2>&1
 	$(PY) examples/screenshots.py demo-output demo-output-as-given docs/
