@@ -38,3 +38,18 @@ def test_ranks_share_one_clock_and_an_unknown_axis_is_one_line(tmp_path):
     assert [axis.times for axis in x_axes(runs, "steps")] == [None, None]
     with pytest.raises(MemWatchConfigError, match="the x-axis is one of steps, seconds; got 'wall'"):
         x_axes(runs, "wall")
+
+
+def test_a_timeline_without_times_keeps_the_step_axis(tmp_path):
+    """Snapshots written without their ``time`` (by hand, or an older version): the page draws without
+    the seconds button and the picture on seconds is one line saying why."""
+    from hf_memwatch.reporting.page import build_figure
+
+    record = {"event": "snapshot", "step": 1, "micro_step": 0, "phase": "step_begin", "allocated": 100,
+              "peak": 100, "live": {"weights": 100}, "spike": 0}
+    (tmp_path / "timeline.jsonl").write_text(json.dumps(record) + "\n")
+    runs = load_run(tmp_path)
+    assert [s.time for s in runs[0].snapshots] == [None]
+    assert build_figure(runs).layout.updatemenus == ()
+    with pytest.raises(MemWatchConfigError, match="needs each snapshot's time"):
+        x_axes(runs, "seconds")

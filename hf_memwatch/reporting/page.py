@@ -65,7 +65,7 @@ from .report import (
     step_starts,
     title_of,
 )
-from .timeaxis import time_positions
+from .timeaxis import time_positions, timed, x_axes
 
 CHART_ID = "memchart"
 
@@ -210,15 +210,15 @@ def _marks(run: RankTimeline) -> tuple[list[dict[str, Any]], list[dict[str, Any]
 
 def _time_restyle(runs: list[RankTimeline], per_rank: list[int], fig: Any) -> dict[str, list[Any]]:
     """The traces' ``x`` on the time axis (and each bar's span: the phase it closes, from the previous
-    snapshot to its own), for the x-axis buttons; every rank on one clock (the earliest snapshot = 0 s)."""
-    start = min(s.time for run in runs for s in run.snapshots)
+    snapshot to its own: :class:`~hf_memwatch.reporting.timeaxis.XAxis`), for the x-axis buttons; every
+    rank on one clock (the earliest snapshot = 0 s)."""
     xs: list[Any] = []
     widths: list[Any] = []
     offsets: list[Any] = []
     traces = iter(fig.data)
-    for run, count in zip(runs, per_rank, strict=True):
-        times = [round(s.time - start, 3) for s in run.snapshots]
-        spans = [0.0] + [round(b - a, 3) for a, b in zip(times, times[1:], strict=False)]
+    for run, count, axis in zip(runs, per_rank, x_axes(runs, "seconds"), strict=True):
+        times = axis.times or []
+        spans = [round(high - low, 3) for low, high in map(axis.span, range(len(run.snapshots)))]
         for _ in range(count):
             trace = next(traces)
             bar = trace.type == "bar"
@@ -232,9 +232,7 @@ def _axis_buttons(runs: list[RankTimeline], per_rank: list[int], fig: Any, step_
     """Two buttons: the x-axis on optimizer steps (one bar per phase) or on wall-clock seconds."""
     by_step = {"x": [list(t.x) for t in fig.data], "width": [None] * len(fig.data), "offset": [None] * len(fig.data)}
     by_time = _time_restyle(runs, per_rank, fig)
-    start = min(s.time for run in runs for s in run.snapshots)
-    times = [s.time - start for s in runs[0].snapshots]
-
+    times = x_axes(runs, "seconds")[0].times or []  # the marks are the first rank's, on the common clock
     def moved(items: list[dict[str, Any]], keys: tuple[str, ...]) -> list[dict[str, Any]]:
         return [{**item, **{k: time_positions([item[k]], times)[0] for k in keys if k in item
                             and item.get("xref", "x") == "x"}} for item in items]
@@ -299,7 +297,7 @@ def build_figure(runs: list[RankTimeline], budget: int | None = None) -> Any:
                 "tickvals": rss_ticks[0], "ticktext": rss_ticks[1], "rangemode": "tozero"},
         legend={"orientation": "v", "x": 1.07, "xanchor": "left"},  # clear of the host RSS axis
     )
-    menus = [_axis_buttons(runs, per_rank, fig, step_axis)] if snaps else []
+    menus = [_axis_buttons(runs, per_rank, fig, step_axis)] if snaps and timed(runs) else []
     if len(runs) > 1:
         menus.append({"buttons": buttons, "direction": "down", "x": 0, "xanchor": "left", "y": 1.12,
                       "yanchor": "top", "showactive": True})

@@ -62,11 +62,19 @@ class XAxis:
         return (i - 0.5, i + 0.5) if self.times is None else (self.times[max(i - 1, 0)], self.times[i])
 
 
+def timed(runs: list[RankTimeline]) -> bool:
+    """Every snapshot has its wall-clock ``time`` (a timeline written by hand may not)."""
+    return all(isinstance(s.time, (int, float)) for run in runs for s in run.snapshots)
+
+
 def x_axes(runs: list[RankTimeline], x_axis: str) -> list[XAxis]:
     """Each rank's :class:`XAxis` (``x_axis``: ``steps`` or ``seconds``; ranks on one clock)."""
     if x_axis not in X_AXES:
         raise MemWatchConfigError(f"the x-axis is one of {', '.join(X_AXES)}; got {x_axis!r}")
     if x_axis == "steps":
         return [XAxis() for _ in runs]
+    if not timed(runs):
+        raise MemWatchConfigError("the x-axis on seconds needs each snapshot's time, which this timeline lacks "
+                                  "(written by hand or by an older version): use --x steps")
     start = min((s.time for run in runs for s in run.snapshots), default=0.0)
     return [XAxis([round(s.time - start, 3) for s in run.snapshots]) for run in runs]
