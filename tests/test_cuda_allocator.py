@@ -411,7 +411,7 @@ def test_fsdp2_gets_its_ranks_reserve_and_zero_says_why_not(monkeypatch):
     reserve is not predicted, and the note says why."""
     from conftest import gpt2_model
 
-    from hf_memwatch.core.engine import Engine
+    from hf_memwatch.engines.engine import Engine
     from hf_memwatch.estimation import cuda_device
     from hf_memwatch.estimation.estimate import estimate
 

@@ -259,7 +259,7 @@ def fsdp_engine(args: argparse.Namespace) -> Any:
     (``estimation/fsdp_replay.py``); None for other shards."""
     if args.shard != "fsdp" or int(args.world_size) < 2:
         return None
-    from ..core.engine import Engine
+    from ..engines.engine import Engine
 
     return Engine(kind="fsdp", world_size=int(args.world_size), fsdp_version=2, fsdp_strategy="FULL_SHARD")
 
@@ -271,7 +271,7 @@ def deepspeed_engine(args: argparse.Namespace) -> Any:
         if getattr(args, "offload", "none") != "none":
             raise MemWatchConfigError("--offload needs --shard zero1/zero2/zero3 and --world-size >= 2")
         return None
-    from ..core.engine import engine_from_deepspeed_config
+    from ..engines.engine import engine_from_deepspeed_config
 
     zero: dict[str, Any] = {"stage": int(args.shard[-1])}
     for flag, key in (("reduce_bucket_size", "reduce_bucket_size"), ("prefetch_bucket_size", "stage3_prefetch_bucket_size"),

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .engine import Engine, engine_of
+from ..engines.engine import Engine, engine_of
 from .errors import MemWatchConfigError
 
 

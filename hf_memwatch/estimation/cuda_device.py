@@ -50,7 +50,7 @@ allocator (the cuBLAS workspace lives in the caching allocator and is replayed t
 without its own entry gets the entry of its loading mode tied to no other card (noted).
 
 Sharded runs: the replayed sequence must be the rank's own. It is for FSDP2 where
-:func:`~hf_memwatch.estimation.fsdp_replay.fsdp_applies` (the fake step runs on the rank's shards,
+:func:`~hf_memwatch.engines.fsdp2.replay.fsdp_applies` (the fake step runs on the rank's shards,
 all-gathers, reshards and reduce-scatters, the optimizer on the shards: ``per_rank``). It is not for
 ZeRO-1/2/3 or FSDP1: their optimizer states and step (``zero_step.flat_step``), ZeRO-3's gathers
 and the division of weights and gradients are applied to the per-phase totals after the replay, so

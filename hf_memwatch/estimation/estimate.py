@@ -31,6 +31,11 @@ from ..core.errors import MemWatchConfigError, unknown_keywords
 from ..core.gpus import card_fits, gpu_record, target_gpu
 from ..core.run_config import RunConfig
 from ..core.units import format_bytes
+from ..engines.fsdp2.replay import fsdp_applies, fsdp_flow
+from ..engines.shard import engine_classes, shard_classes
+from ..engines.zero.backward import flow_applies, zero_gradient_flow
+from ..engines.zero.gather import gloo_gather_staging
+from ..engines.zero.step import zero_optimizer_step
 from ..measure.attribution import weight_storages
 from ..measure.peak_tensors import PeakTensors
 from ..measure.tracker import recording_allocations
@@ -38,7 +43,6 @@ from .branches import worst_branch
 from .cuda_autocast import policy_notes
 from .cuda_device import cuda_step_reserve, ddp_resident
 from .fake_model import auto_class, count_params, fake_copy, fake_model, load_config, resolve_adapter
-from .fsdp_replay import fsdp_applies, fsdp_flow
 from .layers import AUTO_MIN_LAYERS, SHORT_DEPTHS, extrapolate, homogeneous_layers, truncated
 from .peft import LoraSpec
 from .quantized import QuantSpec
@@ -53,7 +57,6 @@ from .request import (
     check_choice,
     check_positive,
 )
-from .shard import engine_classes, shard_classes
 from .step import CUDA_BLOCK, LOGITS, LOGITS_FP32, StepInputs, StepSimulation, simulate_step
 from .trainer_replay import (
     TrainerStateGuard,
@@ -64,9 +67,6 @@ from .trainer_replay import (
 )
 from .trl_replay import TrainerReplay, dataloader_batch_size
 from .user_optimizer import with_user_optimizer
-from .zero3_gather import gloo_gather_staging
-from .zero_backward import flow_applies, zero_gradient_flow
-from .zero_step import zero_optimizer_step
 
 # Names other packages import from here (cli/estimate.py); the model builder, request: fake_model, request.
 __all__ = ["CLASS_NAMES", "DEVICES", "PRECISIONS", "SHARDS", "TASKS", "EstimateRequest", "MemoryEstimate",

@@ -120,7 +120,7 @@ def _autograd_backward(loss: Any, **kwargs: Any) -> None:
 
     Under DeepSpeed, accelerate's backward goes to ``deepspeed_engine_wrapped``, which ``train()``
     builds (None before it; the engine's own buffers are modelled by
-    :mod:`hf_memwatch.estimation.shard`). Its keywords (``scale_wrt_gas``, ``sync_gradients``) are
+    :mod:`hf_memwatch.engines.shard`). Its keywords (``scale_wrt_gas``, ``sync_gradients``) are
     the engine's; the loss is already scaled by the Trainer as DeepSpeed's engine would not rescale it.
     """
     kwargs.pop("scale_wrt_gas", None)

@@ -278,7 +278,7 @@ def advice(run: RunConfig, frozen_models: Mapping[str, int], logits: int = 0, pe
     bytes, as :func:`hf_memwatch.estimate` and the live monitor report them) and whose step peaks at
     ``peak`` bytes with ``logits`` bytes of logits (and their fp32 upcast) live at that moment;
     with ``classes`` (the predicted per-rank split at the peak) the engine-level remedies of a
-    distributed run too (:func:`hf_memwatch.planning.engine_advice.engine_advice`; ``peak_phase``: the
+    distributed run too (:func:`hf_memwatch.engines.advice.engine_advice`; ``peak_phase``: the
     phase of the peak, where it is known).
 
     A TRL preference trainer (DPO: ``precompute_ref_log_probs`` is one of its options) holding a copied
@@ -295,7 +295,7 @@ def advice(run: RunConfig, frozen_models: Mapping[str, int], logits: int = 0, pe
     # The fused routes replace a plain language-model loss; a preference trainer's (DPO) has none of them.
     found = fused_loss_advice(logits, peak, run.device) if run.precompute_ref_log_probs is None else []
     if classes:  # the engine's own remedies (ZeRO stage, offload, buckets), from the predicted split
-        from .engine_advice import engine_advice
+        from ..engines.advice import engine_advice
 
         found.extend(engine_advice(run, classes, peak, peak_phase))
     reference = int(frozen_models.get(REFERENCE_MODEL, 0) or 0)
@@ -355,7 +355,7 @@ def fused_loss_advice(logits: int, peak: int, device: str = "cuda") -> list[Advi
 def no_fit_advice(run: RunConfig, estimate: Any, limit: int) -> str:
     """For the message of a run no plan fits: the advice for its smallest plan (``estimate``, a
     ``MemoryEstimate`` of it) with each saving, and which of them alone would reach ``limit`` (usable
-    bytes) — or that none applies. The engine's remedies are :func:`~hf_memwatch.planning.engine_advice.no_fit_note`'s.
+    bytes) — or that none applies. The engine's remedies are :func:`~hf_memwatch.engines.advice.no_fit_note`'s.
 
     Beside :func:`advice` (the fused / chunked loss where logits dominate, a preference trainer's
     reference model): LoRA where the model is not a PEFT model already — the full model's gradients

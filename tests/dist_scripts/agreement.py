@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from hf_memwatch.measure.distributed import (
+from hf_memwatch.engines.live import (
     PeerFailure,
     agree_plan,
     agree_unavailable,

@@ -47,8 +47,8 @@ from conftest import (  # noqa: E402
 from transformers import Trainer, TrainerCallback  # noqa: E402
 
 from hf_memwatch import MemWatch, PlanError  # noqa: E402
+from hf_memwatch.engines.live import ddp_bucket_sizes, find_ddp, max_over_ranks, world  # noqa: E402
 from hf_memwatch.integration.callback import find_trainer  # noqa: E402
-from hf_memwatch.measure.distributed import ddp_bucket_sizes, find_ddp, max_over_ranks, world  # noqa: E402
 from hf_memwatch.testing.truth import (  # noqa: E402
     StepMarker,
     cpu_memory_profile,

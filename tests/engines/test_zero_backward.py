@@ -8,9 +8,9 @@ import pytest
 from conftest import gpt2_model
 
 from hf_memwatch import estimate
-from hf_memwatch.core.engine import Engine
+from hf_memwatch.engines.engine import Engine
+from hf_memwatch.engines.zero.backward import rank_partition, widest_partition
 from hf_memwatch.estimation.optim import param_groups
-from hf_memwatch.estimation.zero_backward import rank_partition, widest_partition
 
 BUCKET = 100_000
 

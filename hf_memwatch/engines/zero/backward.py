@@ -32,8 +32,8 @@ micro-steps'); at the model's forward the flow turns them into what ZeRO keeps: 
 partition (the widest rank's: every rank plans for the one that keeps most, 329,472 elements on
 rank 1 of the run above), ZeRO-1 the whole ``.grad`` and the earlier backward's bucket. The
 replayed micro-step is the step's last (the boundary). With the flow, the estimate divides no
-gradient class and adds no bucket (:func:`~hf_memwatch.estimation.shard.engine_classes`); the
-optimizer step holds the kept partition and its flat fp32 copy (:mod:`~hf_memwatch.estimation.zero_step`).
+gradient class and adds no bucket (:func:`~hf_memwatch.engines.shard.engine_classes`); the
+optimizer step holds the kept partition and its flat fp32 copy (:mod:`~hf_memwatch.engines.zero.step`).
 Measured against MemWatch on the 2-rank runs: ZeRO-1 4 x 2 predicted 14,734,232 B, measured
 14,735,268; ZeRO-2 4 x 2 13,290,776 vs 13,279,524 / 13,291,812 (ranks 0 / 1); 1 x 8 + checkpointing
 10,741,772 vs 10,734,116 / 10,746,404. Each reduction's flat copy (``torch.cat`` of a destination
@@ -51,9 +51,9 @@ from typing import Any
 
 import torch
 
-from .classify import refs
-from .fake_dispatch import EstimateTracker
-from .optim import param_groups
+from ...estimation.classify import refs
+from ...estimation.fake_dispatch import EstimateTracker
+from ...estimation.optim import param_groups
 
 # DeepSpeed's default ``reduce_bucket_size`` (elements) when the JSON leaves it out.
 DEFAULT_REDUCE_BUCKET = 500_000_000

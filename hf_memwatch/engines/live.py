@@ -20,7 +20,7 @@ FSDP2 parameters, gradients and optimizer states are ``DTensor`` s whose local s
 :func:`~hf_memwatch.measure.storage.plain_tensors` unwraps (measured with ``fully_shard`` on gloo: each
 of 2 ranks holds half); what ``model.parameters()`` does not show while a module is unsharded (its
 shards, the all-gathered parameters, FSDP2's kept all-gather and reduce-scatter buffers) is counted by
-:class:`~hf_memwatch.measure.fsdp2.Fsdp2Storages`. FSDP2 frees its all-gathered parameters with
+:class:`~hf_memwatch.engines.fsdp2.live.Fsdp2Storages`. FSDP2 frees its all-gathered parameters with
 ``UntypedStorage.resize_(0)``: the storage tracker and the saved-tensor registry read sizes when
 asked (``StorageTracker.watch_resizes``, ``SavedTensorRegistry.storages``). FSDP1 parameters are views
 of the rank's flat shard (not run here).
@@ -36,10 +36,10 @@ import torch
 
 from ..compat.deepspeed import zero_partitions_named
 from ..core.categories import STEP_BEGIN
-from .fsdp2 import Fsdp2Storages, fsdp2_param_groups
-from .held_models import HeldModels, held_models
-from .monitor import StepMonitor
-from .storage import collect_storages, nested_tensors
+from ..measure.held_models import HeldModels, held_models
+from ..measure.monitor import StepMonitor
+from ..measure.storage import collect_storages, nested_tensors
+from .fsdp2.live import Fsdp2Storages, fsdp2_param_groups
 
 # DeepSpeed ZeRO optimizer attributes holding rank-local tensors, by memory class. Read from
 # DeepSpeed's ``runtime/zero/stage_1_and_2.py`` and ``stage3.py`` (checked on 0.19.8, 2 gloo ranks

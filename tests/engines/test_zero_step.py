@@ -7,8 +7,8 @@ import pytest
 import torch
 from conftest import gpt2_model
 
+from hf_memwatch.engines.zero.step import flat_step, rank_partitions
 from hf_memwatch.estimation.optim import optimizer_class_and_kwargs
-from hf_memwatch.estimation.zero_step import flat_step, rank_partitions
 from hf_memwatch.testing.truth import cpu_memory_profile, window_peak
 
 

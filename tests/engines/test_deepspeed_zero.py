@@ -19,7 +19,7 @@ from conftest import gpt2_model, torchrun
 from conftest import rank_step_peaks as step_peaks
 from conftest import rank_timeline as timeline
 
-SCRIPTS = Path(__file__).parent / "dist_scripts"
+SCRIPTS = Path(__file__).parents[1] / "dist_scripts"
 PLAN_KEYS = ("micro_batch_size", "gradient_accumulation_steps", "activation_checkpointing", "optim")
 
 

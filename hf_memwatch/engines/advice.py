@@ -8,8 +8,8 @@ numerics, but the engine is built from the DeepSpeed JSON inside ``train()``; it
 saving here, not yet applied.
 
 The savings are per rank, from the predicted split at the peak (``classes``) and the engine the run
-has (:class:`~hf_memwatch.core.engine.Engine`), with the rules of
-:mod:`hf_memwatch.estimation.shard` (fp32, N ranks, W weights, G gradients, S optimizer states at
+has (:class:`~hf_memwatch.engines.engine.Engine`), with the rules of
+:mod:`hf_memwatch.engines.shard` (fp32, N ranks, W weights, G gradients, S optimizer states at
 the peak, P = W / 4 trainable elements):
 
 ==============================  =========================================================
@@ -41,7 +41,7 @@ gathered whole from forward to backward (measured on 2 gloo ranks: weights 1,180
 2,361,344 B gathered), so the weights saved are spent again.
 
 Example:
-    >>> from hf_memwatch.core.engine import Engine
+    >>> from hf_memwatch.engines.engine import Engine
     >>> from hf_memwatch.core.run_config import RunConfig
     >>> run = RunConfig(micro_batch_size=4, world_size=2, engine=Engine(kind="ddp", world_size=2))
     >>> split = {"weights": 400, "gradients": 800, "optimizer_states": 800}
@@ -56,7 +56,7 @@ from collections.abc import Mapping
 from ..core.categories import AFTER_BACKWARD
 from ..core.run_config import RunConfig
 from ..core.units import format_bytes
-from .catalogue import Advice
+from ..planning.catalogue import Advice
 
 # A bucket smaller than this share of the peak is not worth a line of advice.
 BUCKET_ADVICE_SHARE = 0.05
@@ -121,7 +121,7 @@ def no_fit_note(run: RunConfig, classes: Mapping[str, int], peak: int, peak_phas
     distributed engine, why none does.
 
     Example:
-        >>> from hf_memwatch.core.engine import Engine
+        >>> from hf_memwatch.engines.engine import Engine
         >>> run = RunConfig(micro_batch_size=1, world_size=2, device="cpu", engine=Engine(
         ...     kind="deepspeed", world_size=2, zero_stage=2, reduce_bucket_size=100))
         >>> no_fit_note(run, {"weights": 4096, "gradients": 2048, "activations": 0}, 6144, "after_optimizer")

@@ -12,9 +12,10 @@ import pytest
 import torch
 from conftest import gpt2_model
 
-from hf_memwatch.core.engine import Engine
-from hf_memwatch.estimation import estimate, fsdp_replay
-from hf_memwatch.estimation.fsdp_units import build_units, wrap_policy
+from hf_memwatch.engines.engine import Engine
+from hf_memwatch.engines.fsdp2 import replay as fsdp_replay
+from hf_memwatch.engines.fsdp2.units import build_units, wrap_policy
+from hf_memwatch.estimation import estimate
 from hf_memwatch.testing.truth import STEP_MARK, cpu_memory_profile, step_peaks
 
 BATCH, SEQ = 4, 32

@@ -19,9 +19,7 @@ from conftest import gpt2_model, torchrun
 from conftest import rank_step_peaks as step_peaks
 from conftest import rank_timeline as timeline
 
-from hf_memwatch.estimation.estimate import estimate
-from hf_memwatch.estimation.shard import largest_layer_bytes, shard_classes
-from hf_memwatch.measure.distributed import (
+from hf_memwatch.engines.live import (
     agree_plan,
     agree_unavailable,
     decide_across_ranks,
@@ -30,8 +28,10 @@ from hf_memwatch.measure.distributed import (
     share_failure,
     world,
 )
+from hf_memwatch.engines.shard import largest_layer_bytes, shard_classes
+from hf_memwatch.estimation.estimate import estimate
 
-SCRIPTS = Path(__file__).parent / "dist_scripts"
+SCRIPTS = Path(__file__).parents[1] / "dist_scripts"
 PLAN_KEYS = ("micro_batch_size", "gradient_accumulation_steps", "activation_checkpointing", "optim")
 
 
@@ -348,7 +348,7 @@ def test_model_states_against_deepspeed_estimators():
 
 
 def test_deepspeed_storages_without_deepspeed_is_empty():
-    from hf_memwatch.measure.distributed import deepspeed_storages
+    from hf_memwatch.engines.live import deepspeed_storages
 
     model = torch.nn.Linear(4, 2)
     optimizer = torch.optim.AdamW(model.parameters())

@@ -1,4 +1,4 @@
-"""The engine the run really trains under (issue 19): ``hf_memwatch.core.engine`` and ``RunConfig``.
+"""The engine the run really trains under (issue 19): ``hf_memwatch.engines.engine`` and ``RunConfig``.
 
 Single-process checks of the readers; the engines themselves run on 2 gloo ranks in
 ``tests/test_deepspeed_zero.py`` (DeepSpeed ZeRO-1/2/3 + offload), ``tests/test_distributed.py`` (DDP, FSDP2). FSDP cannot run through the
@@ -13,13 +13,13 @@ from types import SimpleNamespace
 import pytest
 from conftest import gpt2_model, training_args
 
-from hf_memwatch.core.engine import (
+from hf_memwatch.core.run_config import RunConfig
+from hf_memwatch.engines.engine import (
     engine_from_deepspeed_config,
     engine_of,
     engine_of_accelerator,
     engine_of_environment,
 )
-from hf_memwatch.core.run_config import RunConfig
 from hf_memwatch.estimation.estimate import estimate
 
 
@@ -123,7 +123,7 @@ def test_fsdp_planned_from_the_engine_the_accelerator_reports(tmp_path, monkeypa
 def test_engine_remedies_join_the_catalogue_as_advice_with_their_per_rank_savings():
     """ZeRO stage, offload and the reduce bucket are advice (the plan record, the log, the CLI, the
     post-mortem read ``advice``); the saving follows the predicted per-rank split."""
-    from hf_memwatch.core.engine import Engine
+    from hf_memwatch.engines.engine import Engine
     from hf_memwatch.planning.catalogue import REMEDIES, advice
 
     model = gpt2_model()
