@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from hf_memwatch.core.gpus import GpuSpec, gpu_spec
+from hf_memwatch.engines.ddp.replay import ddp_bucket_bytes
 from hf_memwatch.estimation.cuda_allocator import (
     AllocatorConfig,
     AllocatorOOM,
@@ -21,7 +22,6 @@ from hf_memwatch.estimation.cuda_allocator import (
 from hf_memwatch.estimation.cuda_device import (
     PUBLISHED_CONTEXTS,
     cuda_step_reserve,
-    ddp_bucket_bytes,
     lazy_loading,
     nccl_buffer_bytes,
     predict_reserved,

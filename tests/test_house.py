@@ -22,7 +22,7 @@ FLOORS = {"compat": 0, "core": 0, "measure": 1, "estimation": 2, "planning": 3, 
           "engines": 2}
 # engines/ spans the floors (its package doc): a module serves one layer and sits on that layer's floor, read
 # off its name; every other module of engines/ (the replay rules, the registry) is on estimation's floor.
-ENGINE_FLOORS = {"engine": 0, "gloo_staging": 1, "live": 1, "advice": 3}
+ENGINE_FLOORS = {"engine": 0, "gloo_staging": 1, "live": 1}
 LONGEST_MODULE, LONGEST_FUNCTION, MOST_PARAMETERS = 500, 80, 12
 PARAMETER_EXCEPTIONS = {("estimation/estimate.py", "estimate")}
 
@@ -155,14 +155,14 @@ PRIVATE_ACCESS_ALLOWED = {
     "estimation/step.py": 1, "estimation/trainer_mirror.py": 2, "estimation/trainer_replay.py": 5,
     "estimation/trl_replay.py": 4, "engines/zero/backward.py": 2, "engines/zero/step.py": 2,
     "integration/compiled.py": 3, "integration/measured.py": 3, "integration/options.py": 1,
-    "integration/trials.py": 1, "engines/live.py": 5, "measure/footprint.py": 1, "engines/fsdp2/live.py": 3,
+    "integration/trials.py": 1, "engines/ddp/live.py": 5, "engines/ddp/replay.py": 2, "measure/footprint.py": 1, "engines/fsdp2/live.py": 3,
     "engines/gloo_staging.py": 2, "measure/peak_tensors.py": 4, "measure/peak_watch.py": 1,
     "measure/rng_states.py": 1, "measure/saved_tensors.py": 1, "measure/storage.py": 2, "measure/tracker.py": 8, "measure/unperturbed.py": 8,
     "planning/lengths.py": 1, "reporting/allocator_history.py": 4, "reporting/oom.py": 2, "reporting/sinks.py": 2,
     "testing/truth.py": 2,
     # the CUDA replay (issue #32) calls torch's own CUDA ops, dispatcher and GradScaler internals: to move
     # into compat/ with probes (torch 2.13's names, checked by their modules' contract tests today)
-    "estimation/cuda_autocast.py": 11, "estimation/cuda_device.py": 2, "estimation/cuda_kernels.py": 5,
+    "estimation/cuda_autocast.py": 11, "estimation/cuda_kernels.py": 5,
     "estimation/cuda_libs.py": 1, "estimation/cuda_optim.py": 5, "estimation/cuda_sdpa.py": 4,
 }  # 139 in 41 modules (issue #33: 115 in 36 before compat/ took the first; +28 in the 6 CUDA replay modules, +1 rng_states)
 
@@ -264,3 +264,68 @@ def test_the_readme_is_short_above_its_reference_part_and_states_the_gpu_status(
     assert any("No GPU has verified" in line for line in lines[:20])
     for name in re.findall(r"\(docs/([\w-]+\.md)\)", "\n".join(lines[:reference])):
         assert (ROOT / "docs" / name).is_file(), name
+
+
+# -- engines: one folder each, no engine named outside hf_memwatch/engines/ (issue #34) ------------
+# An engine's names (``Engine.kind``, ``Engine.shard``, accelerate's ``distributed_type``) and the settings
+# only an engine has: outside engines/, a module asks the registry (engines/registry.py), never checks one.
+ENGINE_NAMES = {"deepspeed", "fsdp", "fsdp1", "fsdp2", "ddp", "zero", "zero1", "zero2", "zero3", "zero++", "mics",
+                "multi_gpu", "multi_cpu"}
+ENGINE_SETTINGS = {"zero_stage", "fsdp_version", "fsdp_strategy", "fsdp_wrap", "fsdp_cpu_offload", "offload_optimizer",
+                   "offload_param", "engine_optimizer", "cpu_optimizer", "reduce_bucket_size", "allgather_bucket_size",
+                   "prefetch_bucket_size", "max_live_parameters", "param_persistence_threshold", "max_reuse_distance",
+                   "is_deepspeed_enabled", "is_fsdp_enabled", "is_fsdp2", "deepspeed_plugin", "fsdp_plugin",
+                   "distributed_type", "ds_tensor"}
+# Not an engine check: the name of a package (the ``deepspeed`` extra, its verified versions, its compat home).
+ENGINE_NAME_EXCEPTIONS = {("core/extras.py", "deepspeed"), ("compat/versions.py", "deepspeed"),
+                          ("compat/deepspeed.py", "deepspeed")}
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                found.add(id(first.value))
+    return found
+
+
+def engine_checks(source: str, name: str = "") -> list[str]:
+    """What in ``source`` names an engine: a string that is an engine's name (docstrings aside), an
+    engine-only setting read (``x.zero_stage``, ``getattr(x, "fsdp_plugin")``)."""
+    tree = ast.parse(source)
+    docstrings = _docstrings(tree)
+    found = []
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
+                and node.value.lower() in ENGINE_NAMES and (name, node.value.lower()) not in ENGINE_NAME_EXCEPTIONS):
+            found.append(f"{node.lineno}: {node.value!r}")
+        elif isinstance(node, ast.Attribute) and node.attr in ENGINE_SETTINGS:
+            found.append(f"{node.lineno}: .{node.attr}")
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr")
+              and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and node.args[1].value in ENGINE_SETTINGS):
+            found.append(f"{node.lineno}: {node.func.id}(..., {node.args[1].value!r})")
+    return found
+
+
+def test_no_engine_is_named_outside_the_engines_package() -> None:
+    """Adding an engine is one folder and one registry line: no module of the library but engines/ (the
+    suite's oracles in testing/ aside) checks an engine's kind or reads an engine's own settings."""
+    found = {}
+    for path in _modules():
+        name = path.relative_to(PACKAGE).as_posix()
+        if name.startswith(("engines/", "testing/")):
+            continue
+        if checks := engine_checks(path.read_text(), name):
+            found[name] = checks
+    assert found == {}, f"engine checks outside hf_memwatch/engines/ (ask engines/registry.py): {found}"
+
+
+def test_the_engine_check_sees_a_new_one() -> None:
+    source = ('"""FSDP or ddp in a docstring is prose."""\n'
+              'def f(run, engine, args):\n    """Not "fsdp" here."""\n'
+              '    if engine.kind == "fsdp" and run.shard.startswith("zero"):\n'
+              '        return engine.zero_stage, getattr(args, "fsdp_plugin", None)\n'
+              '    return run.shard != "none"\n')
+    assert engine_checks(source) == ["4: 'fsdp'", "4: 'zero'", "5: .zero_stage", "5: getattr(..., 'fsdp_plugin')"]

@@ -7,9 +7,10 @@ before it imports anything heavy (a bad flag answers in ~0.2 s, not after second
 
 from __future__ import annotations
 
+from ..engines.engine import SHARDS  # noqa: F401 - what a rank holds: the engines' names
+
 TASKS = ("causal-lm", "seq-cls", "masked-lm", "seq2seq")
 PRECISIONS = ("fp32", "bf16", "fp16")
-SHARDS = ("none", "zero1", "zero2", "zero3", "fsdp")
 DEVICES = ("cpu", "cuda")
 QUANT_TYPES = ("nf4", "fp4")  # bnb_4bit_quant_type
 COMPUTE_DTYPE_NAMES = ("fp32", "bf16", "fp16")  # bnb_4bit_compute_dtype

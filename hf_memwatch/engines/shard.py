@@ -20,7 +20,7 @@ Activations and temporaries are per-rank already (each rank runs its own micro-b
 
 Given the :class:`~hf_memwatch.engines.engine.Engine` DeepSpeed runs (its JSON read by ``RunConfig``),
 :func:`engine_classes` adds what the engine itself holds, measured on 2 gloo ranks (test GPT-2,
-590,336 fp32 parameters, buckets of 100,000 elements; ``tests/test_deepspeed_zero.py``):
+590,336 fp32 parameters, buckets of 100,000 elements; ``tests/engines/test_deepspeed_zero.py``):
 
 - the fp32 master partition, also in fp32 training (``single_partition_of_fp32_groups`` /
   ``fp32_partitioned_groups_flat``, a copy of the rank's share: 1,180,672 B per rank, counted with

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from ..engines.engine import engine_backward_detached
 from ..measure.held_models import held_models
 
 SCAN_ITEMS = 4096  # map-style datasets: items whose lengths are compared for the worst case
@@ -127,12 +128,6 @@ def _autograd_backward(loss: Any, **kwargs: Any) -> None:
     kwargs.pop("sync_gradients", None)
     kwargs.pop("learning_rate", None)
     loss.backward(**kwargs)
-
-
-def engine_backward_detached(accelerator: Any) -> bool:
-    """Whether ``accelerator.backward`` would call an engine the replay must not touch (DeepSpeed's)."""
-    kind = str(getattr(getattr(accelerator, "distributed_type", None), "value", "") or "").upper()
-    return kind == "DEEPSPEED"
 
 
 class TrainerStateGuard:

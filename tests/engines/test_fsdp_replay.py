@@ -1,4 +1,4 @@
-"""The FSDP2 replay of the estimator (``hf_memwatch/estimation/fsdp_replay.py``) against torch's own
+"""The FSDP2 replay of the estimator (``hf_memwatch/engines/fsdp2/replay.py``) against torch's own
 ``fully_shard``, run for real on the same model in this process under a fake process group of world
 size 2 (``torch.testing._internal.distributed.fake_pg``: FSDP2's real code allocates and frees as on
 a rank; the collectives move no data and, unlike gloo, make no copies of their own). The truth is

@@ -1,6 +1,6 @@
-"""ZeRO-1/2's gradient flow in the replay (estimation/zero_backward.py), without a launch: the partition
+"""ZeRO-1/2's gradient flow in the replay (engines/zero/backward.py), without a launch: the partition
 against DeepSpeed's own rule, and the buffers the replayed backward holds at its high. The figures
-against measured runs are in tests/test_deepspeed_zero.py (the ZeRO module fixture)."""
+against measured runs are in tests/engines/test_deepspeed_zero.py (the ZeRO module fixture)."""
 
 from __future__ import annotations
 

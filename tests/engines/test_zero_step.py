@@ -1,4 +1,4 @@
-"""The optimizer step DeepSpeed ZeRO runs (estimation/zero_step.py) against the real optimizer on real
+"""The optimizer step DeepSpeed ZeRO runs (engines/zero/step.py) against the real optimizer on real
 flat partitions, measured with the profiler (issue 19: 8-bit AdamW under ZeRO)."""
 
 from __future__ import annotations

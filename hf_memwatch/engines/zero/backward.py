@@ -14,7 +14,7 @@ into them), the bucket and the buffer's name are released and every ``.grad`` se
 So a micro-step after the first holds, at its backward's high, the kept partition of the earlier
 micro-steps *and* the new ``grads_in_partition`` once the first bucket was reduced *and* the bucket
 — measured on 2 gloo ranks (test GPT-2, 590,336 fp32 parameters, buckets of 100,000 elements, 4 x
-2 with checkpointing, ``tests/test_deepspeed_zero.py``): two 1,305,600 B buffers (326,400 elements:
+2 with checkpointing, ``tests/engines/test_deepspeed_zero.py``): two 1,305,600 B buffers (326,400 elements:
 rank 0's parameters overlapping its partition) and the 400,000 B bucket live in the second
 micro-step's backward, where dividing the single-process gradients by 2 counted 1,180,672 B. When
 the high is at the backward's start (no checkpointing: the loss's gradients), the new buffer does
@@ -223,7 +223,7 @@ class ZeroGradientFlow:
         for param in self.params:
             param.grad = None
         # The replayed micro-step is the step's last: DeepSpeed flattens the kept partition for its
-        # optimizer step (estimation/zero_step.py counts both there) and frees it.
+        # optimizer step (engines/zero/step.py counts both there) and frees it.
         self.accumulated = None
 
 

@@ -13,7 +13,7 @@ per-parameter step the single-process replay runs:
   partition (5 x 4 B per element at its high), where the per-parameter step's high was the largest
   parameter's.
 
-Measured on 2 gloo ranks (test GPT-2, 590,336 fp32 parameters; ``tests/test_deepspeed_zero.py``): the
+Measured on 2 gloo ranks (test GPT-2, 590,336 fp32 parameters; ``tests/engines/test_deepspeed_zero.py``): the
 8-bit states of the two partitions (293,376 and 1,792 elements) 612,304 B, exactly what
 :func:`flat_step` counts; the planned ZeRO-2 step peaked at 12.5 MB where the per-parameter step
 predicted 8.5 MB.
