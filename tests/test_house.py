@@ -155,7 +155,7 @@ PRIVATE_ACCESS_ALLOWED = {
     "estimation/step.py": 1, "estimation/trainer_mirror.py": 2, "estimation/trainer_replay.py": 5,
     "estimation/trl_replay.py": 4, "engines/zero/backward.py": 2, "engines/zero/step.py": 2,
     "integration/compiled.py": 3, "integration/measured.py": 3, "integration/options.py": 1,
-    "integration/trials.py": 1, "engines/ddp/live.py": 5, "engines/ddp/replay.py": 2, "measure/footprint.py": 1, "engines/fsdp2/live.py": 3,
+    "integration/trials.py": 1, "engines/ddp/live.py": 2, "measure/footprint.py": 1, "engines/fsdp2/live.py": 3,
     "engines/gloo_staging.py": 2, "measure/peak_tensors.py": 4, "measure/peak_watch.py": 1,
     "measure/rng_states.py": 1, "measure/saved_tensors.py": 1, "measure/storage.py": 2, "measure/tracker.py": 8, "measure/unperturbed.py": 8,
     "planning/lengths.py": 1, "reporting/allocator_history.py": 4, "reporting/oom.py": 2, "reporting/sinks.py": 2,

@@ -16,6 +16,7 @@ Layout (each engine owns its live measurement, its replay rules, its advice; ``t
 ``ddp/``            ``rules``, ``live`` (the reducer's buckets on a rank), ``replay`` (its CUDA blocks)
 ``zero/``           ``rules``, ``live`` (the partitions), ``backward``, ``step``, ``gather`` (the replay),
                     ``advice`` (ZeRO stage, offload, bucket; DDP's: ZeRO-1)
+``fsdp1/``          ``rules`` (accelerate's ``fsdp_version: 1``: the full-shard division, measured)
 ``fsdp2/``          ``rules``, ``live`` (shards, gathered units, buffers), ``replay`` over ``units``
 ==================  ==========================================================================
 

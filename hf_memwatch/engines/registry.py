@@ -7,7 +7,7 @@ the planner's advice), and each engine answers for its own runs only.
 
 Example:
     >>> [rules.name for rules in ENGINES]
-    ['ddp', 'zero', 'fsdp2', 'single']
+    ['ddp', 'zero', 'fsdp1', 'fsdp2', 'single']
     >>> rules_for("zero3", 2).name, rules_for("none", 2).name, rules_for("none", 1).name
     ('zero', 'ddp', 'single')
 """
@@ -24,6 +24,7 @@ from ..core.units import format_bytes
 from ..measure.held_models import HeldModels, held_models
 from ..measure.monitor import StepMonitor
 from .ddp.rules import DdpRules
+from .fsdp1.rules import Fsdp1Rules
 from .fsdp2.rules import Fsdp2Rules
 from .rules import EngineRules
 from .zero.rules import ZeroRules
@@ -31,14 +32,16 @@ from .zero.rules import ZeroRules
 ENGINES: tuple[EngineRules, ...] = (
     DdpRules(),
     ZeroRules(),
+    Fsdp1Rules(),
     Fsdp2Rules(),
     EngineRules(),  # one process: nothing beside the model
 )
 
 
-def rules_for(shard: str, world_size: int) -> EngineRules:
-    """The rules of the engine whose rank holds ``shard`` over ``world_size`` ranks (one process's: last)."""
-    return next((rules for rules in ENGINES[:-1] if rules.answers(shard, world_size)), ENGINES[-1])
+def rules_for(shard: str, world_size: int, engine: Any = None) -> EngineRules:
+    """The rules of the engine whose rank holds ``shard`` over ``world_size`` ranks under ``engine`` (the
+    run's :class:`~hf_memwatch.engines.engine.Engine`, None: plain values); one process's: the last."""
+    return next((rules for rules in ENGINES[:-1] if rules.answers(shard, world_size, engine)), ENGINES[-1])
 
 
 # -- the CLI ---------------------------------------------------------------------------------------

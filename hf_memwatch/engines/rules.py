@@ -25,8 +25,9 @@ class EngineRules:
     name = "single"
     shards: tuple[str, ...] = ()  # the ``shard`` names (estimate, CLI) whose ranks this engine's rules divide
 
-    def answers(self, shard: str, world_size: int) -> bool:
-        """Whether a rank of ``shard`` over ``world_size`` ranks holds what this engine holds."""
+    def answers(self, shard: str, world_size: int, engine: Any = None) -> bool:
+        """Whether a rank of ``shard`` over ``world_size`` ranks (under ``engine``, where the run has one)
+        holds what this engine holds."""
         return shard in self.shards
 
     # -- the CLI ---------------------------------------------------------------------------------

@@ -251,7 +251,7 @@ def _replay_step(model: torch.nn.Module, fake_mode: Any, request: EstimateReques
     recording = recording_allocations() if request.device == "cuda" else contextlib.nullcontext([])
     engine = _engine_of(request, trainer)
     # what the rank holds while the step runs (FSDP2's shards and gathers, ZeRO-1/2's buckets): its engine's
-    flow = rules_for(request.shard, request.world_size).flow(model, engine, trainer, request)
+    flow = rules_for(request.shard, request.world_size, engine).flow(model, engine, trainer, request)
     try:
         with guard, recording as traces, flow:
             simulation = worst_branch(lambda branch_notes: _simulate(model, fake_mode, request, inputs, branch_notes),
@@ -313,7 +313,7 @@ def _result(model: torch.nn.Module, fake_mode: Any, request: EstimateRequest, in
                      "a floor under the step's peak")
     engine = _engine_of(request, inputs.trainer)
     shard, world_size, device = request.shard, request.world_size, request.device
-    rules = rules_for(shard, world_size)  # the rank's share, what its engine holds beside (engines/registry.py)
+    rules = rules_for(shard, world_size, engine)  # the rank's share, what its engine holds beside (engines/registry.py)
     per_phase = rules.rank_classes(simulation.phase_classes, model, engine, request, notes)
     phase_peaks = {phase: sum(classes.values()) for phase, classes in per_phase.items()}
     peak_phase = max(phase_peaks, key=lambda p: phase_peaks[p])

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from ...compat.ddp import ddp_logging_data, has_rebuilt_buckets
 from ...core.categories import STEP_BEGIN
 from ...measure.monitor import StepMonitor
 from ...measure.ranks import is_distributed
@@ -47,7 +48,7 @@ def ddp_bucket_sizes(ddp: torch.nn.parallel.DistributedDataParallel) -> list[int
     After the first iteration the reducer may rebuild its buckets in gradient-ready order; the
     rebuilt sizes then replace the initial ones.
     """
-    data = ddp._get_ddp_logging_data()
+    data = ddp_logging_data(ddp)
     sizes = data.get("rebuilt_bucket_sizes") or data.get("bucket_sizes") or ""
     return [int(s) for s in str(sizes).split(",") if s.strip()]
 
@@ -184,6 +185,6 @@ def rebuilt_sizes_unlogged(ddp: torch.nn.parallel.DistributedDataParallel) -> bo
     ``_pre_forward`` updates the logging data (synchronized forwards only) *before* it rebuilds, so
     from the rebuild to the next synchronized forward the sizes read are those of freed buckets.
     """
-    if not getattr(ddp, "_has_rebuilt_buckets", False):
+    if not has_rebuilt_buckets(ddp):
         return False
-    return not ddp._get_ddp_logging_data().get("rebuilt_bucket_sizes")
+    return not ddp_logging_data(ddp).get("rebuilt_bucket_sizes")

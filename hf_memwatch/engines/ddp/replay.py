@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ...compat.ddp import bucket_assignment
 from ...estimation.cuda_device import MiB
 
 
@@ -46,9 +47,10 @@ def ddp_bucket_bytes(model: Any, bucket_cap_mb: float | None = None) -> list[int
     if not params:
         return []
     cap = int((25 if bucket_cap_mb is None else bucket_cap_mb) * MiB)
-    first = dist._DEFAULT_FIRST_BUCKET_BYTES if bucket_cap_mb is None else cap
     ready = params[::-1]
-    buckets, _ = dist._compute_bucket_assignment_by_size(ready, [first, cap], [False] * len(ready))
+    buckets = bucket_assignment(ready, None if bucket_cap_mb is None else cap, cap)
+    if buckets is None:
+        return []
     return [sum(ready[i].numel() * ready[i].element_size() for i in bucket) for bucket in buckets]
 
 

@@ -24,7 +24,7 @@ class DdpRules(EngineRules):
 
     name = "ddp"
 
-    def answers(self, shard: str, world_size: int) -> bool:
+    def answers(self, shard: str, world_size: int, engine: Any = None) -> bool:
         return shard == "none" and world_size > 1
 
     def contributor(self, trainer: Any, wrapped: Any) -> Any:
