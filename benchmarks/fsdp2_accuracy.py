@@ -91,7 +91,7 @@ def dataset(n: int, seq_len: int):
 def rule_peak(trainer) -> int:
     """The prediction of the rule used before the replay (``shard_classes``' "fsdp": states, gradients and
     weights / N + 2 x the largest layer): an engine of another layout than the request's leaves the rule alone."""
-    from hf_memwatch.core.engine import Engine
+    from hf_memwatch.engines.engine import Engine
     from hf_memwatch.estimation import estimate
 
     return estimate(trainer, engine=Engine(kind="ddp", world_size=2), shard="fsdp", world_size=2).peak_bytes

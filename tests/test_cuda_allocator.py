@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from hf_memwatch.core.gpus import GpuSpec, gpu_spec
+from hf_memwatch.engines.ddp.replay import ddp_bucket_bytes
 from hf_memwatch.estimation.cuda_allocator import (
     AllocatorConfig,
     AllocatorOOM,
@@ -21,7 +22,6 @@ from hf_memwatch.estimation.cuda_allocator import (
 from hf_memwatch.estimation.cuda_device import (
     PUBLISHED_CONTEXTS,
     cuda_step_reserve,
-    ddp_bucket_bytes,
     lazy_loading,
     nccl_buffer_bytes,
     predict_reserved,
@@ -411,7 +411,7 @@ def test_fsdp2_gets_its_ranks_reserve_and_zero_says_why_not(monkeypatch):
     reserve is not predicted, and the note says why."""
     from conftest import gpt2_model
 
-    from hf_memwatch.core.engine import Engine
+    from hf_memwatch.engines.engine import Engine
     from hf_memwatch.estimation import cuda_device
     from hf_memwatch.estimation.estimate import estimate
 

@@ -18,7 +18,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "hf_memwatch"
-FLOORS = {"compat": 0, "core": 0, "measure": 1, "estimation": 2, "planning": 3, "reporting": 4, "integration": 4, "cli": 4}
+FLOORS = {"compat": 0, "core": 0, "measure": 1, "estimation": 2, "planning": 3, "reporting": 4, "integration": 4, "cli": 4,
+          "engines": 2}
+# engines/ spans the floors (its package doc): a module serves one layer and sits on that layer's floor, read
+# off its name; every other module of engines/ (the replay rules, the registry) is on estimation's floor.
+ENGINE_FLOORS = {"engine": 0, "gloo_staging": 1, "live": 1}
 LONGEST_MODULE, LONGEST_FUNCTION, MOST_PARAMETERS = 500, 80, 12
 PARAMETER_EXCEPTIONS = {("estimation/estimate.py", "estimate")}
 
@@ -51,7 +55,36 @@ def imported_subpackages(source: str, own: str | None) -> set[str]:
 
 def upward(own: str, targets: set[str]) -> list[str]:
     """The subpackages in ``targets`` a module of ``own`` must not import."""
-    return sorted(t for t in targets if t == "testing" or FLOORS.get(t, -1) > FLOORS[own])
+    return sorted(t for t in targets if t == "testing" or floor(t) > floor(own))
+
+
+def floor(module: str) -> int:
+    """The floor of a subpackage (``estimation``) or of a module (``engines.zero.step``)."""
+    parts = module.split(".")
+    if parts[0] == "engines" and len(parts) > 1:
+        return ENGINE_FLOORS.get(parts[-1], FLOORS["engines"])
+    return FLOORS.get(parts[0], -1)
+
+
+def imported_modules(source: str, own: str) -> set[str]:
+    """The modules of hf_memwatch (dotted below it: ``engines.zero.step``) that module ``own`` imports,
+    at any depth; a name imported from a package counts as its submodule where one of that name exists."""
+    found: set[str] = set()
+    package = own.split(".")[:-1]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[:len(package) - node.level + 1] + (node.module.split(".") if node.module else [])
+            elif (node.module or "").startswith("hf_memwatch."):
+                base = node.module.split(".")[1:]
+            else:
+                continue
+            subs = [".".join((*base, a.name)) for a in node.names
+                    if (PACKAGE.joinpath(*base, f"{a.name}.py")).is_file() or PACKAGE.joinpath(*base, a.name).is_dir()]
+            found.update(subs or [".".join(base)])
+        elif isinstance(node, ast.Import):
+            found.update(".".join(a.name.split(".")[1:]) for a in node.names if a.name.startswith("hf_memwatch."))
+    return {name for name in found if name}
 
 
 def upward_imports() -> list[str]:
@@ -59,8 +92,10 @@ def upward_imports() -> list[str]:
     for path in _modules():
         own = _subpackage(path)
         if own in FLOORS:
+            name = ".".join(path.relative_to(PACKAGE).with_suffix("").parts)
             bad.extend(f"{path.relative_to(PACKAGE)} imports {target}"
-                       for target in upward(own, imported_subpackages(path.read_text(), own)))
+                       for target in sorted(imported_modules(path.read_text(), name))
+                       if target.split(".")[0] == "testing" or floor(target) > floor(name))
     return bad
 
 
@@ -104,8 +139,9 @@ def test_modules_and_functions_stay_small() -> None:
 def test_the_readme_layout_table_names_every_module(subpackage: str) -> None:
     row = next(line for line in (ROOT / "README.md").read_text().splitlines()
                if line.startswith(f"| `{subpackage}/` |"))
-    named = set(re.findall(r"`(\w+)`", row.split("|", 2)[2]))
-    modules = {p.stem for p in (PACKAGE / subpackage).glob("*.py") if p.stem not in ("__init__", "__main__")}
+    named = set(re.findall(r"`([\w/]+)`", row.split("|", 2)[2]))
+    modules = {p.relative_to(PACKAGE / subpackage).with_suffix("").as_posix()
+               for p in (PACKAGE / subpackage).rglob("*.py") if p.stem not in ("__init__", "__main__")}
     assert modules - named == set(), f"modules the README's layout table does not name: {sorted(modules - named)}"
 
 
@@ -114,19 +150,19 @@ def test_the_readme_layout_table_names_every_module(subpackage: str) -> None:
 # shrinks it (lower a count when you move one; a new private access outside compat/ fails the test).
 PRIVATE_ACCESS_ALLOWED = {
     "estimation/classify.py": 1, "estimation/estimate.py": 5, "estimation/fake_dispatch.py": 8,
-    "estimation/fsdp_replay.py": 6, "estimation/fsdp_units.py": 2, "estimation/generation.py": 3,
+    "engines/fsdp2/replay.py": 6, "engines/fsdp2/units.py": 2, "estimation/generation.py": 3,
     "estimation/kernel_workspaces.py": 10, "estimation/layers.py": 3, "estimation/optim.py": 2,
     "estimation/step.py": 1, "estimation/trainer_mirror.py": 2, "estimation/trainer_replay.py": 5,
-    "estimation/trl_replay.py": 4, "estimation/zero_backward.py": 2, "estimation/zero_step.py": 2,
+    "estimation/trl_replay.py": 4, "engines/zero/backward.py": 2, "engines/zero/step.py": 2,
     "integration/compiled.py": 3, "integration/measured.py": 3, "integration/options.py": 1,
-    "integration/trials.py": 1, "measure/distributed.py": 5, "measure/footprint.py": 1, "measure/fsdp2.py": 3,
-    "measure/gloo_staging.py": 2, "measure/peak_tensors.py": 4, "measure/peak_watch.py": 1,
+    "integration/trials.py": 1, "engines/ddp/live.py": 2, "measure/footprint.py": 1, "engines/fsdp2/live.py": 3,
+    "engines/gloo_staging.py": 2, "measure/peak_tensors.py": 4, "measure/peak_watch.py": 1,
     "measure/rng_states.py": 1, "measure/saved_tensors.py": 1, "measure/storage.py": 2, "measure/tracker.py": 8, "measure/unperturbed.py": 8,
     "planning/lengths.py": 1, "reporting/allocator_history.py": 4, "reporting/oom.py": 2, "reporting/sinks.py": 2,
     "testing/truth.py": 2,
     # the CUDA replay (issue #32) calls torch's own CUDA ops, dispatcher and GradScaler internals: to move
     # into compat/ with probes (torch 2.13's names, checked by their modules' contract tests today)
-    "estimation/cuda_autocast.py": 11, "estimation/cuda_device.py": 2, "estimation/cuda_kernels.py": 5,
+    "estimation/cuda_autocast.py": 11, "estimation/cuda_kernels.py": 5,
     "estimation/cuda_libs.py": 1, "estimation/cuda_optim.py": 5, "estimation/cuda_sdpa.py": 4,
 }  # 139 in 41 modules (issue #33: 115 in 36 before compat/ took the first; +28 in the 6 CUDA replay modules, +1 rng_states)
 
@@ -228,3 +264,68 @@ def test_the_readme_is_short_above_its_reference_part_and_states_the_gpu_status(
     assert any("No GPU has verified" in line for line in lines[:20])
     for name in re.findall(r"\(docs/([\w-]+\.md)\)", "\n".join(lines[:reference])):
         assert (ROOT / "docs" / name).is_file(), name
+
+
+# -- engines: one folder each, no engine named outside hf_memwatch/engines/ (issue #34) ------------
+# An engine's names (``Engine.kind``, ``Engine.shard``, accelerate's ``distributed_type``) and the settings
+# only an engine has: outside engines/, a module asks the registry (engines/registry.py), never checks one.
+ENGINE_NAMES = {"deepspeed", "fsdp", "fsdp1", "fsdp2", "ddp", "zero", "zero1", "zero2", "zero3", "zero++", "mics",
+                "multi_gpu", "multi_cpu"}
+ENGINE_SETTINGS = {"zero_stage", "fsdp_version", "fsdp_strategy", "fsdp_wrap", "fsdp_cpu_offload", "offload_optimizer",
+                   "offload_param", "engine_optimizer", "cpu_optimizer", "reduce_bucket_size", "allgather_bucket_size",
+                   "prefetch_bucket_size", "max_live_parameters", "param_persistence_threshold", "max_reuse_distance",
+                   "is_deepspeed_enabled", "is_fsdp_enabled", "is_fsdp2", "deepspeed_plugin", "fsdp_plugin",
+                   "distributed_type", "ds_tensor"}
+# Not an engine check: the name of a package (the ``deepspeed`` extra, its verified versions, its compat home).
+ENGINE_NAME_EXCEPTIONS = {("core/extras.py", "deepspeed"), ("compat/versions.py", "deepspeed"),
+                          ("compat/deepspeed.py", "deepspeed")}
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                found.add(id(first.value))
+    return found
+
+
+def engine_checks(source: str, name: str = "") -> list[str]:
+    """What in ``source`` names an engine: a string that is an engine's name (docstrings aside), an
+    engine-only setting read (``x.zero_stage``, ``getattr(x, "fsdp_plugin")``)."""
+    tree = ast.parse(source)
+    docstrings = _docstrings(tree)
+    found = []
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
+                and node.value.lower() in ENGINE_NAMES and (name, node.value.lower()) not in ENGINE_NAME_EXCEPTIONS):
+            found.append(f"{node.lineno}: {node.value!r}")
+        elif isinstance(node, ast.Attribute) and node.attr in ENGINE_SETTINGS:
+            found.append(f"{node.lineno}: .{node.attr}")
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr")
+              and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and node.args[1].value in ENGINE_SETTINGS):
+            found.append(f"{node.lineno}: {node.func.id}(..., {node.args[1].value!r})")
+    return found
+
+
+def test_no_engine_is_named_outside_the_engines_package() -> None:
+    """Adding an engine is one folder and one registry line: no module of the library but engines/ (the
+    suite's oracles in testing/ aside) checks an engine's kind or reads an engine's own settings."""
+    found = {}
+    for path in _modules():
+        name = path.relative_to(PACKAGE).as_posix()
+        if name.startswith(("engines/", "testing/")):
+            continue
+        if checks := engine_checks(path.read_text(), name):
+            found[name] = checks
+    assert found == {}, f"engine checks outside hf_memwatch/engines/ (ask engines/registry.py): {found}"
+
+
+def test_the_engine_check_sees_a_new_one() -> None:
+    source = ('"""FSDP or ddp in a docstring is prose."""\n'
+              'def f(run, engine, args):\n    """Not "fsdp" here."""\n'
+              '    if engine.kind == "fsdp" and run.shard.startswith("zero"):\n'
+              '        return engine.zero_stage, getattr(args, "fsdp_plugin", None)\n'
+              '    return run.shard != "none"\n')
+    assert engine_checks(source) == ["4: 'fsdp'", "4: 'zero'", "5: .zero_stage", "5: getattr(..., 'fsdp_plugin')"]

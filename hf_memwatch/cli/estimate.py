@@ -243,52 +243,15 @@ def checkpointing_of(args: argparse.Namespace) -> bool:
 def _run_config(args: argparse.Namespace) -> RunConfig:
     """The command's configuration as the planning core's :class:`RunConfig`."""
     from ..core.run_config import RunConfig
+    from ..engines.registry import engine_of_options
 
     return RunConfig(
         micro_batch_size=args.batch_size, gradient_accumulation_steps=args.accum, checkpointing=checkpointing_of(args),
         optim=args.optim or _default_optim(args.device), precision=args.precision, device=args.device,
         world_size=args.world_size,
         shard=args.shard, seq_len=args.seq_len, task=args.task, seq2seq_target_len=args.target_len,
-        engine=deepspeed_engine(args) or fsdp_engine(args),
+        engine=engine_of_options(args),
     )
-
-
-def fsdp_engine(args: argparse.Namespace) -> Any:
-    """``--shard fsdp``: FSDP2 as accelerate builds it by default (full shard, the model's
-    ``_no_split_modules`` wrapped), replayed by the estimator as the auto mode's prediction is
-    (``estimation/fsdp_replay.py``); None for other shards."""
-    if args.shard != "fsdp" or int(args.world_size) < 2:
-        return None
-    from ..core.engine import Engine
-
-    return Engine(kind="fsdp", world_size=int(args.world_size), fsdp_version=2, fsdp_strategy="FULL_SHARD")
-
-
-def deepspeed_engine(args: argparse.Namespace) -> Any:
-    """The DeepSpeed engine ``--shard zero1/2/3`` with ``--offload`` and the bucket flags describe
-    (the JSON the auto mode reads, built from the flags; None for other shards)."""
-    if not str(args.shard).startswith("zero") or int(args.world_size) < 2:
-        if getattr(args, "offload", "none") != "none":
-            raise MemWatchConfigError("--offload needs --shard zero1/zero2/zero3 and --world-size >= 2")
-        return None
-    from ..core.engine import engine_from_deepspeed_config
-
-    zero: dict[str, Any] = {"stage": int(args.shard[-1])}
-    for flag, key in (("reduce_bucket_size", "reduce_bucket_size"), ("prefetch_bucket_size", "stage3_prefetch_bucket_size"),
-                      ("max_live_parameters", "stage3_max_live_parameters"),
-                      ("max_reuse_distance", "stage3_max_reuse_distance")):
-        value = getattr(args, flag, None)
-        if value is not None:
-            if value < 0:
-                raise MemWatchConfigError(f"--{flag.replace('_', '-')} must be >= 0; got {value}")
-            zero[key] = int(value)
-    if args.offload == "params" and zero["stage"] != 3:
-        raise MemWatchConfigError("--offload params needs --shard zero3 (DeepSpeed offloads parameters in ZeRO-3 only)")
-    if args.offload in ("optimizer", "params"):
-        zero["offload_optimizer"] = {"device": "cpu"}
-    if args.offload == "params":
-        zero["offload_param"] = {"device": "cpu"}
-    return engine_from_deepspeed_config({"zero_optimization": zero}, int(args.world_size))
 
 
 def planning_request(args: argparse.Namespace, budget: int, given: Any) -> PlanRequest:

@@ -1,7 +1,7 @@
 """DeepSpeed ZeRO's optimizer attributes that hold a rank's partitions, and their probe. Verified on
 DeepSpeed 0.19.8 (``runtime/zero/stage_1_and_2.py``, ``runtime/zero/stage3.py``).
 
-:mod:`hf_memwatch.measure.distributed` reads these attributes by name (``getattr(zero, name, None)``):
+:mod:`hf_memwatch.engines.zero.live` reads these attributes by name (``getattr(zero, name, None)``):
 renamed in a release, a partition would silently leave its class (counted as ``other``). The probe
 checks, once per optimizer class, that the class's module still assigns the attributes that hold the
 bulk of a rank's bytes (the flat 16-bit weights, the fp32 master partitions, the gradient partition);

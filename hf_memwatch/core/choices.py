@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import os
 
+from ..engines.engine import SHARDS  # noqa: F401 - what a rank holds: the engines' names
 from .errors import MemWatchConfigError
 
 TASKS = ("causal-lm", "seq-cls", "masked-lm", "seq2seq")
 PRECISIONS = ("fp32", "bf16", "fp16")
-SHARDS = ("none", "zero1", "zero2", "zero3", "fsdp")
 DEVICES = ("cpu", "cuda")
 QUANT_TYPES = ("nf4", "fp4")  # bnb_4bit_quant_type
 COMPUTE_DTYPE_NAMES = ("fp32", "bf16", "fp16")  # bnb_4bit_compute_dtype

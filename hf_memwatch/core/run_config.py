@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .engine import Engine, engine_of
+from ..engines.engine import Engine, engine_of
 from .errors import MemWatchConfigError
 
 
@@ -69,7 +69,7 @@ class RunConfig:
     micro_batch_fixed: str | None = None
     # share of the predicted peak the optimizer states take (None: not predicted yet)
     optimizer_state_share: float | None = None
-    # the engine as accelerate builds it (core/engine.py); None: given by plain values (world_size, shard)
+    # the engine as accelerate builds it (engines/engine.py); None: given by plain values (world_size, shard)
     engine: Engine | None = None
 
     def __post_init__(self) -> None:
@@ -101,7 +101,7 @@ class RunConfig:
         )
         if self.seq_len is not None:
             kwargs["seq_len"] = self.seq_len
-        if self.engine is not None and self.engine.kind in ("deepspeed", "fsdp"):
+        if self.engine is not None and self.engine.own_buffers:
             kwargs["engine"] = self.engine
         return kwargs
 
@@ -221,5 +221,5 @@ def checkpointing_unavailable_reason(model: Any) -> str | None:
 
 def shard_of(args: Any) -> str:
     """``zero1``/``zero2``/``zero3`` under DeepSpeed, ``fsdp`` under FSDP, else ``none``: the engine
-    the arguments select by accelerate's rules (``fsdp=`` on CPU ranks is DDP; see ``core/engine.py``)."""
+    the arguments select by accelerate's rules (``fsdp=`` on CPU ranks is DDP; see ``engines/engine.py``)."""
     return engine_of(args).shard

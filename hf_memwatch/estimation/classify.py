@@ -35,8 +35,8 @@ def classify(snapshot: tuple[dict[int, Any], set[int]], live_now: dict[int, Any]
     the one live now (``gradients``/``states``: keys read now). Entries of ``named`` (key -> (ref,
     name)) are also added to ``details[class][name]`` when given. The eval replay gives ``outputs``
     (key -> ref) and no gradients, states or saved tensors. ``held`` (key -> ref): gradients an engine
-    holds outside ``.grad`` (:mod:`~hf_memwatch.estimation.zero_backward`), gradients while they live;
-    ``held_weights``: parameters it gathers (:mod:`~hf_memwatch.estimation.fsdp_replay`), weights while they live.
+    holds outside ``.grad`` (:mod:`~hf_memwatch.engines.zero.backward`), gradients while they live;
+    ``held_weights``: parameters it gathers (:mod:`~hf_memwatch.engines.fsdp2.replay`), weights while they live.
     """
     live, saved = snapshot
     classes = dict.fromkeys(names, 0)

@@ -50,7 +50,7 @@ allocator (the cuBLAS workspace lives in the caching allocator and is replayed t
 without its own entry gets the entry of its loading mode tied to no other card (noted).
 
 Sharded runs: the replayed sequence must be the rank's own. It is for FSDP2 where
-:func:`~hf_memwatch.estimation.fsdp_replay.fsdp_applies` (the fake step runs on the rank's shards,
+:func:`~hf_memwatch.engines.fsdp2.replay.fsdp_applies` (the fake step runs on the rank's shards,
 all-gathers, reshards and reduce-scatters, the optimizer on the shards: ``per_rank``). It is not for
 ZeRO-1/2/3 or FSDP1: their optimizer states and step (``zero_step.flat_step``), ZeRO-3's gathers
 and the division of weights and gradients are applied to the per-phase totals after the replay, so
@@ -168,53 +168,7 @@ def published_context(sm: int | None, lazy: bool, cuda: str | None = None) -> Pu
                                           tuple(int(part) for part in e.cuda.split("."))))
 
 
-DDP_BUCKET_KEY = "ddp_bucket"
-
-
-def ddp_bucket_bytes(model: Any, bucket_cap_mb: float | None = None) -> list[int]:
-    """DDP's gradient buckets on each rank from the second step on, in the order the Reducer allocates them.
-
-    torch 2.13's ``DistributedDataParallel`` (``_ddp_init_helper``, ``BucketCapacityConfig``) puts every
-    parameter in one bucket for the first step when neither ``static_graph`` nor
-    ``find_unused_parameters`` is set, then ``Reducer::rebuild_buckets`` (reducer.cpp) regroups them in
-    the order their gradients became ready, by ``compute_bucket_assignment_by_size`` with the limits
-    ``[first_bucket_bytes_cap, bucket_bytes_cap]`` (1 MiB then 25 MiB by default; ``bucket_cap_mb`` sets
-    both), one dtype per bucket, and ``initialize_buckets`` allocates one flat tensor per bucket: the
-    sum of its parameters' bytes. The ready order is taken as the reverse of ``_build_params_for_reducer``'s
-    (DDP's own approximation for its first buckets: "approximate the order in which their gradients
-    are produced"); the grouping is torch's own function, run on the model's parameters.
-
-    Example:
-        >>> model = torch.nn.Sequential(*(torch.nn.Linear(1024, 1024) for _ in range(3)))  # 4,100 KiB each
-        >>> [n >> 10 for n in ddp_bucket_bytes(model)]  # a bucket closes once past its cap: 1 MiB, then 25 MiB
-        [4100, 8200]
-    """
-    import torch.distributed as dist
-
-    if not dist.is_available():
-        return []
-    seen: set[int] = set()
-    params = []
-    for _, module in model.named_modules():
-        for _, param in module.named_parameters(recurse=False):
-            if param.requires_grad and id(param) not in seen:
-                seen.add(id(param))
-                params.append(param)
-    if not params:
-        return []
-    cap = int((25 if bucket_cap_mb is None else bucket_cap_mb) * MiB)
-    first = dist._DEFAULT_FIRST_BUCKET_BYTES if bucket_cap_mb is None else cap
-    ready = params[::-1]
-    buckets, _ = dist._compute_bucket_assignment_by_size(ready, [first, cap], [False] * len(ready))
-    return [sum(ready[i].numel() * ready[i].element_size() for i in bucket) for bucket in buckets]
-
-
-def ddp_resident(model: Any, world_size: int | None, shard: str | None, trainer: Any = None) -> list[int]:
-    """The rank's DDP buckets where the run is DDP (``shard`` none over 2+ ranks), else none; the cap
-    from the Trainer's ``ddp_bucket_cap_mb`` when set."""
-    if (world_size or 1) < 2 or shard not in (None, "none"):
-        return []
-    return ddp_bucket_bytes(model, getattr(getattr(trainer, "args", None), "ddp_bucket_cap_mb", None))
+DDP_BUCKET_KEY = "ddp_bucket"  # the key of a resident DDP bucket in the replayed sequence
 
 
 @dataclass(frozen=True)
@@ -327,7 +281,7 @@ def cuda_step_reserve(traces: Sequence[Sequence[tuple[object, int]]], *, peak: i
     the Trainer holds besides (resident: added as they are). ``gpu``: the target card (a GpuSpec);
     ``per_rank``: the recorded step is the rank's own under its sharding (FSDP2's replay);
     ``resident``: blocks the rank holds through the step besides the recorded ones (DDP's buckets,
-    :func:`ddp_bucket_bytes`), counted in ``peak`` already.
+    :func:`~hf_memwatch.engines.ddp.replay.ddp_bucket_bytes`), counted in ``peak`` already.
     """
     from ..measure.cuda_context import cuda_overheads
 

@@ -31,14 +31,14 @@ from ..core.errors import MemWatchConfigError, unknown_keywords
 from ..core.gpus import card_fits, gpu_record, target_gpu
 from ..core.run_config import RunConfig
 from ..core.units import format_bytes
+from ..engines.registry import rules_for
 from ..measure.attribution import weight_storages
 from ..measure.peak_tensors import PeakTensors
 from ..measure.tracker import recording_allocations
 from .branches import worst_branch
 from .cuda_autocast import policy_notes
-from .cuda_device import cuda_step_reserve, ddp_resident
+from .cuda_device import cuda_step_reserve
 from .fake_model import auto_class, count_params, fake_copy, fake_model, load_config, resolve_adapter
-from .fsdp_replay import fsdp_applies, fsdp_flow
 from .layers import AUTO_MIN_LAYERS, SHORT_DEPTHS, extrapolate, homogeneous_layers, truncated
 from .peft import LoraSpec
 from .quantized import QuantSpec
@@ -53,7 +53,6 @@ from .request import (
     check_choice,
     check_positive,
 )
-from .shard import engine_classes, shard_classes
 from .step import CUDA_BLOCK, LOGITS, LOGITS_FP32, StepInputs, StepSimulation, simulate_step
 from .trainer_replay import (
     TrainerStateGuard,
@@ -64,9 +63,6 @@ from .trainer_replay import (
 )
 from .trl_replay import TrainerReplay, dataloader_batch_size
 from .user_optimizer import with_user_optimizer
-from .zero3_gather import gloo_gather_staging
-from .zero_backward import flow_applies, zero_gradient_flow
-from .zero_step import zero_optimizer_step
 
 # Names other packages import from here (cli/estimate.py); the model builder, request: fake_model, request.
 __all__ = ["CLASS_NAMES", "DEVICES", "PRECISIONS", "SHARDS", "TASKS", "EstimateRequest", "MemoryEstimate",
@@ -254,9 +250,8 @@ def _replay_step(model: torch.nn.Module, fake_mode: Any, request: EstimateReques
         else contextlib.nullcontext()
     recording = recording_allocations() if request.device == "cuda" else contextlib.nullcontext([])
     engine = _engine_of(request, trainer)
-    # FSDP2's shards, all-gathers and reduce-scatters; ZeRO-1/2's buckets and partitions
-    flow = (fsdp_flow(model, engine, trainer, request.precision, request.device)
-            or zero_gradient_flow(model, engine, request.precision))
+    # what the rank holds while the step runs (FSDP2's shards and gathers, ZeRO-1/2's buckets): its engine's
+    flow = rules_for(request.shard, request.world_size, engine).flow(model, engine, trainer, request)
     try:
         with guard, recording as traces, flow:
             simulation = worst_branch(lambda branch_notes: _simulate(model, fake_mode, request, inputs, branch_notes),
@@ -317,18 +312,9 @@ def _result(model: torch.nn.Module, fake_mode: Any, request: EstimateRequest, in
         notes.append("forward and backward only (optimizer_step=False): no optimizer state or step, "
                      "a floor under the step's peak")
     engine = _engine_of(request, inputs.trainer)
-    shard, world_size, precision, device = request.shard, request.world_size, request.precision, request.device
-    flowed = flow_applies(engine, model, precision)  # the replay held ZeRO-1/2's gradients as the rank does
-    divided = "zero1" if flowed else shard
-    if fsdp_applies(engine, model, precision):  # the replay held the rank's shards and gathers (fsdp_replay.py)
-        per_phase = {phase: dict(classes) for phase, classes in simulation.phase_classes.items()}
-        notes.append(f"FSDP2 x {world_size}: the rank's shards, all-gathers, prefetch and reduce-scatters replayed")
-    else:
-        per_phase = {phase: engine_classes(shard_classes(classes, model, world_size, divided, notes, precision),
-                                           model, engine, notes, precision, device, flowed)[0]
-                     for phase, classes in simulation.phase_classes.items()}
-    per_phase = zero_optimizer_step(per_phase, model, engine, request.optim, device, notes)
-    per_phase = gloo_gather_staging(per_phase, model, engine, device, notes)
+    shard, world_size, device = request.shard, request.world_size, request.device
+    rules = rules_for(shard, world_size, engine)  # the rank's share, what its engine holds beside (engines/registry.py)
+    per_phase = rules.rank_classes(simulation.phase_classes, model, engine, request, notes)
     phase_peaks = {phase: sum(classes.values()) for phase, classes in per_phase.items()}
     peak_phase = max(phase_peaks, key=lambda p: phase_peaks[p])
     peak = phase_peaks[peak_phase]
@@ -338,8 +324,8 @@ def _result(model: torch.nn.Module, fake_mode: Any, request: EstimateRequest, in
         reserved_bytes, device_bytes, device_overheads = cuda_step_reserve(
             traces, peak=peak, extrapolated=any(note.startswith("depth extrapolated") for note in notes),
             world_size=world_size, shard=shard, held_bytes=sum(counts.frozen_models.values()), notes=notes,
-            gpu=request.gpu, per_rank=fsdp_applies(engine, model, precision),
-            resident=ddp_resident(model, world_size, shard, inputs.trainer))
+            gpu=request.gpu, per_rank=rules.per_rank(model, engine, request),
+            resident=rules.resident(model, request, inputs.trainer))
     evaluation = None
     if request.eval_batch_size is not None:
         states = per_phase.get(STEP_END, {}).get("optimizer_states", 0) if request.eval_in_training else 0

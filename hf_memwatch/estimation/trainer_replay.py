@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from ..engines.engine import engine_backward_detached
 from ..measure.held_models import held_models
 
 SCAN_ITEMS = 4096  # map-style datasets: items whose lengths are compared for the worst case
@@ -120,19 +121,13 @@ def _autograd_backward(loss: Any, **kwargs: Any) -> None:
 
     Under DeepSpeed, accelerate's backward goes to ``deepspeed_engine_wrapped``, which ``train()``
     builds (None before it; the engine's own buffers are modelled by
-    :mod:`hf_memwatch.estimation.shard`). Its keywords (``scale_wrt_gas``, ``sync_gradients``) are
+    :mod:`hf_memwatch.engines.shard`). Its keywords (``scale_wrt_gas``, ``sync_gradients``) are
     the engine's; the loss is already scaled by the Trainer as DeepSpeed's engine would not rescale it.
     """
     kwargs.pop("scale_wrt_gas", None)
     kwargs.pop("sync_gradients", None)
     kwargs.pop("learning_rate", None)
     loss.backward(**kwargs)
-
-
-def engine_backward_detached(accelerator: Any) -> bool:
-    """Whether ``accelerator.backward`` would call an engine the replay must not touch (DeepSpeed's)."""
-    kind = str(getattr(getattr(accelerator, "distributed_type", None), "value", "") or "").upper()
-    return kind == "DEEPSPEED"
 
 
 class TrainerStateGuard:

@@ -319,7 +319,7 @@ class AutoMode(BetweenSteps):
 
     def _decide_with_peers(self, trainer: Any, run: RunConfig, budget: Budget) -> PlanRecord:
         """:meth:`_decide`; in a distributed run a rank that fails tells the others, so none waits."""
-        from ..measure.distributed import PeerFailure, share_failure
+        from ..measure.ranks import PeerFailure, share_failure
 
         try:
             return self._decide(trainer, run, budget)
@@ -357,7 +357,7 @@ class AutoMode(BetweenSteps):
         self.planning_seconds = time.perf_counter() - started
         self.plan_changed_the_run = result.chosen is not None and result.chosen.key() != result.given.key()
         if result.chosen is None:
-            from ..planning.engine_advice import no_fit_note
+            from ..engines.registry import no_fit_note
             from .measured import over_budget_error
 
             try:  # what bounds the smallest plan, and the engine's remedies
@@ -421,6 +421,6 @@ def agree(record: PlanRecord, need_bytes: int) -> PlanRecord:
     """The same plan on every rank: the rank that needs the most memory decides for all."""
     if not distributed():
         return record
-    from ..measure.distributed import agree_plan
+    from ..measure.ranks import agree_plan
 
     return PlanRecord.from_dict(agree_plan(record.to_dict(), need_bytes))

@@ -122,7 +122,7 @@ class BetweenSteps:
         if self._agreements >= MEASURED_STEPS:
             return None
         self._agreements += 1
-        from ..measure.distributed import gather_objects
+        from ..measure.ranks import gather_objects
 
         why, self._pending_why = self._pending_why, None
         verdicts = gather_objects(why)

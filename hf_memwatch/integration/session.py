@@ -25,9 +25,9 @@ from ..compat.trainer import probe_trainer
 from ..core.run_config import RunConfig
 from ..core.timeline import TimelineWriter
 from ..core.units import format_bytes
+from ..engines.registry import make_monitor
 from ..measure.backends import backend_for
 from ..measure.batches import FormedBatches
-from ..measure.distributed import make_monitor
 from ..measure.leaks import HOST_RSS, LeakWatch
 from ..measure.monitor import StepMonitor
 from ..planning.budget import remaining

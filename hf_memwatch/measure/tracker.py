@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _pop_mode, _push_mode
 
-from .gloo_staging import staged
+from ..engines.gloo_staging import staged
 from .rng_states import count_rng_states, uncount_rng_states
 from .storage import plain_tensors
 from .unperturbed import OPERATORS as _UNPERTURBED

@@ -31,9 +31,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ..core.advice import Advice
 from ..core.extras import install_hint, installed
 from ..core.optimizers import ADAMW_NAMES, EIGHT_BIT_NAMES
 from ..core.run_config import RunConfig
+from ..engines.registry import eight_bit_unavailable, engine_advice
 
 # 8-bit AdamW is not proposed where the optimizer states are less than this share of the predicted
 # peak (a LoRA run's adapters): it would save at most ~3/4 of a rounding error.
@@ -141,19 +143,8 @@ def _eight_bit_unavailable(run: RunConfig) -> str | None:
         return "a custom optimizer was handed to the Trainer"
     if run.optim in EIGHT_BIT_NAMES:
         return None
-    if run.engine is not None and run.engine.engine_optimizer:
-        return "the DeepSpeed config builds its own optimizer (its 'optimizer' section): the Trainer's optim is not used"
-    if run.engine is not None and run.engine.cpu_optimizer:
-        # Run on 2 gloo ranks (ZeRO-3, offload_optimizer cpu, the JSON without zero_force_ds_cpu_optimizer):
-        # adamw_bnb_8bit configured by hand trained with DeepSpeedCPUAdam's fp32 states, 13,249,436 B a
-        # rank where 8-bit states were predicted at 11,776,558 (over a budget of 12,096,114).
-        return ("under offload_optimizer accelerate replaces the Trainer's optimizer by DeepSpeedCPUAdam "
-                "(zero_force_ds_cpu_optimizer is true, DeepSpeed's default): 8-bit AdamW would not run")
-    if run.engine is not None and run.engine.kind == "fsdp" and run.engine.fsdp_version == 2:
-        # Run on 2 gloo ranks through the Trainer (bitsandbytes 0.50.2, torch 2.13), without hf-memwatch:
-        # the first step fails, "Operator bitsandbytes.optimizer_update_32bit.default does not have a
-        # sharding strategy registered" (and dequantize_blockwise: "got mixed torch.Tensor and DTensor").
-        return "bitsandbytes' 8-bit AdamW cannot step FSDP2's DTensor parameters (no DTensor sharding rule)"
+    if (engine_says := eight_bit_unavailable(run)) is not None:  # the run's engine (engines/registry.py)
+        return engine_says
     if run.optim not in ADAMW_NAMES:
         return f"optim={run.optim!r} is not AdamW, and replacing it would change the training algorithm"
     share = run.optimizer_state_share
@@ -256,19 +247,6 @@ def with_state_share(run: RunConfig, estimate: Any) -> RunConfig:
     return run.replace(optimizer_state_share=states / peak if peak > 0 else None)
 
 
-@dataclass(frozen=True)
-class Advice:
-    """A memory saving that changes what the run computes or trains: shown with its predicted saving,
-    never applied by a planner. ``saving`` is bytes per device; ``how`` says what to change and its cost."""
-
-    name: str
-    saving: int
-    how: str
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "saving": self.saving, "how": self.how}
-
-
 REFERENCE_MODEL = "ref_model"  # the attribute TRL's preference trainers hold their reference model in
 
 
@@ -278,7 +256,7 @@ def advice(run: RunConfig, frozen_models: Mapping[str, int], logits: int = 0, pe
     bytes, as :func:`hf_memwatch.estimate` and the live monitor report them) and whose step peaks at
     ``peak`` bytes with ``logits`` bytes of logits (and their fp32 upcast) live at that moment;
     with ``classes`` (the predicted per-rank split at the peak) the engine-level remedies of a
-    distributed run too (:func:`hf_memwatch.planning.engine_advice.engine_advice`; ``peak_phase``: the
+    distributed run too (:func:`hf_memwatch.engines.registry.engine_advice`; ``peak_phase``: the
     phase of the peak, where it is known).
 
     A TRL preference trainer (DPO: ``precompute_ref_log_probs`` is one of its options) holding a copied
@@ -295,8 +273,6 @@ def advice(run: RunConfig, frozen_models: Mapping[str, int], logits: int = 0, pe
     # The fused routes replace a plain language-model loss; a preference trainer's (DPO) has none of them.
     found = fused_loss_advice(logits, peak, run.device) if run.precompute_ref_log_probs is None else []
     if classes:  # the engine's own remedies (ZeRO stage, offload, buckets), from the predicted split
-        from .engine_advice import engine_advice
-
         found.extend(engine_advice(run, classes, peak, peak_phase))
     reference = int(frozen_models.get(REFERENCE_MODEL, 0) or 0)
     if reference <= 0 or run.precompute_ref_log_probs is None:
@@ -355,7 +331,7 @@ def fused_loss_advice(logits: int, peak: int, device: str = "cuda") -> list[Advi
 def no_fit_advice(run: RunConfig, estimate: Any, limit: int) -> str:
     """For the message of a run no plan fits: the advice for its smallest plan (``estimate``, a
     ``MemoryEstimate`` of it) with each saving, and which of them alone would reach ``limit`` (usable
-    bytes) — or that none applies. The engine's remedies are :func:`~hf_memwatch.planning.engine_advice.no_fit_note`'s.
+    bytes) — or that none applies. The engine's remedies are :func:`~hf_memwatch.engines.advice.no_fit_note`'s.
 
     Beside :func:`advice` (the fused / chunked loss where logits dominate, a preference trainer's
     reference model): LoRA where the model is not a PEFT model already — the full model's gradients

@@ -184,7 +184,7 @@ def gather_over_ranks(scalars: dict[str, int] | None) -> dict[str, int] | None:
 
     Must be called by every rank at the same point (``Trainer.log`` at a logging step is).
     """
-    from ..measure.distributed import gather_objects, is_distributed
+    from ..measure.ranks import gather_objects, is_distributed
 
     if not is_distributed():
         return scalars

@@ -1,4 +1,4 @@
-"""FSDP2 through the ``Trainer`` on CPU ranks, for the suite and the benchmarks only.
+"""FSDP2 (and FSDP1) through the ``Trainer`` on CPU ranks, for the suite and the benchmarks only.
 
 accelerate turns ``fsdp=`` on for accelerator device types only (``AcceleratorState.__init__``: the
 ``DistributedType.FSDP`` branch lists ``MULTI_GPU``, ``MULTI_XPU``, ... and not ``MULTI_CPU``), so on
@@ -42,5 +42,38 @@ def allow_fsdp_on_cpu_ranks() -> Callable[[], None]:
 
     def undo() -> None:
         AcceleratorState.__init__ = original  # type: ignore[method-assign]
+
+    return undo
+
+
+def allow_fsdp1_on_cpu_ranks() -> Callable[[], None]:
+    """:func:`allow_fsdp_on_cpu_ranks`, and FSDP1 (``fsdp_version: 1``) given the CPU as accelerate names it.
+
+    accelerate hands FSDP1 ``device_id=self.device`` (``cpu:0`` on a CPU rank), which torch 2.13's
+    ``_get_compute_device`` (``torch/distributed/fsdp/_init_utils.py``) finds inconsistent with the CPU
+    its device handle reports (``cpu``); without a ``device_id`` it refuses the CPU ("FSDP needs a non-CPU
+    accelerator device"). Here the ``device_id`` FSDP1 receives is the index-less ``cpu``. The run must
+    also set ``fsdp_config={"sync_module_states": False}``: accelerate's plugin asks an accelerator's
+    current device for it (``FullyShardedDataParallelPlugin.__post_init__``).
+    """
+    import torch
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    undo_switch = allow_fsdp_on_cpu_ranks()
+    original = FullyShardedDataParallel.__init__
+    if getattr(original, "_hf_memwatch_fsdp_on_cpu", False):
+        return undo_switch
+
+    def init(self: Any, *args: Any, device_id: Any = None, **kwargs: Any) -> None:
+        if device_id is not None and torch.device(device_id).type == "cpu":
+            device_id = torch.device("cpu")
+        original(self, *args, device_id=device_id, **kwargs)
+
+    init._hf_memwatch_fsdp_on_cpu = True  # type: ignore[attr-defined]
+    FullyShardedDataParallel.__init__ = init  # type: ignore[method-assign]
+
+    def undo() -> None:
+        FullyShardedDataParallel.__init__ = original  # type: ignore[method-assign]
+        undo_switch()
 
     return undo

@@ -36,7 +36,7 @@ gloo's worker stages a flat copy of each all-gather's output there (``aten::empt
 ``gloo:all_gather``, alive while the collective runs; measured on ZeRO-3, 2 gloo ranks: 594,944 and
 528,896 B at once at rank 0's step-2 peak). The truth counts them; a dispatch mode is thread-local,
 so MemWatch counts them from the collective's dispatch to its completion
-(:mod:`hf_memwatch.measure.gloo_staging`). gloo's internal buffers outside PyTorch's allocator are in
+(:mod:`hf_memwatch.engines.gloo_staging`). gloo's internal buffers outside PyTorch's allocator are in
 neither figure.
 
 Usage:

@@ -1,4 +1,4 @@
-"""Launched by ``tests/test_distributed.py`` with ``torchrun --nproc-per-node 2`` (gloo, no model).
+"""Launched by ``tests/engines/test_distributed.py`` with ``torchrun --nproc-per-node 2`` (gloo, no model).
 
 Usage: ``torchrun --nproc-per-node 2 agreement.py OUT_DIR``. Each rank writes ``agreement.rank<N>.json``
 with the outcome of every agreement scenario (the test asserts on them). The suite runs
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from hf_memwatch.measure.distributed import (
+from hf_memwatch.measure.ranks import (
     PeerFailure,
     agree_plan,
     agree_unavailable,

@@ -1,4 +1,4 @@
-"""Launched by ``tests/test_distributed.py`` with ``torchrun --nproc-per-node 2``: real Trainer runs on gloo.
+"""Launched by ``tests/engines/test_distributed.py`` with ``torchrun --nproc-per-node 2``: real Trainer runs on gloo.
 
 Usage: ``torchrun --nproc-per-node 2 ddp_trainer.py OUT_DIR``. Each rank writes ``facts.rank<N>.json``
 into OUT_DIR with what the test checks the timelines against (no assertion here: the test decides).
@@ -47,8 +47,9 @@ from conftest import (  # noqa: E402
 from transformers import Trainer, TrainerCallback  # noqa: E402
 
 from hf_memwatch import MemWatch, PlanError  # noqa: E402
+from hf_memwatch.engines.ddp.live import ddp_bucket_sizes, find_ddp  # noqa: E402
 from hf_memwatch.integration.callback import find_trainer  # noqa: E402
-from hf_memwatch.measure.distributed import ddp_bucket_sizes, find_ddp, max_over_ranks, world  # noqa: E402
+from hf_memwatch.measure.ranks import max_over_ranks, world  # noqa: E402
 from hf_memwatch.testing.truth import (  # noqa: E402
     StepMarker,
     cpu_memory_profile,

@@ -1,4 +1,4 @@
-"""Launched by ``tests/test_deepspeed_zero.py`` with ``torchrun --nproc-per-node 2``: DeepSpeed ZeRO via the Trainer.
+"""Launched by ``tests/engines/test_deepspeed_zero.py`` with ``torchrun --nproc-per-node 2``: DeepSpeed ZeRO via the Trainer.
 
 Usage: ``DS_ACCELERATOR=cpu torchrun --nproc-per-node 2 deepspeed_zero.py OUT_DIR``. DeepSpeed's CPU
 accelerator falls back to gloo without oneCCL. Each rank writes ``deepspeed.rank<N>.json`` into OUT_DIR

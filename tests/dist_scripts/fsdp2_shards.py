@@ -1,4 +1,4 @@
-"""Launched by ``tests/test_distributed.py`` with ``torchrun --nproc-per-node 2`` (gloo, CPU).
+"""Launched by ``tests/engines/test_distributed.py`` with ``torchrun --nproc-per-node 2`` (gloo, CPU).
 
 Usage: ``torchrun --nproc-per-node 2 fsdp2_shards.py OUT_DIR``. A model sharded with FSDP2's
 ``fully_shard`` trains one step under a :class:`~hf_memwatch.measure.monitor.StepMonitor`; each rank writes

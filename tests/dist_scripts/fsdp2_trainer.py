@@ -1,4 +1,4 @@
-"""FSDP2 through the Trainer on gloo: run at the end of ``ddp_trainer.py``'s launch (``tests/test_distributed.py``).
+"""FSDP2 through the Trainer on gloo: run at the end of ``ddp_trainer.py``'s launch (``tests/engines/test_distributed.py``).
 
 Alone: ``torchrun --nproc-per-node 2 fsdp2_trainer.py OUT_DIR``. accelerate builds FSDP for accelerator
 device types only; :func:`hf_memwatch.testing.fsdp_cpu.allow_fsdp_on_cpu_ranks` flips that one switch, so

@@ -18,9 +18,9 @@ Kept deliberately simple; every rule is applied to the class split of each phase
 
 Activations and temporaries are per-rank already (each rank runs its own micro-batch).
 
-Given the :class:`~hf_memwatch.core.engine.Engine` DeepSpeed runs (its JSON read by ``RunConfig``),
+Given the :class:`~hf_memwatch.engines.engine.Engine` DeepSpeed runs (its JSON read by ``RunConfig``),
 :func:`engine_classes` adds what the engine itself holds, measured on 2 gloo ranks (test GPT-2,
-590,336 fp32 parameters, buckets of 100,000 elements; ``tests/test_deepspeed_zero.py``):
+590,336 fp32 parameters, buckets of 100,000 elements; ``tests/engines/test_deepspeed_zero.py``):
 
 - the fp32 master partition, also in fp32 training (``single_partition_of_fp32_groups`` /
   ``fp32_partitioned_groups_flat``, a copy of the rank's share: 1,180,672 B per rank, counted with
@@ -134,10 +134,10 @@ def engine_classes(classes: dict[str, int], model: torch.nn.Module, engine: Any,
 
     ``classes`` are :func:`shard_classes`' output for ``engine.shard``. Only fp32 ZeRO gains here
     (the 16-bit rules above already count the master copy). ``flowed``: the replay held ZeRO-1/2's
-    gradients, bucket included, as the rank does (:mod:`~hf_memwatch.estimation.zero_backward`).
+    gradients, bucket included, as the rank does (:mod:`~hf_memwatch.engines.zero.backward`).
 
     Example:
-        >>> from hf_memwatch.core.engine import Engine
+        >>> from hf_memwatch.engines.engine import Engine
         >>> zero2 = Engine(kind="deepspeed", world_size=2, zero_stage=2, reduce_bucket_size=10)
         >>> c = {"weights": 400, "gradients": 200, "optimizer_states": 400, "activations": 0,
         ...      "temporaries": 0, "other": 0}

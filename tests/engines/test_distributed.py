@@ -2,7 +2,7 @@
 
 The torchrun launch is a module-scoped fixture: DDP (``ddp_trainer.py``, which also runs
 ``agreement.py``'s scenarios, ``fsdp2_shards.py``'s step and ``fsdp2_trainer.py``'s FSDP2 runs through the
-Trainer on its process group); DeepSpeed ZeRO's launch is ``tests/test_deepspeed_zero.py``'s. The scripts
+Trainer on its process group); DeepSpeed ZeRO's launch is ``tests/engines/test_deepspeed_zero.py``'s. The scripts
 under ``tests/dist_scripts/`` only record facts, the assertions are here. A launch that does not finish in
 time is killed (its whole process group) and the test fails with what it printed.
 """
@@ -19,9 +19,9 @@ from conftest import gpt2_model, torchrun
 from conftest import rank_step_peaks as step_peaks
 from conftest import rank_timeline as timeline
 
+from hf_memwatch.engines.shard import largest_layer_bytes, shard_classes
 from hf_memwatch.estimation.estimate import estimate
-from hf_memwatch.estimation.shard import largest_layer_bytes, shard_classes
-from hf_memwatch.measure.distributed import (
+from hf_memwatch.measure.ranks import (
     agree_plan,
     agree_unavailable,
     decide_across_ranks,
@@ -31,7 +31,7 @@ from hf_memwatch.measure.distributed import (
     world,
 )
 
-SCRIPTS = Path(__file__).parent / "dist_scripts"
+SCRIPTS = Path(__file__).parents[1] / "dist_scripts"
 PLAN_KEYS = ("micro_batch_size", "gradient_accumulation_steps", "activation_checkpointing", "optim")
 
 
@@ -348,7 +348,7 @@ def test_model_states_against_deepspeed_estimators():
 
 
 def test_deepspeed_storages_without_deepspeed_is_empty():
-    from hf_memwatch.measure.distributed import deepspeed_storages
+    from hf_memwatch.engines.zero.live import deepspeed_storages
 
     model = torch.nn.Linear(4, 2)
     optimizer = torch.optim.AdamW(model.parameters())
@@ -446,7 +446,7 @@ def test_fsdp2_step_peaks_per_rank_match_the_profiler(fsdp2_runs, run):
 
 def test_fsdp2_prediction_before_the_engine_exists_matches_the_profiler(fsdp2_runs):
     """The prediction made on the Trainer before ``train()`` (no FSDP module yet: the estimator's FSDP2
-    replay, ``estimation/fsdp_replay.py``), per rank, against the reconciled profiler: within 3% of every
+    replay, ``engines/fsdp2/replay.py``), per rank, against the reconciled profiler: within 3% of every
     steady step (from step 2 on), and above step 1, whose peak (the backward) comes before its optimizer
     step creates the AdamW states. Failed with the rule before the replay (shards + 2 x the largest
     layer): 18,049,612 B against 17,315,036 B profiled at step 2, +4.2%."""

@@ -1,5 +1,7 @@
 """Engine-level memory remedies of a distributed run: a higher ZeRO stage, optimizer offload, a
-smaller reduce bucket — part of the one catalogue (:func:`hf_memwatch.planning.catalogue.advice`).
+smaller reduce bucket — part of the one catalogue (:func:`hf_memwatch.planning.catalogue.advice`,
+through :func:`hf_memwatch.engines.registry.engine_advice`; DDP's rules advise ZeRO-1 with
+:func:`ddp_to_zero1`, ZeRO's the rest with :func:`zero_advice`).
 
 They are advice, never applied by a planner: a ZeRO stage or an offload device changes the engine
 that runs (its collectives, where the optimizer step runs: DeepSpeed's CPU Adam under offload), so
@@ -8,8 +10,8 @@ numerics, but the engine is built from the DeepSpeed JSON inside ``train()``; it
 saving here, not yet applied.
 
 The savings are per rank, from the predicted split at the peak (``classes``) and the engine the run
-has (:class:`~hf_memwatch.core.engine.Engine`), with the rules of
-:mod:`hf_memwatch.estimation.shard` (fp32, N ranks, W weights, G gradients, S optimizer states at
+has (:class:`~hf_memwatch.engines.engine.Engine`), with the rules of
+:mod:`hf_memwatch.engines.shard` (fp32, N ranks, W weights, G gradients, S optimizer states at
 the peak, P = W / 4 trainable elements):
 
 ==============================  =========================================================
@@ -23,7 +25,7 @@ ZeRO-2/3 reduce bucket          ``reduce_bucket_size`` / 4: 3/4 of the bucket, w
                                 least 5% of the peak
 ==============================  =========================================================
 
-The reduce bucket of ZeRO-1/2 lives inside the backward only (``estimation/zero_backward.py``: set
+The reduce bucket of ZeRO-1/2 lives inside the backward only (``engines/zero/backward.py``: set
 up at each backward's first gradient, released at its end), so it is advised only where the peak is
 the backward (``peak_phase``); a plan that peaks in the optimizer step holds no bucket there
 (measured on 2 gloo ranks, test GPT-2, ZeRO-2, 1 x 8 + checkpointing: the same step peaks,
@@ -32,8 +34,8 @@ not applied: it could be written into the DeepSpeed JSON before ``train()`` (the
 ``accelerator.state.deepspeed_plugin.hf_ds_config.config`` into the engine it builds there), but on
 more than 2 ranks the reductions' grouping, hence their float sums, may change with it.
 
-When no plan fits, :func:`no_fit_note` says what the smallest plan holds at its peak and which of
-these remedies apply (or why none does), for the ``PlanError``'s message.
+When no plan fits, :func:`~hf_memwatch.engines.registry.no_fit_note` says what the smallest plan holds at its peak and which of
+these remedies apply (or why none does: :func:`no_fit_reasons`), for the ``PlanError``'s message.
 
 ZeRO-2 -> ZeRO-3 is not advised by default: with ``stage3_max_reuse_distance`` and
 ``stage3_max_live_parameters`` at DeepSpeed's defaults (1e9 elements) a model below them stays
@@ -41,11 +43,11 @@ gathered whole from forward to backward (measured on 2 gloo ranks: weights 1,180
 2,361,344 B gathered), so the weights saved are spent again.
 
 Example:
-    >>> from hf_memwatch.core.engine import Engine
+    >>> from hf_memwatch.engines.engine import Engine
     >>> from hf_memwatch.core.run_config import RunConfig
     >>> run = RunConfig(micro_batch_size=4, world_size=2, engine=Engine(kind="ddp", world_size=2))
     >>> split = {"weights": 400, "gradients": 800, "optimizer_states": 800}
-    >>> [(a.name, a.saving) for a in engine_advice(run, split, 2000)]
+    >>> [(a.name, a.saving) for a in ddp_to_zero1(run, split)]
     [('DeepSpeed ZeRO-1 (deepspeed={"zero_optimization": {"stage": 1}})', 600)]
 """
 
@@ -53,42 +55,54 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ..core.categories import AFTER_BACKWARD
-from ..core.run_config import RunConfig
-from ..core.units import format_bytes
-from .catalogue import Advice
+from ...core.advice import Advice
+from ...core.categories import AFTER_BACKWARD
+from ...core.run_config import RunConfig
 
 # A bucket smaller than this share of the peak is not worth a line of advice.
 BUCKET_ADVICE_SHARE = 0.05
 
 
-def _ddp(run: RunConfig) -> bool:
+def is_ddp(run: RunConfig) -> bool:
+    """Whether ``run`` is DDP over 2+ ranks (its engine's, else its plain ``shard`` none)."""
     engine = run.engine
     if engine is not None:
         return engine.kind == "ddp" and engine.world_size > 1
     return run.world_size > 1 and run.shard == "none"
 
 
-def engine_advice(run: RunConfig, classes: Mapping[str, int], peak: int,
-                  peak_phase: str | None = None) -> list[Advice]:
-    """The engine remedies for ``run`` (see the module doc), each with its saving in bytes per rank;
-    only those that save something (``peak_phase``: where the peak is, None: not known)."""
+def _zero(run: RunConfig) -> bool:
+    engine = run.engine
+    world = engine.world_size if engine is not None else run.world_size
+    return engine is not None and engine.kind == "deepspeed" and engine.zero_stage in (1, 2, 3) and world >= 2
+
+
+def ddp_to_zero1(run: RunConfig, classes: Mapping[str, int]) -> list[Advice]:
+    """DDP -> DeepSpeed ZeRO-1 for a DDP ``run`` (see the module doc), where it saves something."""
+    if not is_ddp(run):
+        return []
     weights = int(classes.get("weights", 0))
-    grads = int(classes.get("gradients", 0))
     states = int(classes.get("optimizer_states", 0))
     world = run.engine.world_size if run.engine is not None else run.world_size
+    saving = weights + states - states // world - weights // world
+    if saving <= 0:
+        return []
+    return [Advice(
+        'DeepSpeed ZeRO-1 (deepspeed={"zero_optimization": {"stage": 1}})', saving,
+        f"the optimizer states are partitioned over the {world} ranks (an fp32 master partition "
+        "on top) and DDP's gradient buckets are not kept; the engine changes (DeepSpeed's collectives)")]
+
+
+def zero_advice(run: RunConfig, classes: Mapping[str, int], peak: int,
+                peak_phase: str | None = None) -> list[Advice]:
+    """The ZeRO remedies for a DeepSpeed ``run`` (see the module doc), each with its saving in bytes per
+    rank; only those that save something (``peak_phase``: where the peak is, None: not known)."""
+    if not _zero(run):
+        return []
+    grads = int(classes.get("gradients", 0))
+    states = int(classes.get("optimizer_states", 0))
+    engine, world = run.engine, run.engine.world_size
     found: list[Advice] = []
-    if _ddp(run):
-        saving = weights + states - states // world - weights // world
-        if saving > 0:
-            found.append(Advice(
-                'DeepSpeed ZeRO-1 (deepspeed={"zero_optimization": {"stage": 1}})', saving,
-                f"the optimizer states are partitioned over the {world} ranks (an fp32 master partition "
-                "on top) and DDP's gradient buckets are not kept; the engine changes (DeepSpeed's collectives)"))
-        return found
-    engine = run.engine
-    if engine is None or engine.kind != "deepspeed" or engine.zero_stage not in (1, 2, 3) or world < 2:
-        return found
     size = 2 if run.precision in ("bf16", "fp16") else 4
     bucket = min(int(engine.reduce_bucket_size or 0) * size, grads) if engine.zero_stage >= 2 else 0
     if engine.zero_stage < 3 and peak_phase not in (None, AFTER_BACKWARD):
@@ -115,34 +129,11 @@ def engine_advice(run: RunConfig, classes: Mapping[str, int], peak: int,
     return found
 
 
-def no_fit_note(run: RunConfig, classes: Mapping[str, int], peak: int, peak_phase: str) -> str:
-    """For the message of a run no plan fits: what the smallest plan holds at its ``peak`` (its
-    predicted split ``classes`` at ``peak_phase``), and the engine remedies that apply — or, on a
-    distributed engine, why none does.
-
-    Example:
-        >>> from hf_memwatch.core.engine import Engine
-        >>> run = RunConfig(micro_batch_size=1, world_size=2, device="cpu", engine=Engine(
-        ...     kind="deepspeed", world_size=2, zero_stage=2, reduce_bucket_size=100))
-        >>> no_fit_note(run, {"weights": 4096, "gradients": 2048, "activations": 0}, 6144, "after_optimizer")
-        ... # doctest: +NORMALIZE_WHITESPACE
-        ' At its peak (the optimizer step) it holds weights 4.00 KiB, gradients 2.00 KiB. No engine remedy applies:
-        optimizer offload saves nothing on CPU ranks (host RAM is the device); the reduce bucket is released at the
-        end of the backward, before this peak; ZeRO-3 is not predicted here (a model under its live-parameter
-        limits stays gathered whole: try hf-memwatch estimate --shard zero3).'
-    """
-    held = ", ".join(f"{name.replace('_', ' ')} {format_bytes(value)}" for name, value in classes.items() if value > 0)
-    where = {"after_forward": "the forward", "after_backward": "the backward",
-             "after_optimizer": "the optimizer step"}.get(peak_phase, peak_phase)
-    text = f" At its peak ({where}) it holds {held}."
+def no_fit_reasons(run: RunConfig, peak_phase: str) -> list[str] | None:
+    """Why no ZeRO remedy applies to a DeepSpeed ``run`` that no plan fits (None: not a ZeRO run)."""
+    if not _zero(run):
+        return None
     engine = run.engine
-    world = engine.world_size if engine is not None else run.world_size
-    found = engine_advice(run, classes, peak, peak_phase)
-    if found:
-        return text + " Engine remedies (not applied: they change the engine or its JSON): " + "; ".join(
-            f"{item.name} would save {format_bytes(item.saving)} per rank" for item in found) + "."
-    if engine is None or engine.kind != "deepspeed" or engine.zero_stage not in (1, 2, 3) or world < 2:
-        return text
     why = []
     if engine.offload_optimizer == "none" and run.device == "cpu":
         why.append("optimizer offload saves nothing on CPU ranks (host RAM is the device)")
@@ -153,4 +144,4 @@ def no_fit_note(run: RunConfig, classes: Mapping[str, int], peak: int, peak_phas
     if engine.zero_stage < 3:
         why.append("ZeRO-3 is not predicted here (a model under its live-parameter limits stays gathered whole: "
                    "try hf-memwatch estimate --shard zero3)")
-    return text + " No engine remedy applies: " + "; ".join(why) + "."
+    return why

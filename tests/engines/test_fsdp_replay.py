@@ -1,4 +1,4 @@
-"""The FSDP2 replay of the estimator (``hf_memwatch/estimation/fsdp_replay.py``) against torch's own
+"""The FSDP2 replay of the estimator (``hf_memwatch/engines/fsdp2/replay.py``) against torch's own
 ``fully_shard``, run for real on the same model in this process under a fake process group of world
 size 2 (``torch.testing._internal.distributed.fake_pg``: FSDP2's real code allocates and frees as on
 a rank; the collectives move no data and, unlike gloo, make no copies of their own). The truth is
@@ -12,9 +12,10 @@ import pytest
 import torch
 from conftest import gpt2_model
 
-from hf_memwatch.core.engine import Engine
-from hf_memwatch.estimation import estimate, fsdp_replay
-from hf_memwatch.estimation.fsdp_units import build_units, wrap_policy
+from hf_memwatch.engines.engine import Engine
+from hf_memwatch.engines.fsdp2 import replay as fsdp_replay
+from hf_memwatch.engines.fsdp2.units import build_units, wrap_policy
+from hf_memwatch.estimation import estimate
 from hf_memwatch.testing.truth import STEP_MARK, cpu_memory_profile, step_peaks
 
 BATCH, SEQ = 4, 32

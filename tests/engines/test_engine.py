@@ -1,7 +1,7 @@
-"""The engine the run really trains under (issue 19): ``hf_memwatch.core.engine`` and ``RunConfig``.
+"""The engine the run really trains under (issue 19): ``hf_memwatch.engines.engine`` and ``RunConfig``.
 
 Single-process checks of the readers; the engines themselves run on 2 gloo ranks in
-``tests/test_deepspeed_zero.py`` (DeepSpeed ZeRO-1/2/3 + offload), ``tests/test_distributed.py`` (DDP, FSDP2). FSDP cannot run through the
+``tests/engines/test_deepspeed_zero.py`` (DeepSpeed ZeRO-1/2/3 + offload), ``tests/engines/test_distributed.py`` (DDP, FSDP2). FSDP cannot run through the
 Trainer on CPU ranks (accelerate builds FSDP on accelerator devices only), so its planning is
 tested against accelerate's own ``FullyShardedDataParallelPlugin`` as the accelerator reports it.
 """
@@ -13,13 +13,13 @@ from types import SimpleNamespace
 import pytest
 from conftest import gpt2_model, training_args
 
-from hf_memwatch.core.engine import (
+from hf_memwatch.core.run_config import RunConfig
+from hf_memwatch.engines.engine import (
     engine_from_deepspeed_config,
     engine_of,
     engine_of_accelerator,
     engine_of_environment,
 )
-from hf_memwatch.core.run_config import RunConfig
 from hf_memwatch.estimation.estimate import estimate
 
 
@@ -100,12 +100,12 @@ def test_fsdp_planned_from_the_engine_the_accelerator_reports(tmp_path, monkeypa
     args = training_args(tmp_path)
     assert engine_of(args, accelerator).shard == "fsdp"
     # ... and over ``fsdp=`` read on CPU ranks as ignored: where the accelerator builds FSDP (forced on CPU
-    # ranks by hf_memwatch.testing.fsdp_cpu, as tests/test_distributed.py runs it), nothing is ignored.
+    # ranks by hf_memwatch.testing.fsdp_cpu, as tests/engines/test_distributed.py runs it), nothing is ignored.
     fsdp_args = training_args(tmp_path, fsdp="full_shard")
     assert engine_of(fsdp_args).ignored  # the arguments alone: CPU ranks run DDP
     forced = engine_of(fsdp_args, accelerator)
     assert (forced.kind, forced.ignored) == ("fsdp", ()), forced.ignored
-    # bitsandbytes cannot step FSDP2's DTensors (the real 2-rank run fails: tests/test_distributed.py's
+    # bitsandbytes cannot step FSDP2's DTensors (the real 2-rank run fails: tests/engines/test_distributed.py's
     # planner excludes it); FSDP1's flat parameters are plain tensors
     from hf_memwatch.planning.catalogue import unavailable_remedies
 
@@ -123,7 +123,7 @@ def test_fsdp_planned_from_the_engine_the_accelerator_reports(tmp_path, monkeypa
 def test_engine_remedies_join_the_catalogue_as_advice_with_their_per_rank_savings():
     """ZeRO stage, offload and the reduce bucket are advice (the plan record, the log, the CLI, the
     post-mortem read ``advice``); the saving follows the predicted per-rank split."""
-    from hf_memwatch.core.engine import Engine
+    from hf_memwatch.engines.engine import Engine
     from hf_memwatch.planning.catalogue import REMEDIES, advice
 
     model = gpt2_model()

@@ -36,6 +36,8 @@ from dataclasses import dataclass
 from typing import Any
 
 ENGINES = ("single", "ddp", "fsdp", "deepspeed")
+# What a rank holds, by the estimator's name (``Engine.shard``; estimate's and the CLI's ``shard``).
+SHARDS = ("none", "zero1", "zero2", "zero3", "fsdp")
 OFFLOADS = ("none", "optimizer", "params")
 # DeepSpeed 0.19's defaults (deepspeed/runtime/zero/config.py), in elements.
 ZERO_DEFAULTS = {
@@ -86,6 +88,12 @@ class Engine:
         if self.kind == "fsdp" and self.fsdp_strategy not in ("NO_SHARD",):
             return "fsdp"
         return "none"
+
+    @property
+    def own_buffers(self) -> bool:
+        """Whether the engine holds buffers of its own that the estimate replays (DeepSpeed, FSDP); DDP
+        and one process are told by their ``shard`` and ``world_size`` alone."""
+        return self.kind in ("deepspeed", "fsdp")
 
     @property
     def offload(self) -> str:
@@ -248,6 +256,12 @@ def engine_of_accelerator(accelerator: Any, world_size: int, hidden_size: int | 
                       cpu_ram_efficient_loading=bool(getattr(plugin, "cpu_ram_efficient_loading", False)),
                       source="accelerator", ignored=ignored)
     return Engine(kind=_plain("", world_size), world_size=world_size, source="accelerator", ignored=ignored)
+
+
+def engine_backward_detached(accelerator: Any) -> bool:
+    """Whether ``accelerator.backward`` would call an engine the replay must not touch (DeepSpeed's)."""
+    kind = str(getattr(getattr(accelerator, "distributed_type", None), "value", "") or "").upper()
+    return kind == "DEEPSPEED"
 
 
 # The settings whose "ignored" notes an FSDP accelerator contradicts (``fsdp=`` and accelerate's env).

@@ -14,7 +14,7 @@ into them), the bucket and the buffer's name are released and every ``.grad`` se
 So a micro-step after the first holds, at its backward's high, the kept partition of the earlier
 micro-steps *and* the new ``grads_in_partition`` once the first bucket was reduced *and* the bucket
 — measured on 2 gloo ranks (test GPT-2, 590,336 fp32 parameters, buckets of 100,000 elements, 4 x
-2 with checkpointing, ``tests/test_deepspeed_zero.py``): two 1,305,600 B buffers (326,400 elements:
+2 with checkpointing, ``tests/engines/test_deepspeed_zero.py``): two 1,305,600 B buffers (326,400 elements:
 rank 0's parameters overlapping its partition) and the 400,000 B bucket live in the second
 micro-step's backward, where dividing the single-process gradients by 2 counted 1,180,672 B. When
 the high is at the backward's start (no checkpointing: the loss's gradients), the new buffer does
@@ -32,8 +32,8 @@ micro-steps'); at the model's forward the flow turns them into what ZeRO keeps: 
 partition (the widest rank's: every rank plans for the one that keeps most, 329,472 elements on
 rank 1 of the run above), ZeRO-1 the whole ``.grad`` and the earlier backward's bucket. The
 replayed micro-step is the step's last (the boundary). With the flow, the estimate divides no
-gradient class and adds no bucket (:func:`~hf_memwatch.estimation.shard.engine_classes`); the
-optimizer step holds the kept partition and its flat fp32 copy (:mod:`~hf_memwatch.estimation.zero_step`).
+gradient class and adds no bucket (:func:`~hf_memwatch.engines.shard.engine_classes`); the
+optimizer step holds the kept partition and its flat fp32 copy (:mod:`~hf_memwatch.engines.zero.step`).
 Measured against MemWatch on the 2-rank runs: ZeRO-1 4 x 2 predicted 14,734,232 B, measured
 14,735,268; ZeRO-2 4 x 2 13,290,776 vs 13,279,524 / 13,291,812 (ranks 0 / 1); 1 x 8 + checkpointing
 10,741,772 vs 10,734,116 / 10,746,404. Each reduction's flat copy (``torch.cat`` of a destination
@@ -51,9 +51,9 @@ from typing import Any
 
 import torch
 
-from .classify import refs
-from .fake_dispatch import EstimateTracker
-from .optim import param_groups
+from ...estimation.classify import refs
+from ...estimation.fake_dispatch import EstimateTracker
+from ...estimation.optim import param_groups
 
 # DeepSpeed's default ``reduce_bucket_size`` (elements) when the JSON leaves it out.
 DEFAULT_REDUCE_BUCKET = 500_000_000
@@ -223,7 +223,7 @@ class ZeroGradientFlow:
         for param in self.params:
             param.grad = None
         # The replayed micro-step is the step's last: DeepSpeed flattens the kept partition for its
-        # optimizer step (estimation/zero_step.py counts both there) and frees it.
+        # optimizer step (engines/zero/step.py counts both there) and frees it.
         self.accumulated = None
 
 

@@ -1,6 +1,6 @@
-"""ZeRO-1/2's gradient flow in the replay (estimation/zero_backward.py), without a launch: the partition
+"""ZeRO-1/2's gradient flow in the replay (engines/zero/backward.py), without a launch: the partition
 against DeepSpeed's own rule, and the buffers the replayed backward holds at its high. The figures
-against measured runs are in tests/test_deepspeed_zero.py (the ZeRO module fixture)."""
+against measured runs are in tests/engines/test_deepspeed_zero.py (the ZeRO module fixture)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import pytest
 from conftest import gpt2_model
 
 from hf_memwatch import estimate
-from hf_memwatch.core.engine import Engine
+from hf_memwatch.engines.engine import Engine
+from hf_memwatch.engines.zero.backward import rank_partition, widest_partition
 from hf_memwatch.estimation.optim import param_groups
-from hf_memwatch.estimation.zero_backward import rank_partition, widest_partition
 
 BUCKET = 100_000
 

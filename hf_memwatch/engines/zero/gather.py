@@ -1,7 +1,7 @@
 """ZeRO-3's all-gathers on CPU ranks: the flat copy gloo stages for each one in flight, in the forward.
 
 ``ProcessGroupGloo`` gathers into a flat tensor of the whole output on its worker thread and copies
-it into DeepSpeed's buffer (:mod:`hf_memwatch.measure.gloo_staging`), so while an all-gather runs the
+it into DeepSpeed's buffer (:mod:`hf_memwatch.engines.gloo_staging`), so while an all-gather runs the
 rank holds its output twice. DeepSpeed fetches a module's parameters coalesced with the prefetch of
 the next ones (up to ``stage3_prefetch_bucket_size`` elements) and issues the prefetch while the
 current gather runs, and gloo runs two collectives at once (its default two worker threads), so two
@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from ..core.categories import AFTER_FORWARD, STEP_END
-from .shard import zero3_gathered_bytes
+from ...core.categories import AFTER_FORWARD, STEP_END
+from ..shard import zero3_gathered_bytes
 
 GLOO_THREADS = 2  # ProcessGroupGloo's default worker threads: collectives running at once
 
@@ -30,7 +30,7 @@ def gather_bound(model: torch.nn.Module, engine: Any) -> int:
     the prefetch bucket, never above the model.
 
     Example:
-        >>> from hf_memwatch.core.engine import Engine
+        >>> from hf_memwatch.engines.engine import Engine
         >>> zero3 = Engine(kind="deepspeed", world_size=2, zero_stage=3, prefetch_bucket_size=10)
         >>> gather_bound(torch.nn.Sequential(torch.nn.Linear(10, 10), torch.nn.Linear(10, 2)), zero3)
         480

@@ -1,7 +1,7 @@
 """FSDP2's memory on one rank, replayed in the estimate's fake step (``fully_shard``, torch 2.13).
 
 The fake model's parameters are swapped for the rank's shards for the whole replay (the padded
-dim-0 chunk of :mod:`~hf_memwatch.estimation.fsdp_units`, so the optimizer is built on, and steps,
+dim-0 chunk of :mod:`~hf_memwatch.engines.fsdp2.units`, so the optimizer is built on, and steps,
 the shards), and module hooks do on fake tensors what ``torch/distributed/fsdp/_fully_shard``
 allocates and frees, at the moment it does (``_fsdp_param_group.py``, ``_fsdp_collectives.py``,
 ``_fsdp_param.py``, ``_fsdp_state.py``), each unit of accelerate's wrapping:
@@ -46,9 +46,9 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .classify import refs
-from .fake_dispatch import EstimateTracker
-from .fsdp_units import (
+from ...estimation.classify import refs
+from ...estimation.fake_dispatch import EstimateTracker
+from .units import (
     FsdpUnit,
     build_units,
     chunk_rows,

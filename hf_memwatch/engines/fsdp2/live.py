@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from .storage import collect_storages
+from ...measure.storage import collect_storages
 
 
 def fsdp2_param_groups(model: Any) -> list[Any]:

@@ -19,7 +19,7 @@ from conftest import gpt2_model, torchrun
 from conftest import rank_step_peaks as step_peaks
 from conftest import rank_timeline as timeline
 
-SCRIPTS = Path(__file__).parent / "dist_scripts"
+SCRIPTS = Path(__file__).parents[1] / "dist_scripts"
 PLAN_KEYS = ("micro_batch_size", "gradient_accumulation_steps", "activation_checkpointing", "optim")
 
 
@@ -120,7 +120,7 @@ LONG_RUNS = ["zero2_long", "zero3_long", "zero3_offload_long"]  # deepspeed_zero
 def test_the_engine_is_read_before_deepspeed_builds_it(zero_runs, name):
     """RunConfig before train(): the ZeRO stage and offload of the JSON, as the accelerator will build them,
     and which optimizer DeepSpeed will step: the Trainer's, with ``zero_force_ds_cpu_optimizer: false``
-    (DeepSpeed's default, true, makes accelerate step ``DeepSpeedCPUAdam``: tests/test_engine.py)."""
+    (DeepSpeed's default, true, makes accelerate step ``DeepSpeedCPUAdam``: tests/engines/test_engine.py)."""
     _, facts = zero_runs
     for fact in facts:
         assert (fact[name]["shard"], fact[name]["offload"]) == ZERO_ENGINES[name], fact[name]["engine"]
@@ -132,7 +132,7 @@ def test_zero_prediction_before_the_engine_exists_matches_the_measured_peak(zero
     """``estimate(trainer)`` before train() (the replay calls no DeepSpeed engine) against each rank's
     measured step peak, within 1%, at 32 tokens (model states dominate) and at 128 (activations do): the
     fp32 master partition, ZeRO-1/2's buckets and gradient partitions as they flow
-    (estimation/zero_backward.py), ZeRO-3's resident gradient partition and gathered set, the offload
+    (engines/zero/backward.py), ZeRO-3's resident gradient partition and gathered set, the offload
     gradient partition. Before the flow: ZeRO-1 -2.7% (its bucket), ZeRO-2 +2.1% (a bucket counted
     outside the backward)."""
     out, facts = zero_runs
@@ -148,7 +148,7 @@ def test_auto_mode_plans_every_zero_engine_and_fits(zero_runs, name):
     activations dominate; at 32 the model states do and no ZeRO-2 plan reaches 0.7 x, below), and
     ZeRO-3 + offload at 0.76 x of the 32-token run (checkpointing and 8-bit AdamW): a plan on every rank
     (none failed), the same on all ranks, each rank's profiler step peaks within the budget, the
-    effective batch kept. Failed before ZeRO-2's gradient flow was replayed (estimation/zero_backward.py)
+    effective batch kept. Failed before ZeRO-2's gradient flow was replayed (engines/zero/backward.py)
     and ZeRO-3's gradient partition counted resident: 4 x 2 + checkpointing predicted 11,171,708 B,
     measured 12,188,580 B (the second micro-step's backward holds the kept partition and a new one);
     ZeRO-3 8 x 1 predicted 12,215,436, measured 12,946,288."""
@@ -177,7 +177,7 @@ def test_zero2_plan_covers_the_flat_copy_gloo_may_still_hold(zero_runs):
     held there in some launches and not in others: on 2 x 4 + checkpointing at 32 tokens rank 0's step 2
     measured 10,809,764 and 11,007,908 B (198,144 B, one 49,536-element ``aten.cat`` among MemWatch's peak
     tensors). The plan's prediction without the planner's margin covers every measured step peak on every
-    rank (estimation/zero_backward.py keeps the largest flat copy until the next reduction); before, it
+    rank (engines/zero/backward.py keeps the largest flat copy until the next reduction); before, it
     was 10,997,656 B, under both launches' highest peaks (11,007,908 and 11,032,484).
 
     At 128 tokens (this run) the held copy is ~183 kB of a ~23 MB peak (MemWatch 23,031,972 B against the

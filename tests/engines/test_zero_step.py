@@ -1,4 +1,4 @@
-"""The optimizer step DeepSpeed ZeRO runs (estimation/zero_step.py) against the real optimizer on real
+"""The optimizer step DeepSpeed ZeRO runs (engines/zero/step.py) against the real optimizer on real
 flat partitions, measured with the profiler (issue 19: 8-bit AdamW under ZeRO)."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 import torch
 from conftest import gpt2_model
 
+from hf_memwatch.engines.zero.step import flat_step, rank_partitions
 from hf_memwatch.estimation.optim import optimizer_class_and_kwargs
-from hf_memwatch.estimation.zero_step import flat_step, rank_partitions
 from hf_memwatch.testing.truth import cpu_memory_profile, window_peak
 
 

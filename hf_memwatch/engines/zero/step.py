@@ -13,7 +13,7 @@ per-parameter step the single-process replay runs:
   partition (5 x 4 B per element at its high), where the per-parameter step's high was the largest
   parameter's.
 
-Measured on 2 gloo ranks (test GPT-2, 590,336 fp32 parameters; ``tests/test_deepspeed_zero.py``): the
+Measured on 2 gloo ranks (test GPT-2, 590,336 fp32 parameters; ``tests/engines/test_deepspeed_zero.py``): the
 8-bit states of the two partitions (293,376 and 1,792 elements) 612,304 B, exactly what
 :func:`flat_step` counts; the planned ZeRO-2 step peaked at 12.5 MB where the per-parameter step
 predicted 8.5 MB.
@@ -31,12 +31,12 @@ from typing import Any
 
 import torch
 
-from ..core.categories import AFTER_OPTIMIZER, STEP_END
-from ..measure.saved_tensors import SavedTensorRegistry
-from .fake_dispatch import EstimateTracker
-from .optim import BNB_OPTIMS, optimizer_class_and_kwargs, param_groups
-from .shard import zero3_gathered_bytes
-from .zero_backward import flow_applies, widest_partition
+from ...core.categories import AFTER_OPTIMIZER, STEP_END
+from ...estimation.fake_dispatch import EstimateTracker
+from ...estimation.optim import BNB_OPTIMS, optimizer_class_and_kwargs, param_groups
+from ...measure.saved_tensors import SavedTensorRegistry
+from ..shard import zero3_gathered_bytes
+from .backward import flow_applies, widest_partition
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,7 @@ def zero_optimizer_step(per_phase: dict[str, dict[str, int]], model: torch.nn.Mo
     the flat partitions instead of the per-parameter step's share. Other engines: unchanged.
 
     The states of every phase holding them become the flat step's (plus the fp32 master partition
-    :func:`~hf_memwatch.estimation.shard.engine_classes` counted). The optimizer phase (DeepSpeed
+    :func:`~hf_memwatch.engines.shard.engine_classes` counted). The optimizer phase (DeepSpeed
     steps inside the last micro-step's backward) holds the flat step's temporaries, the fp32 copy of
     the gradient partition ZeRO flattens for it (without offload; with offload the host partition,
     already counted, is stepped) and, on ZeRO-3, the weight partitions alone (the gathered ones are

@@ -1,0 +1,74 @@
+"""``EngineRules``: what one engine does at each floor, the methods the registry's table offers.
+
+The base class is the engine of one process: nothing held beside the model, the step replayed as
+it runs, no advice. An engine (``engines/ddp``, ``engines/zero``, ``engines/fsdp2``) subclasses it
+in its ``rules`` module and overrides the methods it has; :mod:`hf_memwatch.engines.registry` holds
+one instance of each. The methods take the run's objects and return plain values, so the callers
+(the estimator, the monitor, the planner, the CLI) never name an engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ..core.advice import Advice
+from .shard import shard_classes
+
+
+class EngineRules:
+    """One engine's rules; this base: a single process (``shard`` ``none`` on one rank)."""
+
+    name = "single"
+    shards: tuple[str, ...] = ()  # the ``shard`` names (estimate, CLI) whose ranks this engine's rules divide
+
+    def answers(self, shard: str, world_size: int, engine: Any = None) -> bool:
+        """Whether a rank of ``shard`` over ``world_size`` ranks (under ``engine``, where the run has one)
+        holds what this engine holds."""
+        return shard in self.shards
+
+    # -- the CLI ---------------------------------------------------------------------------------
+    def engine_of_options(self, args: Any) -> Any:
+        """The :class:`~hf_memwatch.engines.engine.Engine` the command's flags describe (None: not this engine's)."""
+        return None
+
+    # -- the live monitor ------------------------------------------------------------------------
+    def contributor(self, trainer: Any, wrapped: Any) -> Any:
+        """What this engine holds on a live rank beside the model, as a monitor's
+        :class:`~hf_memwatch.measure.monitor.StorageContributor` (None: not this engine's run)."""
+        return None
+
+    # -- the replay ------------------------------------------------------------------------------
+    def flow(self, model: torch.nn.Module, engine: Any, trainer: Any, request: Any) -> Any:
+        """A context the step is replayed in, holding what the rank holds while it runs."""
+        return contextlib.nullcontext()
+
+    def per_rank(self, model: torch.nn.Module, engine: Any, request: Any) -> bool:
+        """Whether the replayed step was already the rank's own (its shards), not one unsharded process's."""
+        return False
+
+    def rank_classes(self, phase_classes: Mapping[str, dict[str, int]], model: torch.nn.Module, engine: Any,
+                     request: Any, notes: list[str]) -> dict[str, dict[str, int]]:
+        """Each phase's classes as one rank holds them (:func:`~hf_memwatch.engines.shard.shard_classes`)."""
+        return {phase: shard_classes(classes, model, request.world_size, request.shard, notes, request.precision)
+                for phase, classes in phase_classes.items()}
+
+    def resident(self, model: torch.nn.Module, request: Any, trainer: Any) -> list[int]:
+        """Blocks a CUDA rank holds through the step besides the replayed ones (bytes each)."""
+        return []
+
+    # -- the planner -----------------------------------------------------------------------------
+    def advice(self, run: Any, classes: Mapping[str, int], peak: int, peak_phase: str | None) -> list[Advice]:
+        """The engine remedies for ``run`` (the predicted per-rank split ``classes`` at ``peak``)."""
+        return []
+
+    def no_fit_reasons(self, run: Any, peak_phase: str) -> list[str] | None:
+        """Why none of this engine's remedies applies to ``run`` (None: ``run`` is not this engine's)."""
+        return None
+
+    def eight_bit_unavailable(self, run: Any) -> str | None:
+        """Why 8-bit AdamW cannot run under this engine (None: it can, or ``run`` is not this engine's)."""
+        return None
