@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from ..core.errors import MemWatchConfigError, PlanError, is_oom_error
-from ..core.records import OomRecoveredRecord, PlanRecord
+from ..core.records import OomRecoveredRecord, PlanRecord, Record
 from ..core.run_config import RunConfig
 from ..core.units import format_bytes
 from ..estimation.trainer_replay import RngStates, is_one_pass
@@ -100,10 +100,10 @@ class AutoMode(BetweenSteps):
     """Plans before ``train()`` and keeps the run under budget between steps (:class:`BetweenSteps`).
 
     ``plan`` (a :class:`~hf_memwatch.core.records.PlanRecord`) survives in the callback's saved state;
-    ``record`` receives each record to write, as the timeline's JSON object.
+    ``record`` receives each record to write (typed: the timeline writer serialises it).
     """
 
-    def __init__(self, budget: BudgetSpec, record: Callable[[dict[str, Any]], None], *,
+    def __init__(self, budget: BudgetSpec, record: Callable[[Record], None], *,
                  allow_over_budget: bool = False) -> None:
         self.budget_spec = budget
         self.allow_over_budget = allow_over_budget  # nothing fits: train as configured with an ERROR line
@@ -209,12 +209,12 @@ class AutoMode(BetweenSteps):
         self.plan = record.replace(recovered_from_oom=len(self.recoveries))
         logger.warning("hf-memwatch: out of memory in the first step (%s); planned again: %s",
                        recovered.error.splitlines()[0][:120], record.reason)
-        self.record(recovered.to_dict())
-        self.record(self.plan.to_dict())
+        self.record(recovered)
+        self.record(self.plan)
 
-    def timeline_records(self) -> list[dict[str, Any]]:
+    def timeline_records(self) -> list[Record]:
         """What a timeline started at train begin must hold: the recoveries, then the plan in force."""
-        return [*(r.to_dict() for r in self.recoveries), *([self.plan.to_dict()] if self.plan else [])]
+        return [*self.recoveries, *([self.plan] if self.plan else [])]
 
     def check_planned(self) -> None:
         """Training began without a plan: the callback was added (``add_callback``) after ``train()`` was
@@ -255,7 +255,7 @@ class AutoMode(BetweenSteps):
         apply_plan(trainer, plan_of(record))
         self.plan = record
         logger.warning("hf-memwatch plan: %s", record.reason)
-        self.record(record.to_dict())
+        self.record(record)
         self._start_measuring(trainer)
 
     def _train_over_budget(self, trainer: Any, exc: PlanError) -> None:
@@ -267,7 +267,7 @@ class AutoMode(BetweenSteps):
         logger.error("hf-memwatch: %s", reason)
         self.plan = over_budget_record(RunConfig.from_args(trainer.args), self.budget, need, reason,
                                        measured="measured live" in str(exc))
-        self.record(self.plan.to_dict())
+        self.record(self.plan)
 
     # -- before train -------------------------------------------------------------------------
     def before_train(self, trainer: Any, resume_from_checkpoint: Any = None) -> PlanRecord:
@@ -297,7 +297,7 @@ class AutoMode(BetweenSteps):
         if saved is not None and made_for(saved, run):
             # unchanged: trainer_state.json stays that of an uninterrupted run
             self._put_in_force(trainer, saved, log="hf-memwatch plan (resumed from checkpoint, kept): %s")
-            self.record(saved.replace(resumed=True).to_dict())
+            self.record(saved.replace(resumed=True))
             return saved
         if saved is not None:
             logger.warning(
@@ -307,7 +307,7 @@ class AutoMode(BetweenSteps):
         record = self._decide_with_peers(trainer, run, self.budget)
         self._put_in_force(trainer, record)
         log_advice(record, pressed=self.plan_changed_the_run)
-        self.record(record.to_dict())
+        self.record(record)
         return record
 
     def _start_measuring(self, trainer: Any) -> None:

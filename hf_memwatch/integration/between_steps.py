@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ..core.records import FootprintRecord, PlanRecord
+from ..core.records import FootprintRecord, PlanRecord, Record, Snapshot, StepRecord
 from ..core.run_config import RunConfig
 from ..core.units import format_bytes
 from ..measure.backends import backend_for
@@ -58,17 +58,17 @@ class BetweenSteps:
     baseline: FootprintReading | None
     measured: list[StepFootprint]
     advised: bool
-    record: Callable[[dict[str, Any]], None]
+    record: Callable[[Record], None]
     _checkpointing_refused: bool
     _pending_why: str | None
     _agreements: int
 
-    def after_step(self, trainer: Any, step_record: dict[str, Any] | None,
-                   snapshots: list[dict[str, Any]] | None = None) -> PlanRecord | None:
+    def after_step(self, trainer: Any, step_record: StepRecord | None,
+                   snapshots: list[Snapshot] | None = None) -> PlanRecord | None:
         """Between two steps: measure the first steps' footprint against the limit, and turn on
         activation checkpointing when the next step would not fit it, or a measured peak approaches
         the budget. ``snapshots``: the step's ``snapshot`` records. Returns the new plan, if any."""
-        if self.plan is None or not step_record or trainer is None or self.plan.status == "failed":
+        if self.plan is None or step_record is None or trainer is None or self.plan.status == "failed":
             return None
         if self.budget is None:  # a callback the Trainer rebuilt from checkpoint state
             self.budget = resolve_budget(self.budget_spec, backend_for(torch.device(trainer.args.device)))
@@ -76,7 +76,7 @@ class BetweenSteps:
             measured = self._measure_footprint(step_record, snapshots or [])
         except Exception as exc:  # noqa: BLE001 - the plan stands without a measured margin
             logger.warning("hf-memwatch: the footprint of step %s was not measured (%s: %s)",
-                           step_record.get("step"), type(exc).__name__, exc)
+                           step_record.step, type(exc).__name__, exc)
             measured = None
         why = self._pressure(step_record, measured)
         if why is None:
@@ -93,10 +93,10 @@ class BetweenSteps:
             return None
         return self._switch_checkpointing(trainer, why)
 
-    def _pressure(self, step_record: dict[str, Any], measured: FootprintRecord | None) -> str | None:
+    def _pressure(self, step_record: StepRecord, measured: FootprintRecord | None) -> str | None:
         """Why checkpointing should be turned on now (None: no reason, or nothing left to turn on)."""
         assert self.plan is not None and self.budget is not None
-        peak = step_record.get("peak")
+        peak = step_record.peak
         if peak is None or self.plan.activation_checkpointing or self._checkpointing_refused:
             if measured is not None and not measured.fits:
                 logger.warning("hf-memwatch: %s; activation checkpointing is %s, nothing else can change between "
@@ -106,7 +106,7 @@ class BetweenSteps:
         if measured is not None and not measured.fits:
             return footprint_text(measured)
         if peak >= CHECKPOINT_TRIGGER * self.budget.usable:
-            return (f"step {step_record.get('step')} peaked at {format_bytes(peak)}, "
+            return (f"step {step_record.step} peaked at {format_bytes(peak)}, "
                     f"{peak / self.budget.usable:.0%} of the budget {format_bytes(self.budget.usable)}")
         return None
 
@@ -152,10 +152,10 @@ class BetweenSteps:
         self.plan = record
         logger.warning("hf-memwatch plan: %s", record.reason)
         log_advice(record, pressed=True)
-        self.record(record.to_dict())
+        self.record(record)
         return record
 
-    def _measure_footprint(self, step_record: dict[str, Any], snapshots: list[dict[str, Any]]) -> FootprintRecord | None:
+    def _measure_footprint(self, step_record: StepRecord, snapshots: list[Snapshot]) -> FootprintRecord | None:
         """The ``footprint`` record of one of the first steps (written), its gap made the budget's margin."""
         assert self.budget is not None and self.plan is not None
         if self.kind is None or len(self.measured) >= MEASURED_STEPS:
@@ -176,9 +176,9 @@ class BetweenSteps:
         need = max(measured.need, planned)
         advice = None
         if self.kind == "reserved":
-            reserved = max((int(s["reserved"]) for s in snapshots if s.get("reserved") is not None), default=None)
+            reserved = max((int(s.reserved) for s in snapshots if s.reserved is not None), default=None)
             advice = expandable_segments_advice(reserved, measured.allocated_peak,
-                                                snapshots[-1].get("num_alloc_retries"), allocator_settings())
+                                                snapshots[-1].num_alloc_retries, allocator_settings())
         record = FootprintRecord(
             step=measured.step, kind=self.kind, allocated_peak=measured.allocated_peak,
             states_growth=measured.states_growth, footprint_gap=measured.gap,
@@ -189,7 +189,7 @@ class BetweenSteps:
             self.advised = True  # said once; the records of later steps repeat it for the summary
             logger.warning("hf-memwatch: %s", advice)
         logger.info("hf-memwatch: %s", footprint_text(record))
-        self.record(record.to_dict())
+        self.record(record)
         return record
 
     def _checkpointed_peak(self) -> int | None:

@@ -36,6 +36,7 @@ import torch
 
 from ..compat.deepspeed import zero_partitions_named
 from ..core.categories import STEP_BEGIN
+from ..core.records import Snapshot
 from .fsdp2 import Fsdp2Storages, fsdp2_param_groups
 from .held_models import HeldModels, held_models
 from .monitor import StepMonitor
@@ -409,7 +410,7 @@ class EngineStorages:
             grads[-(index + 1)] = nbytes  # placeholder key: storage keys are addresses, never < 0
         return sum(sizes)
 
-    def adjust(self, record: dict[str, Any], monitor: StepMonitor, phase: str, window_peak: int | None) -> None:
+    def adjust(self, record: Snapshot, monitor: StepMonitor, phase: str, window_peak: int | None) -> None:
         # Buckets the tracker had not seen when this window closed were alive all along. One first
         # seen inside the window (DDP's first write) the CPU tracker counted from the window's start
         # (``resident_aliases``); elsewhere the bound on the safe side is taken in that window.
@@ -420,11 +421,11 @@ class EngineStorages:
         else:
             unseen = max(before, self.unseen_bytes) if phase != STEP_BEGIN else self.unseen_bytes
         if unseen and monitor.backend.live_storages() is not None and window_peak is not None:
-            record["peak"] = max(record["peak"], window_peak + unseen)
-            floor = record["allocated"]
+            record.peak = max(record.peak, window_peak + unseen)
+            floor = record.allocated
             if monitor.previous_allocated is not None:
                 floor = max(floor, monitor.previous_allocated)
-            record["spike"] = max(0, record["peak"] - floor)
+            record.spike = max(0, record.peak - floor)
 
 
 def rebuilt_sizes_unlogged(ddp: torch.nn.parallel.DistributedDataParallel) -> bool:

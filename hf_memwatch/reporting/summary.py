@@ -65,7 +65,7 @@ def summary_rows(
     ``snapshots`` are the step's snapshots (for the classes live at the peak moment, see
     :func:`~hf_memwatch.reporting.sinks.composition_at_peak`); shares are of live bytes plus the spike.
     """
-    live, _ = composition_at_peak(step.to_dict(), [s.to_dict() for s in snapshots or []])  # sinks: the live dicts
+    live, _ = composition_at_peak(step, list(snapshots or []))
     figures = {name: live.get(name) for name in LIVE_CLASSES}
     figures["temporaries"] = step.spike_at_peak
     total = sum(v or 0 for v in figures.values())
