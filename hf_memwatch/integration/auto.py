@@ -66,6 +66,7 @@ from ..planning.plan import EvalSetting, Plan
 from ..planning.predict import ESTIMATE_MARGIN, EstimatorPredictor
 from .apply import apply_eval_plan, apply_plan
 from .between_steps import CHECKPOINT_TRIGGER, MEASURED_STEPS, BetweenSteps, distributed
+from .measured import over_budget_error, plan_by_measuring
 from .patches import keep_effective_batch
 from .plan_records import (
     CONFIGURED_FIELDS,
@@ -232,8 +233,6 @@ class AutoMode(BetweenSteps):
         """The estimator could not predict the run: plan it from micro-steps measured live
         (:mod:`hf_memwatch.integration.measured`). Where even that fails, the run is not known to fit:
         :class:`PlanError` (stop before training), or with ``allow_over_budget`` an ERROR line."""
-        from .measured import over_budget_error, plan_by_measuring
-
         if self.budget is None:
             raise over_budget_error(f"hf-memwatch: the auto mode could not plan this run ({type(exc).__name__}: "
                                     f"{exc}) nor resolve its budget; it would train unprotected.", None, None) from exc
@@ -335,8 +334,6 @@ class AutoMode(BetweenSteps):
         started = time.perf_counter()
         weights = sum(weight_storages(trainer.model, torch.device(trainer.args.device)).values())
         if weights >= budget.usable:
-            from .measured import over_budget_error
-
             raise over_budget_error(
                 f"hf-memwatch: the budget {budget.describe()} is below what the weights alone need "
                 f"({format_bytes(weights)}): {format_bytes(weights - budget.usable)} missing. No remedy here "
@@ -358,7 +355,6 @@ class AutoMode(BetweenSteps):
         self.plan_changed_the_run = result.chosen is not None and result.chosen.key() != result.given.key()
         if result.chosen is None:
             from ..planning.engine_advice import no_fit_note
-            from .measured import over_budget_error
 
             try:  # what bounds the smallest plan, and the engine's remedies
                 best = predictor.estimate(result.best_effort())
