@@ -49,7 +49,7 @@ from ..core.units import format_bytes
 from ..estimation.trainer_replay import RngStates, is_one_pass
 from ..measure.attribution import weight_storages
 from ..measure.backends import backend_for
-from ..measure.footprint import FootprintKind, FootprintReading, StepFootprint, host_reading
+from ..measure.footprint import host_reading
 from ..planning.budget import (
     Budget,
     BudgetSpec,
@@ -106,24 +106,13 @@ class AutoMode(BetweenSteps):
 
     def __init__(self, budget: BudgetSpec, record: Callable[[Record], None], *,
                  allow_over_budget: bool = False) -> None:
-        self.budget_spec = budget
+        super().__init__(budget, record)  # the plan, budget, predictor and footprints (between steps)
         self.allow_over_budget = allow_over_budget  # nothing fits: train as configured with an ERROR line
-        self.record = record  # writes a timeline record and the callback state
-        self.budget: Budget | None = None
-        self.plan: PlanRecord | None = None
         self.planning_seconds: float | None = None
         self.recoveries: list[OomRecoveredRecord] = []  # written again at train begin
         self._custom_optimizer = False
-        self._checkpointing_refused = False
         self.installed = False  # train() wrapped: planning happens before the loop is built
-        self.predictor: EstimatorPredictor | Any | None = None  # the plan's, for a re-plan between steps
-        self.kind: FootprintKind | None = None  # what the limit counts (None: not measured)
-        self.baseline: FootprintReading | None = None  # the host footprint when training began
-        self.measured: list[StepFootprint] = []  # the first steps' footprints
-        self.advised = False  # the expandable-segments advice was logged
         self.plan_changed_the_run = False  # the last plan differs from the run as configured
-        self._pending_why: str | None = None  # distributed: this rank's reason to switch, until agreed
-        self._agreements = 0  # distributed: between-step agreements joined (the first MEASURED_STEPS steps)
 
     def _put_in_force(self, trainer: Any, record: PlanRecord, *, log: str = "hf-memwatch plan: %s") -> None:
         """Write ``record`` into the Trainer, make it the plan in force, say it once, record it."""

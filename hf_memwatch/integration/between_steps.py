@@ -1,8 +1,9 @@
 """The auto mode between steps: the first steps' footprint measured against the limit, and
 activation checkpointing turned on when the next step would not fit it (or a measured peak nears
-the budget). Part of :class:`~hf_memwatch.integration.auto.AutoMode` (its base class); the state it
-reads and writes — ``plan`` (a :class:`~hf_memwatch.core.records.PlanRecord`), ``budget``,
-``kind``, ``baseline``, ``measured``, ``predictor`` — is the auto mode's.
+the budget). The base class of :class:`~hf_memwatch.integration.auto.AutoMode`, which plans before
+``train()``; the state used between steps is set up here, in :meth:`BetweenSteps.__init__`: the plan in
+force (a :class:`~hf_memwatch.core.records.PlanRecord`, which the auto mode replaces when it plans), the
+budget, the plan's predictor, what the limit counts and the first steps' footprints.
 """
 
 from __future__ import annotations
@@ -50,18 +51,19 @@ class BetweenSteps:
     """After each optimizer step: :meth:`after_step` (every rank), :meth:`agree_between_steps`
     (distributed runs, the first :data:`MEASURED_STEPS` steps)."""
 
-    plan: PlanRecord | None
-    budget: Budget | None
-    budget_spec: BudgetSpec
-    predictor: EstimatorPredictor | Any | None
-    kind: FootprintKind | None
-    baseline: FootprintReading | None
-    measured: list[StepFootprint]
-    advised: bool
-    record: Callable[[Record], None]
-    _checkpointing_refused: bool
-    _pending_why: str | None
-    _agreements: int
+    def __init__(self, budget: BudgetSpec, record: Callable[[Record], None]) -> None:
+        self.budget_spec = budget
+        self.record = record  # writes a timeline record (typed) and the callback state
+        self.budget: Budget | None = None
+        self.plan: PlanRecord | None = None
+        self.predictor: EstimatorPredictor | Any | None = None  # the plan's, for a re-plan between steps
+        self.kind: FootprintKind | None = None  # what the limit counts (None: not measured)
+        self.baseline: FootprintReading | None = None  # the host footprint when training began
+        self.measured: list[StepFootprint] = []  # the first steps' footprints
+        self.advised = False  # the expandable-segments advice was logged
+        self._checkpointing_refused = False
+        self._pending_why: str | None = None  # distributed: this rank's reason to switch, until agreed
+        self._agreements = 0  # distributed: between-step agreements joined (the first MEASURED_STEPS steps)
 
     def after_step(self, trainer: Any, step_record: StepRecord | None,
                    snapshots: list[Snapshot] | None = None) -> PlanRecord | None:
