@@ -11,6 +11,7 @@ import pytest
 import torch
 from conftest import RECORD_PROBLEMS
 
+from hf_memwatch.core.plan import Plan
 from hf_memwatch.core.records import FootprintRecord, MetaRecord, PlanRecord
 from hf_memwatch.core.run_config import RunConfig
 from hf_memwatch.integration.between_steps import distributed, footprint_text
@@ -21,10 +22,8 @@ from hf_memwatch.measure.monitor import StepMonitor
 from hf_memwatch.planning.budget import Budget
 from hf_memwatch.reporting.context import KnownPlan
 
-PLAN = PlanRecord(micro_batch_size=2, gradient_accumulation_steps=4, activation_checkpointing=True, optim="adamw_torch",
-                  predicted_peak=300, budget=400, reason="fits", configured={"micro_batch_size": 8,
-                                                                             "gradient_accumulation_steps": 1,
-                                                                             "world_size": 1})
+PLAN = PlanRecord(plan=Plan(2, 4, True, "adamw_torch", predicted_peak=300, reason="fits"), budget=400,
+                  configured={"micro_batch_size": 8, "gradient_accumulation_steps": 1, "world_size": 1})
 
 
 def test_the_timeline_opens_with_its_typed_records_and_refuses_a_dict(tmp_path: Path) -> None:
@@ -56,7 +55,14 @@ def test_the_logging_interval_in_optimizer_steps() -> None:
 
 
 def test_a_plan_record_carries_its_plan_and_the_configuration_it_was_made_for() -> None:
-    assert plan_of(PLAN).key() == (2, 4, True, "adamw_torch") and plan_of(PLAN).predicted_peak == 300
+    assert plan_of(PLAN) is PLAN.plan and PLAN.plan.key() == (2, 4, True, "adamw_torch")  # one form, nested
+    assert PLAN.to_dict() == {"event": "plan", "micro_batch_size": 2, "gradient_accumulation_steps": 4,
+                              "activation_checkpointing": True, "optim": "adamw_torch", "predicted_peak": 300,
+                              "budget": 400, "reason": "fits", "configured": PLAN.configured}  # written flat
+    assert PlanRecord.from_dict(PLAN.to_dict()) == PLAN
+    moved = PLAN.replace(activation_checkpointing=False, reason="between steps", margin=0.1)
+    assert (moved.plan.activation_checkpointing, moved.reason, moved.margin, PLAN.reason) == (
+        False, "between steps", 0.1, "fits")
     run = RunConfig(micro_batch_size=8, gradient_accumulation_steps=1)
     assert configured_of(run) == PLAN.configured and made_for(PLAN, run)
     assert not made_for(PLAN, run.replace(gradient_accumulation_steps=2))  # resumed otherwise: planned anew

@@ -75,7 +75,6 @@ from .plan_records import (
     log_advice,
     made_for,
     over_budget_record,
-    plan_of,
     plan_record,
     planned_batch,
     saved_plan,
@@ -116,7 +115,7 @@ class AutoMode(BetweenSteps):
 
     def _put_in_force(self, trainer: Any, record: PlanRecord, *, log: str = "hf-memwatch plan: %s") -> None:
         """Write ``record`` into the Trainer, make it the plan in force, say it once, record it."""
-        apply_plan(trainer, plan_of(record))
+        apply_plan(trainer, record.plan)  # the chooser's Plan, as the record nests it
         apply_eval_plan(trainer, record)
         self.plan = record
         logger.warning(log, record.reason)
@@ -194,7 +193,7 @@ class AutoMode(BetweenSteps):
             budget=limit,
         )
         self.recoveries.append(recovered)
-        apply_plan(trainer, plan_of(record))
+        apply_plan(trainer, record.plan)
         apply_eval_plan(trainer, record)
         self.plan = record.replace(recovered_from_oom=len(self.recoveries))
         logger.warning("hf-memwatch: out of memory in the first step (%s); planned again: %s",
@@ -240,7 +239,7 @@ class AutoMode(BetweenSteps):
         record = agree(record, int(result.given.predicted_peak or 0) - self.budget.usable)
         self.predictor = predictor  # answers from its measurements only (frozen)
         self.plan_changed_the_run = result.chosen is not None and result.chosen.key() != result.given.key()
-        apply_plan(trainer, plan_of(record))
+        apply_plan(trainer, record.plan)
         self.plan = record
         logger.warning("hf-memwatch plan: %s", record.reason)
         self.record(record)
@@ -408,4 +407,4 @@ def agree(record: PlanRecord, need_bytes: int) -> PlanRecord:
         return record
     from ..measure.distributed import agree_plan
 
-    return PlanRecord.from_dict(agree_plan(record.to_dict(), need_bytes))
+    return agree_plan(record, need_bytes)  # the record itself crosses the ranks (pickled), no dict form

@@ -8,7 +8,6 @@ budget, the plan's predictor, what the limit counts and the first steps' footpri
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -30,7 +29,7 @@ from ..measure.footprint import (
 from ..planning.budget import Budget, BudgetSpec, resolve_budget
 from ..planning.predict import EstimatorPredictor
 from .apply import enable_checkpointing_now
-from .plan_records import log_advice, plan_of
+from .plan_records import log_advice
 
 logger = logging.getLogger("hf_memwatch")
 
@@ -199,7 +198,7 @@ class BetweenSteps:
         if self.predictor is None or self.plan is None:
             return None
         try:
-            return self.predictor.peak(dataclasses.replace(plan_of(self.plan), activation_checkpointing=True))
+            return self.predictor.peak(self.plan.plan.replace(activation_checkpointing=True))
         except Exception as exc:  # noqa: BLE001 - checkpointing is on either way; only the figure is missing
             logger.warning("hf-memwatch: the checkpointed step was not predicted (%s: %s)", type(exc).__name__, exc)
             return None

@@ -291,7 +291,7 @@ class MemWatch(TrainerCallback, ExportableState):
         trainer, session = self.trainer, self.session
         if trainer is not None and session is not None and session.eval.oom_reported is not exc:  # an eval loop's report stands
             write_oom_report(self.memwatch_dir(trainer.args), exc, session.monitor, trainer,
-                             seq_len=session.last_seq_len, plan=self.plan_in_force())
+                             seq_len=session.last_seq_len, plan=self.known_plan().plan)
         self._close_session()
 
     def is_full_step(self, step: int) -> bool:
@@ -471,7 +471,7 @@ class MemWatch(TrainerCallback, ExportableState):
         self._close_session()
         if state.is_world_process_zero and self.session is not None:
             self._report_process = finish_reports(self.memwatch_dir(args), self.report, self.summary,
-                                                  self.plan_in_force())
+                                                  self.known_plan().plan)
         if self._trial_name is not None and state.is_world_process_zero:
             self.trials.record(self._trial_name, None if self.session is None else self.session.run_peak)
             self.trials.write(self._base_dir(args))

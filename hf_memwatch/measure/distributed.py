@@ -37,6 +37,7 @@ import torch
 from ..compat.deepspeed import zero_partitions_named
 from ..core.categories import STEP_BEGIN
 from ..core.records import Snapshot
+from .attribution import spike_above
 from .fsdp2 import Fsdp2Storages, fsdp2_param_groups
 from .held_models import HeldModels, held_models
 from .monitor import StepMonitor
@@ -154,12 +155,12 @@ def share_failure(exc: BaseException, fatal: bool) -> None:
 class Agreement:
     """The outcome of :func:`decide_across_ranks`: the plan every rank applies and who chose it."""
 
-    plan: dict[str, Any]
+    plan: Any  # as the deciding rank passed it (the auto mode's PlanRecord, pickled across ranks)
     decider: int
     needs: list[int]
 
 
-def decide_across_ranks(local_plan: Mapping[str, Any], need_bytes: int) -> Agreement:
+def decide_across_ranks(local_plan: Any, need_bytes: int) -> Agreement:
     """The plan of the rank that needs the most bytes (ties: the lowest rank), on every rank.
 
     ``need_bytes`` is how much the rank must cut from the configured run to fit its budget (its
@@ -167,13 +168,13 @@ def decide_across_ranks(local_plan: Mapping[str, Any], need_bytes: int) -> Agree
     chooses, and its plan fits every rank whose budget is larger. One ``all_gather_object``: every
     rank must call it once at the same point, and every rank then holds the same answer.
     """
-    entries = _exchange((int(need_bytes), dict(local_plan)))
+    entries = _exchange((int(need_bytes), local_plan))
     needs = [need for need, _ in entries]
     decider = max(range(len(entries)), key=lambda rank: (needs[rank], -rank))
-    return Agreement(plan=dict(entries[decider][1]), decider=decider, needs=needs)
+    return Agreement(plan=entries[decider][1], decider=decider, needs=needs)
 
 
-def agree_plan(local_plan: Mapping[str, Any], need_bytes: int) -> dict[str, Any]:
+def agree_plan(local_plan: Any, need_bytes: int) -> Any:
     """All ranks get the plan of the rank that needs the most (see :func:`decide_across_ranks`).
 
     Example:
@@ -422,10 +423,7 @@ class EngineStorages:
             unseen = max(before, self.unseen_bytes) if phase != STEP_BEGIN else self.unseen_bytes
         if unseen and monitor.backend.live_storages() is not None and window_peak is not None:
             record.peak = max(record.peak, window_peak + unseen)
-            floor = record.allocated
-            if monitor.previous_allocated is not None:
-                floor = max(floor, monitor.previous_allocated)
-            record.spike = max(0, record.peak - floor)
+            record.spike = spike_above(record.peak, record.allocated, monitor.previous_allocated)
 
 
 def rebuilt_sizes_unlogged(ddp: torch.nn.parallel.DistributedDataParallel) -> bool:

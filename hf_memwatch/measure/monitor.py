@@ -22,6 +22,7 @@ from .attribution import (
     dominant_class,
     gradient_storages,
     optimizer_state_storages,
+    spike_above,
     split_live,
     unwrap_optimizer,
     weight_storages,
@@ -284,8 +285,7 @@ class StepMonitor:
     ) -> Snapshot:
         spike = None
         if allocated is not None and peak is not None:
-            floor = allocated if self._previous_allocated is None else max(self._previous_allocated, allocated)
-            spike = max(0, peak - floor)
+            spike = spike_above(peak, allocated, self._previous_allocated)
             peak = max(peak, allocated)
         overhead = None
         if reading.reserved is not None and allocated is not None:

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from ..core.categories import LIVE_CLASSES
-from ..core.records import OomRecord, Snapshot, StepRecord
+from ..core.records import OomRecord, PlanRecord, Snapshot, StepRecord
 from ..core.run_config import RunConfig, is_peft_model
 from ..core.units import format_bytes
 from ..measure.footprint import advice_from_stats, allocator_settings
@@ -315,7 +315,7 @@ class PostMortem:
     config: RunConfig
     model: Any
     at_failure: Snapshot | None = None
-    plan: Mapping[str, Any] | None = None
+    plan: PlanRecord | Mapping[str, Any] | None = None
     snapshot_path: Path | None = None
     allocator_advice: str | None = None
     failure_tensors: Any = None
@@ -442,10 +442,10 @@ def _remedy_lines(
     return lines
 
 
-def _plan_text(plan: Any) -> str:
+def _plan_text(plan: PlanRecord | Mapping[str, Any] | None) -> str:
     from .summary import describe_plan
 
-    if isinstance(plan, Mapping):
-        text = describe_plan(plan)
-        return text + (f". Reason: {plan['reason']}" if plan.get("reason") else "")
-    return "None (the auto mode was off or had no plan)." if plan is None else str(plan)
+    if plan is None:
+        return "None (the auto mode was off or had no plan)."
+    reason = plan.get("reason") if isinstance(plan, Mapping) else plan.reason
+    return describe_plan(plan) + (f". Reason: {reason}" if reason else "")

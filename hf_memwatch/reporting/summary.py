@@ -261,7 +261,7 @@ def highest_moment(steps: list[StepRecord], evals: list[EvalRecord]) -> str | No
     return text
 
 
-def print_summary(path: str | os.PathLike[str], plan: Mapping[str, Any] | None = None, console: Any = None,
+def print_summary(path: str | os.PathLike[str], plan: PlanRecord | Mapping[str, Any] | None = None, console: Any = None,
                   settings: str | None = None) -> Any:
     """Print the table for the run under ``path``; returns it (None when there is nothing to show).
 
@@ -286,7 +286,7 @@ def print_summary(path: str | os.PathLike[str], plan: Mapping[str, Any] | None =
 
 
 def finish_reports(directory: str | os.PathLike[str], report: bool | str, summary: bool,
-                   plan: Mapping[str, Any] | None) -> Any:
+                   plan: PlanRecord | Mapping[str, Any] | None) -> Any:
     """Train-end reporting of ``MemWatch`` in ``directory``: the picture and the summary (with the
     ``plan`` record in force), each failing alone, quietly; then, once, where the run's files are
     (:func:`files_line`; printed with the summary, else logged at INFO).
