@@ -315,8 +315,6 @@ CYCLES_ALLOWED = {
     frozenset({"hf_memwatch.estimation.streaming", "hf_memwatch.estimation.trainer_replay"}),
     # write_report's page (Plotly) and the picture's helpers it draws with (issue #35 edits both)
     frozenset({"hf_memwatch.reporting.page", "hf_memwatch.reporting.report"}),
-    # the suite's oracles: truth re-exports StepMarker lazily (transformers is heavy for the profiler alone)
-    frozenset({"hf_memwatch.testing.step_marker", "hf_memwatch.testing.truth"}),
 }
 
 
