@@ -353,12 +353,10 @@ UNNAMED_ALLOWED = {
     "hf_memwatch.measure.fsdp2": "FSDP2 ranks: tests/test_distributed.py (issue #34 point 1 moves it to engines/)",
     "hf_memwatch.measure.gloo_staging": "gloo ranks: tests/test_distributed.py (moves to engines/)",
     "hf_memwatch.measure.module_scope": "the peak tensors' modules: tests/test_peak_tensors.py",
-    "hf_memwatch.measure.peak_tensors": "the peak_tensors records: tests/test_peak_tensors.py",
     "hf_memwatch.measure.peak_watch": "the peak_tensors records: tests/test_peak_tensors.py",
     "hf_memwatch.measure.storage": "every tracked snapshot: tests/test_tracker.py",
     "hf_memwatch.planning.engine_advice": "tests/test_deepspeed_zero.py (issue #34 point 1 moves it to engines/)",
     "hf_memwatch.reporting.eval_oom": "an OOM in an eval loop: tests/test_eval.py",
-    "hf_memwatch.reporting.oom_tensors": "the post-mortem's tensors: tests/test_oom.py",
 }
 
 
