@@ -203,6 +203,7 @@ SLOWEST_FIRST = (
     "test_trl_online.py", "test_bad_input.py", "test_kto_auto.py", "test_qlora.py", "test_cli_estimate.py",
     "test_compile.py", "test_rloo_auto.py", "test_oom.py", "test_measured_fallback.py",
     "test_checkpointing_as_configured.py", "test_perturbation.py", "test_planner.py", "test_sinks.py",
+    "test_timeline_golden.py",
 )
 
 
