@@ -162,14 +162,18 @@ RECORDS_DIR_ENV = "HF_MEMWATCH_TEST_RECORDS_DIR"
 @pytest.fixture(autouse=True, scope="session")
 def check_every_timeline_record():
     """Every record any test writes is validated against its typed definition (see the per-test check)."""
-    from hf_memwatch.core.records import validate_record
+    from hf_memwatch.core.records import Record, validate_record
     from hf_memwatch.core.timeline import TimelineWriter
 
     original = TimelineWriter.write
 
     def write(self, record):
-        WRITTEN_RECORDS[str(record.get("event"))] = WRITTEN_RECORDS.get(str(record.get("event")), 0) + 1
-        RECORD_PROBLEMS.extend(validate_record(record))
+        if not isinstance(record, Record):  # records travel typed; only the writer serialises (issue #34)
+            RECORD_PROBLEMS.append(f"a {type(record).__name__} handed to TimelineWriter.write, not a typed record")
+            return original(self, record)
+        data = record.to_dict()
+        WRITTEN_RECORDS[str(data.get("event"))] = WRITTEN_RECORDS.get(str(data.get("event")), 0) + 1
+        RECORD_PROBLEMS.extend(validate_record(data))
         return original(self, record)
 
     TimelineWriter.write = write
@@ -199,6 +203,7 @@ SLOWEST_FIRST = (
     "test_trl_online.py", "test_bad_input.py", "test_kto_auto.py", "test_qlora.py", "test_cli_estimate.py",
     "test_compile.py", "test_rloo_auto.py", "test_oom.py", "test_measured_fallback.py",
     "test_checkpointing_as_configured.py", "test_perturbation.py", "test_planner.py", "test_sinks.py",
+    "test_timeline_golden.py",
 )
 
 

@@ -53,8 +53,7 @@ def test_the_run_as_configured_changes_nothing(tmp_path) -> None:
 
 def test_a_plan_records_eval_fields_reach_the_arguments(tmp_path) -> None:
     trainer = _trainer(tmp_path, "eval", per_device_eval_batch_size=8)
-    plain = PlanRecord(micro_batch_size=4, gradient_accumulation_steps=1, activation_checkpointing=False,
-                       optim="adamw_torch", predicted_peak=1, budget=2, reason="fits")
+    plain = PlanRecord(plan=Plan(4, 1, False, "adamw_torch", predicted_peak=1, reason="fits"), budget=2)
     apply_eval_plan(trainer, plain)  # no eval fields: the eval arguments stay the user's
     assert (trainer.args.per_device_eval_batch_size, trainer.args.eval_accumulation_steps) == (8, None)
     apply_eval_plan(trainer, plain.replace(eval_batch_size=2, eval_accumulation_steps=1))

@@ -320,7 +320,7 @@ def test_planning_leaves_no_memory_rng_or_gradient_behind(tmp_path: Path) -> Non
     gc.disable()  # what planning leaves must be freed by itself, not by a lucky collection
     try:
         with cpu_memory_profile() as prof:
-            AutoMode("1GiB", records.append).before_train(trainer)
+            AutoMode("1GiB", lambda record: records.append(record.to_dict())).before_train(trainer)
     finally:
         gc.enable()
     assert sum(delta for _, delta in cpu_memory_deltas(prof)) < 4096

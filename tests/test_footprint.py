@@ -56,6 +56,11 @@ def test_peak_gap_counts_retained_heap_once_and_footprint_gap_twice() -> None:
     assert peak_gap(readings[:1]) is None
 
 
+def typed(record: dict[str, Any]) -> Any:
+    """A timeline line as the monitor hands it on: its typed record (fields it lacks read as absent)."""
+    return (StepRecord if record.get("event") == "step" else Snapshot).from_dict(record, lenient=True)
+
+
 def test_step_footprint_on_cuda_shaped_records() -> None:
     # Step 1 of an AdamW run: peak in the backward pass, the states allocated after it by optimizer.step().
     step = {"event": "step", "step": 1, "peak": 2_040_109_465, "detail": "light", "live_at_peak": {"optimizer_states": 0}}
@@ -66,6 +71,7 @@ def test_step_footprint_on_cuda_shaped_records() -> None:
         {"phase": "step_end", "allocated": 1_288_490_188, "reserved": 2_684_354_560,
          "live": {"optimizer_states": 288_490_188}, "num_alloc_retries": 0},
     ]
+    step, snapshots = typed(step), [typed(s) for s in snapshots]
     measured = step_footprint(step, snapshots, "reserved")
     assert measured is not None
     assert measured.gap == 2_684_354_560 - 2_040_109_465  # reserved − allocated at the peak
@@ -73,11 +79,11 @@ def test_step_footprint_on_cuda_shaped_records() -> None:
     assert measured.need == 2_040_109_465 + 288_490_188 + measured.gap
     # CUDA's light steps are exact; a CPU step not tracked in full has no allocated peak of its own
     # (its figures are the last full step's, or 0), and a host kind needs the baseline: nothing measured.
-    assert step_footprint(dict(step, peak=None), snapshots, "reserved") is None
+    assert step_footprint(step.replace(peak=None), snapshots, "reserved") is None
     baseline = FootprintReading(0.0, 500_000_000, 3 << 30)
     assert step_footprint(step, snapshots, "rss", baseline) is None
-    assert step_footprint(dict(step, detail="full"), snapshots, "rss") is None
-    assert step_footprint(dict(step, detail="full"), [dict(s, host_rss=4 << 30) for s in snapshots], "rss",
+    assert step_footprint(step.replace(detail="full"), snapshots, "rss") is None
+    assert step_footprint(step.replace(detail="full"), [s.replace(host_rss=4 << 30) for s in snapshots], "rss",
                           baseline) is not None
 
 
@@ -95,7 +101,7 @@ def test_step_footprint_on_a_real_cpu_step(tmp_path: Path) -> None:
     [step] = [r for r in records if r["event"] == "step"]
     snapshots = [r for r in records if r["event"] == "snapshot"]
     assert all(isinstance(s["host_vms"], int) and s["host_vms"] >= s["host_rss"] for s in snapshots)
-    measured = step_footprint(step, snapshots, "vms", baseline)
+    measured = step_footprint(typed(step), [typed(s) for s in snapshots], "vms", baseline)
     assert measured is not None and measured.step == 1 and measured.allocated_peak == step["peak"]
     assert measured.states_growth > 0  # AdamW's states, created after the backward peak
     # The gap is what the virtual size grew beyond the tensors: never negative, and here far below a GiB.
@@ -156,7 +162,7 @@ def test_a_step_whose_measured_footprint_would_not_fit_turns_checkpointing_on(tm
     trainer = Trainer(model=gpt2_model(), args=training_args(tmp_path / "run", per_device_train_batch_size=4),
                       train_dataset=token_dataset(16, 64, 1000))
     records: list[dict[str, Any]] = []
-    auto = AutoMode("64MiB", records.append)
+    auto = AutoMode("64MiB", lambda record: records.append(record.to_dict()))  # typed records, as written
     auto.before_train(trainer)
     plan = records[0]
     assert plan["event"] == "plan" and plan["activation_checkpointing"] is False
@@ -165,10 +171,11 @@ def test_a_step_whose_measured_footprint_would_not_fit_turns_checkpointing_on(tm
     peak = int(plan["predicted_peak"])
     budget = auto.budget
     assert budget is not None
-    step = {"event": "step", "step": 1, "peak": peak, "detail": "light", "live_at_peak": {"optimizer_states": 0}}
+    step = StepRecord.from_dict({"step": 1, "peak": peak, "detail": "light", "live_at_peak": {"optimizer_states": 0}},
+                                lenient=True)
     reserved = peak + (budget.total - peak) + 8 * MiB  # reserve gap larger than the room left
-    snapshots = [{"allocated": peak // 2, "reserved": reserved, "num_alloc_retries": 0,
-                  "live": {"optimizer_states": 0}}]
+    snapshots = [Snapshot.from_dict({"allocated": peak // 2, "reserved": reserved, "num_alloc_retries": 0,
+                                     "live": {"optimizer_states": 0}}, lenient=True)]
     with caplog.at_level(logging.INFO, logger="hf_memwatch"):
         replanned = auto.after_step(trainer, step, snapshots)
     footprint = next(r for r in records if r["event"] == "footprint")
@@ -186,7 +193,7 @@ def test_a_step_whose_measured_footprint_would_not_fit_turns_checkpointing_on(tm
     assert "would not fit the budget" in caplog.text and "expandable_segments" in caplog.text
     # Only the first MEASURED_STEPS steps are measured.
     for n in (2, 3, 4):
-        auto.after_step(trainer, dict(step, step=n), snapshots)
+        auto.after_step(trainer, step.replace(step=n), snapshots)
     assert [r["step"] for r in records if r["event"] == "footprint"] == [1, 2, 3]
 
 

@@ -28,11 +28,11 @@ def test_a_steady_growth_under_noise_is_found_with_its_rate_and_start():
     found = find_leaks(history(values), headroom=lambda name: 120 * MiB)
     assert len(found) == 1
     leak = found[0]
-    assert leak["class"] == "other" and leak["event"] == "leak"
-    assert 1.0 * MiB < leak["bytes_per_step"] < 1.4 * MiB
-    assert leak["since_step"] <= 4 and leak["step"] == 10
-    assert leak["predicted_oom_step"] == predicted_oom_step(10, leak["bytes_per_step"], 120 * MiB)
-    assert 100 < leak["predicted_oom_step"] < 120
+    assert leak.klass == "other" and leak.EVENT == "leak"  # a typed record (core/records.py)
+    assert 1.0 * MiB < leak.bytes_per_step < 1.4 * MiB
+    assert leak.since_step <= 4 and leak.step == 10
+    assert leak.predicted_oom_step == predicted_oom_step(10, leak.bytes_per_step, 120 * MiB)
+    assert 100 < leak.predicted_oom_step < 120
 
 
 @pytest.mark.parametrize(

@@ -73,7 +73,7 @@ def test_console_summary_adds_up_to_the_peak_and_shows_bytes_per_param(run):
     top = max(steps, key=lambda s: s.peak)
     step_snaps = [s for s in snapshots if s.step == top.step]
     rows = {row["class"]: row for row in summary_rows(top, meta, step_snaps)}
-    live, allocated = composition_at_peak(top.to_dict(), [s.to_dict() for s in step_snaps])
+    live, allocated = composition_at_peak(top, step_snaps)
     assert sum(row["bytes"] for row in rows.values()) == allocated + top.spike_at_peak == top.peak
     assert sum(row["share"] for row in rows.values()) == pytest.approx(1.0)
     params = sum(p.numel() for p in model.parameters())

@@ -15,6 +15,7 @@ from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState
 from transformers.integrations import TensorBoardCallback, WandbCallback
 
 from hf_memwatch import LIVE_CLASSES, MemWatch
+from hf_memwatch.core.records import Snapshot, StepRecord
 from hf_memwatch.reporting.sinks import (
     exact_name_routes,
     merge_ranks,
@@ -233,7 +234,8 @@ def test_step_scalars_use_the_allocator_figures_where_the_device_keeps_them():
               "live": dict.fromkeys(LIVE_CLASSES, 100)},
              {"phase": "after_forward", "micro_step": 0, "allocated": 800, "fragmentation": 96,
               "live": dict.fromkeys(LIVE_CLASSES, 160)}]
-    scalars = step_scalars(record, snaps, budget=1000, predicted_peak=950)
+    scalars = step_scalars(StepRecord.from_dict(record, lenient=True),
+                           [Snapshot.from_dict(s, lenient=True) for s in snaps], budget=1000, predicted_peak=950)
     assert scalars == {
         "memory/peak": 900, "memory/allocated": 800, "memory/reserved": 2048, "memory/weights": 160,
         "memory/gradients": 160, "memory/optimizer_states": 160, "memory/activations": 160, "memory/other": 160,

@@ -26,15 +26,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal, TypedDict, TypeVar, get_type_hints
+from typing import Any, ClassVar, Literal, TypedDict
+
+from .plan import Plan
+from .serial import Serial, Slot, _field_slots, optional
 
 Bytes = int  # every figure is in bytes; None where a device cannot tell
-_R = TypeVar("_R", bound="Serial")
-
-
-def optional(default: Any = None) -> Any:
-    """A field written only when known (not None): absent from the JSON object otherwise."""
-    return field(default=default, metadata={"optional": True})
 
 
 class LiveClasses(TypedDict):
@@ -47,88 +44,6 @@ class LiveClasses(TypedDict):
     other: Bytes | None
 
 
-@dataclass(kw_only=True)
-class Serial:
-    """A dataclass that turns itself into plain JSON-able data and back.
-
-    ``KEYS`` maps a field to its key on disk where they differ (``klass`` -> ``class``); ``NESTED``
-    names the fields holding another :class:`Serial`.
-    """
-
-    KEYS: ClassVar[dict[str, str]] = {}
-    NESTED: ClassVar[dict[str, type[Serial]]] = {}
-    extra: dict[str, Any] = field(default_factory=dict, repr=False)  # keys this definition does not know
-
-    def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for item in dataclasses.fields(self):
-            if item.name == "extra":
-                continue
-            value = getattr(self, item.name)
-            if value is None and item.metadata.get("optional"):
-                continue
-            out[self.KEYS.get(item.name, item.name)] = value.to_dict() if isinstance(value, Serial) else value
-        out.update({k: v for k, v in self.extra.items() if k not in out})
-        return out
-
-    @classmethod
-    def from_dict(cls: type[_R], data: dict[str, Any], *, lenient: bool = False) -> _R:
-        """The inverse of :meth:`to_dict`; unknown keys go to ``extra``; a missing required key is a
-        ValueError — or, ``lenient`` (a reader of timelines older versions wrote), its type's absent
-        value: ``{}`` for a mapping, ``[]`` for a list, else None."""
-        keys = _disk_keys(cls)
-        values: dict[str, Any] = {}
-        for name, key in keys.items():
-            if key in data:
-                value = data[key]
-                nested = cls.NESTED.get(name)
-                if nested is not None and isinstance(value, dict):
-                    value = nested.from_dict(value, lenient=lenient)
-                values[name] = value
-        missing = [name for name in _required(cls) if name not in values]
-        if missing and lenient:
-            values.update({name: _absent(_hints(cls)[name]) for name in missing})
-        elif missing:
-            named = ", ".join(repr(keys[name]) for name in missing)
-            raise ValueError(f"{getattr(cls, 'EVENT', cls.__name__)} record: missing {named}")
-        known = set(keys.values()) | {"event"}
-        return cls(**values, extra={k: v for k, v in data.items() if k not in known})
-
-    def replace(self: _R, **changes: Any) -> _R:
-        """A copy with ``changes`` (field names)."""
-        return dataclasses.replace(self, **changes)
-
-
-@functools.cache
-def _disk_keys(cls: type[Serial]) -> dict[str, str]:
-    """Field name -> key on disk, ``extra`` left out."""
-    return {f.name: cls.KEYS.get(f.name, f.name) for f in dataclasses.fields(cls) if f.name != "extra"}
-
-
-def _absent(hint: Any) -> Any:
-    """The value a field an older timeline did not write is read as: an empty mapping or list, else None.
-
-    Example:
-        >>> _absent(LiveClasses), _absent(list[int]), _absent(int | None)
-        ({}, [], None)
-    """
-    origin = getattr(hint, "__origin__", None)
-    if origin is dict or (isinstance(hint, type) and issubclass(hint, dict)):
-        return {}
-    if origin is list or hint is list:
-        return []
-    return None
-
-
-@functools.cache
-def _hints(cls: type[Serial]) -> dict[str, Any]:
-    return get_type_hints(cls)
-
-
-@functools.cache
-def _required(cls: type[Serial]) -> tuple[str, ...]:
-    return tuple(f.name for f in dataclasses.fields(cls)
-                 if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
 
 
 @dataclass(kw_only=True)
@@ -220,13 +135,12 @@ class PlanRecord(Record):
 
     EVENT: ClassVar[str] = "plan"
     NESTED: ClassVar[dict[str, type[Serial]]] = {"sample": PlannedBatch}
-    micro_batch_size: int
-    gradient_accumulation_steps: int
-    activation_checkpointing: bool | None
-    optim: str | None
-    predicted_peak: Bytes | None
+    # the plan's attributes written flat, first, with their types on disk (``reason`` after ``budget``)
+    PLAN_KEYS: ClassVar[dict[str, Any]] = {"micro_batch_size": int, "gradient_accumulation_steps": int,
+                                           "activation_checkpointing": bool | None, "optim": str | None,
+                                           "predicted_peak": Bytes | None}
+    plan: Plan  # the configuration (None for checkpointing and optim of a run let go on as configured)
     budget: Bytes | None
-    reason: str
     budget_source: str | None = optional()
     budget_bound_by: str | None = optional()
     margin: float | None = optional()  # footprint beyond the allocated bytes planned for, as a share of them
@@ -248,6 +162,36 @@ class PlanRecord(Record):
     def in_force(self) -> bool:
         """A plan the run follows (not a run let go on as configured, over budget or unplanned)."""
         return self.status not in ("failed", "over_budget")
+
+    @classmethod
+    def slots(cls) -> tuple[Slot, ...]:
+        """The plan's attributes first (as the record always wrote them), ``budget``, the plan's
+        ``reason``, then the record's own fields."""
+        own = [slot for slot in _field_slots(cls) if slot.name != "plan"]
+        flat = [Slot(name, name, hint, False, True, "plan") for name, hint in cls.PLAN_KEYS.items()]
+        return (*flat, own[0], Slot("reason", "reason", str, False, True, "plan"), *own[1:])
+
+    @classmethod
+    def _build(cls, values: dict[str, Any], extra: dict[str, Any]) -> PlanRecord:
+        plan = Plan(values.pop("micro_batch_size"), values.pop("gradient_accumulation_steps"),
+                    values.pop("activation_checkpointing"), values.pop("optim"),
+                    predicted_peak=values.pop("predicted_peak"), reason=values.pop("reason"))
+        return cls(plan=plan, **values, extra=extra)
+
+    def replace(self, **changes: Any) -> PlanRecord:
+        """A copy with ``changes``: the record's fields, or the plan's (``activation_checkpointing``, ``reason``, ...)."""
+        planned = {name: changes.pop(name) for name in (*self.PLAN_KEYS, "reason") if name in changes}
+        if planned:
+            changes["plan"] = dataclasses.replace(changes.get("plan", self.plan), **planned)
+        return dataclasses.replace(self, **changes)
+
+    # the plan's attributes, read through the record as the timeline names them
+    micro_batch_size = property(lambda self: self.plan.micro_batch_size)
+    gradient_accumulation_steps = property(lambda self: self.plan.gradient_accumulation_steps)
+    activation_checkpointing = property(lambda self: self.plan.activation_checkpointing)
+    optim = property(lambda self: self.plan.optim)
+    predicted_peak = property(lambda self: self.plan.predicted_peak)
+    reason = property(lambda self: self.plan.reason)
 
 
 @dataclass(kw_only=True)
@@ -423,14 +367,12 @@ def _matches(value: Any, hint: Any) -> bool:
 @functools.cache
 def _disk_hints(kind: type[Record]) -> dict[str, Any]:
     """Key on disk -> type hint of the field behind it."""
-    hints = _hints(kind)
-    return {key: hints[name] for name, key in _disk_keys(kind).items()}
+    return {slot.key: slot.hint for slot in kind.slots()}
 
 
 def required_keys(kind: type[Record]) -> frozenset[str]:
     """The keys every record of ``kind`` has (``event`` included)."""
-    keys = _disk_keys(kind)
-    return frozenset({"event", *(keys[name] for name in _required(kind))})
+    return frozenset({"event", *(slot.key for slot in kind.slots() if slot.required)})
 
 
 def validate_record(record: dict[str, Any]) -> list[str]:
@@ -459,10 +401,8 @@ def contract_table() -> str:
     kinds: list[tuple[str, type[Serial]]] = [(kind.EVENT, kind) for kind in RECORDS.values()]
     kinds.append(("plan → sample", PlannedBatch))
     for name, kind in kinds:
-        keys = _disk_keys(kind)
-        fields = [f for f in dataclasses.fields(kind) if f.name != "extra"]
-        always = [keys[f.name] for f in fields if not f.metadata.get("optional")]
-        known = [keys[f.name] for f in fields if f.metadata.get("optional")]
+        always = [slot.key for slot in kind.slots() if not slot.optional]
+        known = [slot.key for slot in kind.slots() if slot.optional]
         rows.append(f"| `{name}` | {', '.join(f'`{k}`' for k in always)} | "
                     f"{', '.join(f'`{k}`' for k in known) or '—'} |")
     return "\n".join(rows)

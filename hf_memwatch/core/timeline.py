@@ -43,9 +43,12 @@ class TimelineWriter:
         """Whether records can still be written (not closed)."""
         return self._fh is not None
 
-    def write(self, record: dict[str, Any]) -> None:
+    def write(self, record: Record) -> None:
+        """Append ``record``: the one place a record in flight becomes its JSON line (:meth:`Record.to_dict`)."""
+        if not isinstance(record, Record):
+            raise TypeError(f"TimelineWriter.write takes a typed record (core/records.py), not {type(record).__name__}")
         if self._fh is not None:
-            self._fh.write(json.dumps(record, separators=(",", ":")) + "\n")
+            self._fh.write(json.dumps(record.to_dict(), separators=(",", ":")) + "\n")
 
     def flush(self) -> None:
         if self._fh is not None:

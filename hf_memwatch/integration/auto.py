@@ -43,13 +43,13 @@ from typing import Any
 import torch
 
 from ..core.errors import MemWatchConfigError, PlanError, is_oom_error
-from ..core.records import OomRecoveredRecord, PlanRecord
+from ..core.records import OomRecoveredRecord, PlanRecord, Record
 from ..core.run_config import RunConfig
 from ..core.units import format_bytes
 from ..estimation.trainer_replay import RngStates, is_one_pass
 from ..measure.attribution import weight_storages
 from ..measure.backends import backend_for
-from ..measure.footprint import FootprintKind, FootprintReading, StepFootprint, host_reading
+from ..measure.footprint import host_reading
 from ..planning.budget import (
     Budget,
     BudgetSpec,
@@ -66,6 +66,7 @@ from ..planning.plan import EvalSetting, Plan
 from ..planning.predict import ESTIMATE_MARGIN, EstimatorPredictor
 from .apply import apply_eval_plan, apply_plan
 from .between_steps import CHECKPOINT_TRIGGER, MEASURED_STEPS, BetweenSteps, distributed
+from .measured import over_budget_error, plan_by_measuring
 from .patches import keep_effective_batch
 from .plan_records import (
     CONFIGURED_FIELDS,
@@ -74,7 +75,6 @@ from .plan_records import (
     log_advice,
     made_for,
     over_budget_record,
-    plan_of,
     plan_record,
     planned_batch,
     saved_plan,
@@ -100,33 +100,22 @@ class AutoMode(BetweenSteps):
     """Plans before ``train()`` and keeps the run under budget between steps (:class:`BetweenSteps`).
 
     ``plan`` (a :class:`~hf_memwatch.core.records.PlanRecord`) survives in the callback's saved state;
-    ``record`` receives each record to write, as the timeline's JSON object.
+    ``record`` receives each record to write (typed: the timeline writer serialises it).
     """
 
-    def __init__(self, budget: BudgetSpec, record: Callable[[dict[str, Any]], None], *,
+    def __init__(self, budget: BudgetSpec, record: Callable[[Record], None], *,
                  allow_over_budget: bool = False) -> None:
-        self.budget_spec = budget
+        super().__init__(budget, record)  # the plan, budget, predictor and footprints (between steps)
         self.allow_over_budget = allow_over_budget  # nothing fits: train as configured with an ERROR line
-        self.record = record  # writes a timeline record and the callback state
-        self.budget: Budget | None = None
-        self.plan: PlanRecord | None = None
         self.planning_seconds: float | None = None
         self.recoveries: list[OomRecoveredRecord] = []  # written again at train begin
         self._custom_optimizer = False
-        self._checkpointing_refused = False
         self.installed = False  # train() wrapped: planning happens before the loop is built
-        self.predictor: EstimatorPredictor | Any | None = None  # the plan's, for a re-plan between steps
-        self.kind: FootprintKind | None = None  # what the limit counts (None: not measured)
-        self.baseline: FootprintReading | None = None  # the host footprint when training began
-        self.measured: list[StepFootprint] = []  # the first steps' footprints
-        self.advised = False  # the expandable-segments advice was logged
         self.plan_changed_the_run = False  # the last plan differs from the run as configured
-        self._pending_why: str | None = None  # distributed: this rank's reason to switch, until agreed
-        self._agreements = 0  # distributed: between-step agreements joined (the first MEASURED_STEPS steps)
 
     def _put_in_force(self, trainer: Any, record: PlanRecord, *, log: str = "hf-memwatch plan: %s") -> None:
         """Write ``record`` into the Trainer, make it the plan in force, say it once, record it."""
-        apply_plan(trainer, plan_of(record))
+        apply_plan(trainer, record.plan)  # the chooser's Plan, as the record nests it
         apply_eval_plan(trainer, record)
         self.plan = record
         logger.warning(log, record.reason)
@@ -204,17 +193,17 @@ class AutoMode(BetweenSteps):
             budget=limit,
         )
         self.recoveries.append(recovered)
-        apply_plan(trainer, plan_of(record))
+        apply_plan(trainer, record.plan)
         apply_eval_plan(trainer, record)
         self.plan = record.replace(recovered_from_oom=len(self.recoveries))
         logger.warning("hf-memwatch: out of memory in the first step (%s); planned again: %s",
                        recovered.error.splitlines()[0][:120], record.reason)
-        self.record(recovered.to_dict())
-        self.record(self.plan.to_dict())
+        self.record(recovered)
+        self.record(self.plan)
 
-    def timeline_records(self) -> list[dict[str, Any]]:
+    def timeline_records(self) -> list[Record]:
         """What a timeline started at train begin must hold: the recoveries, then the plan in force."""
-        return [*(r.to_dict() for r in self.recoveries), *([self.plan.to_dict()] if self.plan else [])]
+        return [*self.recoveries, *([self.plan] if self.plan else [])]
 
     def check_planned(self) -> None:
         """Training began without a plan: the callback was added (``add_callback``) after ``train()`` was
@@ -232,8 +221,6 @@ class AutoMode(BetweenSteps):
         """The estimator could not predict the run: plan it from micro-steps measured live
         (:mod:`hf_memwatch.integration.measured`). Where even that fails, the run is not known to fit:
         :class:`PlanError` (stop before training), or with ``allow_over_budget`` an ERROR line."""
-        from .measured import over_budget_error, plan_by_measuring
-
         if self.budget is None:
             raise over_budget_error(f"hf-memwatch: the auto mode could not plan this run ({type(exc).__name__}: "
                                     f"{exc}) nor resolve its budget; it would train unprotected.", None, None) from exc
@@ -252,10 +239,10 @@ class AutoMode(BetweenSteps):
         record = agree(record, int(result.given.predicted_peak or 0) - self.budget.usable)
         self.predictor = predictor  # answers from its measurements only (frozen)
         self.plan_changed_the_run = result.chosen is not None and result.chosen.key() != result.given.key()
-        apply_plan(trainer, plan_of(record))
+        apply_plan(trainer, record.plan)
         self.plan = record
         logger.warning("hf-memwatch plan: %s", record.reason)
-        self.record(record.to_dict())
+        self.record(record)
         self._start_measuring(trainer)
 
     def _train_over_budget(self, trainer: Any, exc: PlanError) -> None:
@@ -267,7 +254,7 @@ class AutoMode(BetweenSteps):
         logger.error("hf-memwatch: %s", reason)
         self.plan = over_budget_record(RunConfig.from_args(trainer.args), self.budget, need, reason,
                                        measured="measured live" in str(exc))
-        self.record(self.plan.to_dict())
+        self.record(self.plan)
 
     # -- before train -------------------------------------------------------------------------
     def before_train(self, trainer: Any, resume_from_checkpoint: Any = None) -> PlanRecord:
@@ -297,7 +284,7 @@ class AutoMode(BetweenSteps):
         if saved is not None and made_for(saved, run):
             # unchanged: trainer_state.json stays that of an uninterrupted run
             self._put_in_force(trainer, saved, log="hf-memwatch plan (resumed from checkpoint, kept): %s")
-            self.record(saved.replace(resumed=True).to_dict())
+            self.record(saved.replace(resumed=True))
             return saved
         if saved is not None:
             logger.warning(
@@ -307,7 +294,7 @@ class AutoMode(BetweenSteps):
         record = self._decide_with_peers(trainer, run, self.budget)
         self._put_in_force(trainer, record)
         log_advice(record, pressed=self.plan_changed_the_run)
-        self.record(record.to_dict())
+        self.record(record)
         return record
 
     def _start_measuring(self, trainer: Any) -> None:
@@ -335,8 +322,6 @@ class AutoMode(BetweenSteps):
         started = time.perf_counter()
         weights = sum(weight_storages(trainer.model, torch.device(trainer.args.device)).values())
         if weights >= budget.usable:
-            from .measured import over_budget_error
-
             raise over_budget_error(
                 f"hf-memwatch: the budget {budget.describe()} is below what the weights alone need "
                 f"({format_bytes(weights)}): {format_bytes(weights - budget.usable)} missing. No remedy here "
@@ -358,7 +343,6 @@ class AutoMode(BetweenSteps):
         self.plan_changed_the_run = result.chosen is not None and result.chosen.key() != result.given.key()
         if result.chosen is None:
             from ..engines.registry import no_fit_note
-            from .measured import over_budget_error
 
             try:  # what bounds the smallest plan, and the engine's remedies
                 best = predictor.estimate(result.best_effort())
@@ -423,4 +407,4 @@ def agree(record: PlanRecord, need_bytes: int) -> PlanRecord:
         return record
     from ..measure.ranks import agree_plan
 
-    return PlanRecord.from_dict(agree_plan(record.to_dict(), need_bytes))
+    return agree_plan(record, need_bytes)  # the record itself crosses the ranks (pickled), no dict form

@@ -1,20 +1,20 @@
 """The auto mode between steps: the first steps' footprint measured against the limit, and
 activation checkpointing turned on when the next step would not fit it (or a measured peak nears
-the budget). Part of :class:`~hf_memwatch.integration.auto.AutoMode` (its base class); the state it
-reads and writes — ``plan`` (a :class:`~hf_memwatch.core.records.PlanRecord`), ``budget``,
-``kind``, ``baseline``, ``measured``, ``predictor`` — is the auto mode's.
+the budget). The base class of :class:`~hf_memwatch.integration.auto.AutoMode`, which plans before
+``train()``; the state used between steps is set up here, in :meth:`BetweenSteps.__init__`: the plan in
+force (a :class:`~hf_memwatch.core.records.PlanRecord`, which the auto mode replaces when it plans), the
+budget, the plan's predictor, what the limit counts and the first steps' footprints.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from ..core.records import FootprintRecord, PlanRecord
+from ..core.records import FootprintRecord, PlanRecord, Record, Snapshot, StepRecord
 from ..core.run_config import RunConfig
 from ..core.units import format_bytes
 from ..measure.backends import backend_for
@@ -29,7 +29,7 @@ from ..measure.footprint import (
 from ..planning.budget import Budget, BudgetSpec, resolve_budget
 from ..planning.predict import EstimatorPredictor
 from .apply import enable_checkpointing_now
-from .plan_records import log_advice, plan_of
+from .plan_records import log_advice
 
 logger = logging.getLogger("hf_memwatch")
 
@@ -50,25 +50,26 @@ class BetweenSteps:
     """After each optimizer step: :meth:`after_step` (every rank), :meth:`agree_between_steps`
     (distributed runs, the first :data:`MEASURED_STEPS` steps)."""
 
-    plan: PlanRecord | None
-    budget: Budget | None
-    budget_spec: BudgetSpec
-    predictor: EstimatorPredictor | Any | None
-    kind: FootprintKind | None
-    baseline: FootprintReading | None
-    measured: list[StepFootprint]
-    advised: bool
-    record: Callable[[dict[str, Any]], None]
-    _checkpointing_refused: bool
-    _pending_why: str | None
-    _agreements: int
+    def __init__(self, budget: BudgetSpec, record: Callable[[Record], None]) -> None:
+        self.budget_spec = budget
+        self.record = record  # writes a timeline record (typed) and the callback state
+        self.budget: Budget | None = None
+        self.plan: PlanRecord | None = None
+        self.predictor: EstimatorPredictor | Any | None = None  # the plan's, for a re-plan between steps
+        self.kind: FootprintKind | None = None  # what the limit counts (None: not measured)
+        self.baseline: FootprintReading | None = None  # the host footprint when training began
+        self.measured: list[StepFootprint] = []  # the first steps' footprints
+        self.advised = False  # the expandable-segments advice was logged
+        self._checkpointing_refused = False
+        self._pending_why: str | None = None  # distributed: this rank's reason to switch, until agreed
+        self._agreements = 0  # distributed: between-step agreements joined (the first MEASURED_STEPS steps)
 
-    def after_step(self, trainer: Any, step_record: dict[str, Any] | None,
-                   snapshots: list[dict[str, Any]] | None = None) -> PlanRecord | None:
+    def after_step(self, trainer: Any, step_record: StepRecord | None,
+                   snapshots: list[Snapshot] | None = None) -> PlanRecord | None:
         """Between two steps: measure the first steps' footprint against the limit, and turn on
         activation checkpointing when the next step would not fit it, or a measured peak approaches
         the budget. ``snapshots``: the step's ``snapshot`` records. Returns the new plan, if any."""
-        if self.plan is None or not step_record or trainer is None or self.plan.status == "failed":
+        if self.plan is None or step_record is None or trainer is None or self.plan.status == "failed":
             return None
         if self.budget is None:  # a callback the Trainer rebuilt from checkpoint state
             self.budget = resolve_budget(self.budget_spec, backend_for(torch.device(trainer.args.device)))
@@ -76,7 +77,7 @@ class BetweenSteps:
             measured = self._measure_footprint(step_record, snapshots or [])
         except Exception as exc:  # noqa: BLE001 - the plan stands without a measured margin
             logger.warning("hf-memwatch: the footprint of step %s was not measured (%s: %s)",
-                           step_record.get("step"), type(exc).__name__, exc)
+                           step_record.step, type(exc).__name__, exc)
             measured = None
         why = self._pressure(step_record, measured)
         if why is None:
@@ -93,10 +94,10 @@ class BetweenSteps:
             return None
         return self._switch_checkpointing(trainer, why)
 
-    def _pressure(self, step_record: dict[str, Any], measured: FootprintRecord | None) -> str | None:
+    def _pressure(self, step_record: StepRecord, measured: FootprintRecord | None) -> str | None:
         """Why checkpointing should be turned on now (None: no reason, or nothing left to turn on)."""
         assert self.plan is not None and self.budget is not None
-        peak = step_record.get("peak")
+        peak = step_record.peak
         if peak is None or self.plan.activation_checkpointing or self._checkpointing_refused:
             if measured is not None and not measured.fits:
                 logger.warning("hf-memwatch: %s; activation checkpointing is %s, nothing else can change between "
@@ -106,7 +107,7 @@ class BetweenSteps:
         if measured is not None and not measured.fits:
             return footprint_text(measured)
         if peak >= CHECKPOINT_TRIGGER * self.budget.usable:
-            return (f"step {step_record.get('step')} peaked at {format_bytes(peak)}, "
+            return (f"step {step_record.step} peaked at {format_bytes(peak)}, "
                     f"{peak / self.budget.usable:.0%} of the budget {format_bytes(self.budget.usable)}")
         return None
 
@@ -152,10 +153,10 @@ class BetweenSteps:
         self.plan = record
         logger.warning("hf-memwatch plan: %s", record.reason)
         log_advice(record, pressed=True)
-        self.record(record.to_dict())
+        self.record(record)
         return record
 
-    def _measure_footprint(self, step_record: dict[str, Any], snapshots: list[dict[str, Any]]) -> FootprintRecord | None:
+    def _measure_footprint(self, step_record: StepRecord, snapshots: list[Snapshot]) -> FootprintRecord | None:
         """The ``footprint`` record of one of the first steps (written), its gap made the budget's margin."""
         assert self.budget is not None and self.plan is not None
         if self.kind is None or len(self.measured) >= MEASURED_STEPS:
@@ -176,9 +177,9 @@ class BetweenSteps:
         need = max(measured.need, planned)
         advice = None
         if self.kind == "reserved":
-            reserved = max((int(s["reserved"]) for s in snapshots if s.get("reserved") is not None), default=None)
+            reserved = max((int(s.reserved) for s in snapshots if s.reserved is not None), default=None)
             advice = expandable_segments_advice(reserved, measured.allocated_peak,
-                                                snapshots[-1].get("num_alloc_retries"), allocator_settings())
+                                                snapshots[-1].num_alloc_retries, allocator_settings())
         record = FootprintRecord(
             step=measured.step, kind=self.kind, allocated_peak=measured.allocated_peak,
             states_growth=measured.states_growth, footprint_gap=measured.gap,
@@ -189,7 +190,7 @@ class BetweenSteps:
             self.advised = True  # said once; the records of later steps repeat it for the summary
             logger.warning("hf-memwatch: %s", advice)
         logger.info("hf-memwatch: %s", footprint_text(record))
-        self.record(record.to_dict())
+        self.record(record)
         return record
 
     def _checkpointed_peak(self) -> int | None:
@@ -197,7 +198,7 @@ class BetweenSteps:
         if self.predictor is None or self.plan is None:
             return None
         try:
-            return self.predictor.peak(dataclasses.replace(plan_of(self.plan), activation_checkpointing=True))
+            return self.predictor.peak(self.plan.plan.replace(activation_checkpointing=True))
         except Exception as exc:  # noqa: BLE001 - checkpointing is on either way; only the figure is missing
             logger.warning("hf-memwatch: the checkpointed step was not predicted (%s: %s)", type(exc).__name__, exc)
             return None

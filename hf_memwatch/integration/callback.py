@@ -30,7 +30,7 @@ from transformers.trainer_callback import ExportableState
 
 from ..core.categories import AFTER_BACKWARD, AFTER_FORWARD, AFTER_OPTIMIZER
 from ..core.errors import MemWatchConfigError, is_oom_error, unknown_keywords
-from ..core.records import PlanRecord
+from ..core.records import PlanRecord, Record
 from ..core.timeline import TIMELINE_DIRNAME
 from ..measure.peak_tensors import DEFAULT_TOP
 from ..planning.budget import validate_budget
@@ -196,7 +196,7 @@ class MemWatch(TrainerCallback, ExportableState):
         """The auto mode's plan record when one is in force."""
         return self.known_plan().plan_dict()
 
-    def _record_plan(self, record: dict[str, Any]) -> None:
+    def _record_plan(self, record: Record) -> None:
         """Write a record of the auto mode to this rank's timeline (the session's writer once training runs)."""
         session = self.session
         if session is not None and session.is_open:
@@ -291,7 +291,7 @@ class MemWatch(TrainerCallback, ExportableState):
         trainer, session = self.trainer, self.session
         if trainer is not None and session is not None and session.eval.oom_reported is not exc:  # an eval loop's report stands
             write_oom_report(self.memwatch_dir(trainer.args), exc, session.monitor, trainer,
-                             seq_len=session.last_seq_len, plan=self.plan_in_force())
+                             seq_len=session.last_seq_len, plan=self.known_plan().plan)
         self._close_session()
 
     def is_full_step(self, step: int) -> bool:
@@ -461,7 +461,7 @@ class MemWatch(TrainerCallback, ExportableState):
         """``memory/eval_*`` figures of the eval loop that just ended (once per loop)."""
         session = self.session
         record = None if self._failed or session is None else session.monitor.last_eval
-        if record is None or record is session.eval.logged or record.get("stage") != "eval":
+        if record is None or record is session.eval.logged or record.stage != "eval":
             return None
         session.eval.logged = record
         return eval_scalars(record)
@@ -471,7 +471,7 @@ class MemWatch(TrainerCallback, ExportableState):
         self._close_session()
         if state.is_world_process_zero and self.session is not None:
             self._report_process = finish_reports(self.memwatch_dir(args), self.report, self.summary,
-                                                  self.plan_in_force())
+                                                  self.known_plan().plan)
         if self._trial_name is not None and state.is_world_process_zero:
             self.trials.record(self._trial_name, None if self.session is None else self.session.run_peak)
             self.trials.write(self._base_dir(args))

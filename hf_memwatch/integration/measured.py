@@ -53,6 +53,7 @@ from ..core.records import PlannedBatch
 from ..core.run_config import RunConfig, model_is_checkpointing
 from ..core.units import format_bytes
 from ..estimation.trainer_replay import (
+    RngStates,
     TrainerStateGuard,
     collate,
     is_one_pass,
@@ -106,8 +107,6 @@ class Measurement:
 def no_trace(trainer: Any) -> Iterator[None]:
     """Everything a live micro-step changes, restored on exit: RNG states, the Trainer's counters and
     ``state``, module modes, buffers and gradients (the gradients it made are dropped)."""
-    from .auto import RngStates  # the auto mode's own (imported here: auto imports this module)
-
     model = trainer.model
     rng = RngStates.capture()
     modes = [(module, module.training) for module in model.modules()]

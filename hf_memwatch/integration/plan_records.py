@@ -1,13 +1,13 @@
 """The auto mode's ``plan`` records (:class:`~hf_memwatch.core.records.PlanRecord`): built here, from
-the planning core's answer, the budget and the batch planned for; turned back into the
-:class:`~hf_memwatch.planning.plan.Plan` they carry; read back from a checkpoint.
+the planning core's answer, the budget and the batch planned for; read back from a checkpoint. A
+record nests the chooser's :class:`~hf_memwatch.planning.plan.Plan` itself (``record.plan``): the one
+form the plan keeps from the chooser to :func:`~hf_memwatch.integration.apply.apply_plan`.
 
 Example:
     >>> from hf_memwatch.core.records import PlanRecord
-    >>> record = PlanRecord(micro_batch_size=2, gradient_accumulation_steps=4, activation_checkpointing=True,
-    ...                     optim="adamw_torch", predicted_peak=100, budget=200, reason="fits")
-    >>> plan_of(record).key()
-    (2, 4, True, 'adamw_torch')
+    >>> record = PlanRecord(plan=Plan(2, 4, True, "adamw_torch", predicted_peak=100, reason="fits"), budget=200)
+    >>> plan_of(record).key(), record.to_dict()["micro_batch_size"]
+    ((2, 4, True, 'adamw_torch'), 2)
 """
 
 from __future__ import annotations
@@ -43,17 +43,12 @@ def plan_record(result: PlanResult, run: RunConfig, budget: Budget, sample: Plan
     chosen = result.chosen
     assert chosen is not None
     return PlanRecord(
-        micro_batch_size=chosen.micro_batch_size,
-        gradient_accumulation_steps=chosen.gradient_accumulation_steps,
-        activation_checkpointing=chosen.activation_checkpointing,
-        optim=chosen.optim,
-        predicted_peak=int(chosen.predicted_peak or 0),
+        plan=chosen.replace(predicted_peak=int(chosen.predicted_peak or 0)),  # the chooser's plan itself
         budget=int(budget.total),
         budget_source=budget.source,
         budget_bound_by=budget.bound_by,
         margin=round(budget.margin_ratio, 4),
         margin_source=budget.margin_source,
-        reason=chosen.reason,
         configured=configured_of(run),
         sample=sample,
         source="predicted",
@@ -66,9 +61,9 @@ def over_budget_record(run: RunConfig, budget: Budget | None, need: int | None, 
     need is known (predicted or measured), ``failed`` when it is not."""
     return PlanRecord(
         status="over_budget" if need is not None else "failed",
-        micro_batch_size=run.micro_batch_size, gradient_accumulation_steps=run.gradient_accumulation_steps,
-        activation_checkpointing=None, optim=None, predicted_peak=None if need is None else int(need),
-        budget=None if budget is None else int(budget.total), reason=reason,
+        plan=Plan(run.micro_batch_size, run.gradient_accumulation_steps, None, None,  # type: ignore[arg-type]
+                  predicted_peak=None if need is None else int(need), reason=reason),
+        budget=None if budget is None else int(budget.total),
         source="measured" if measured else "predicted" if need is not None else "none",
     )
 
@@ -84,10 +79,8 @@ def made_for(record: PlanRecord, run: RunConfig) -> bool:
 
 
 def plan_of(record: PlanRecord) -> Plan:
-    """The configuration a plan record carries, as a :class:`Plan`."""
-    return Plan(int(record.micro_batch_size), int(record.gradient_accumulation_steps),
-                bool(record.activation_checkpointing), str(record.optim),
-                predicted_peak=record.predicted_peak, reason=record.reason)
+    """The configuration a plan record carries: its nested :class:`Plan` (no copy, no conversion)."""
+    return record.plan
 
 
 def log_advice(record: PlanRecord, *, pressed: bool) -> None:

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ..compat.trainer import probe_trainer
+from ..core.records import EvalRecord, Record, Snapshot, StepRecord
 from ..core.run_config import RunConfig
 from ..core.timeline import TimelineWriter
 from ..core.units import format_bytes
@@ -42,7 +43,7 @@ logger = logging.getLogger("hf_memwatch")
 
 
 def open_timeline(directory: str | Path, rank: int, *, fresh: bool,
-                  records: Iterable[dict[str, Any]] = ()) -> TimelineWriter:
+                  records: Iterable[Record] = ()) -> TimelineWriter:
     """This rank's timeline writer (the one place one is opened), with ``records`` written first."""
     writer = TimelineWriter(directory, rank=rank, fresh=fresh)
     for record in records:
@@ -71,7 +72,7 @@ class EvalState:
 
     hooks: list[torch.utils.hooks.RemovableHandle] = field(default_factory=list)
     containers: list[Any] = field(default_factory=list)  # the running loop's EvalLoopContainers
-    logged: dict[str, Any] | None = None  # the eval record whose scalars went out
+    logged: EvalRecord | None = None  # the eval record whose scalars went out
     oom_reported: BaseException | None = None  # an OOM an eval loop already reported
 
     def remove_hooks(self) -> None:
@@ -99,7 +100,7 @@ class RunSession:
     # -- opening --------------------------------------------------------------------------------
     @classmethod
     def for_training(cls, trainer: Any, directory: Path, args: Any, state: Any, event: dict[str, Any], *,
-                     fresh: bool, records: Iterable[dict[str, Any]], top_tensors: int,
+                     fresh: bool, records: Iterable[Record], top_tensors: int,
                      record_history: bool) -> RunSession:
         """The session of a ``train()`` call, opened at ``on_train_begin`` (``event``: its keywords, the
         model, optimizer and train dataloader): ``records`` (the auto mode's plan) start a fresh
@@ -203,7 +204,7 @@ class RunSession:
             if batch_done:
                 loop.batch += 1
 
-    def end_eval(self, output: Any, error: BaseException | None) -> tuple[dict[str, Any] | None, Any]:
+    def end_eval(self, output: Any, error: BaseException | None) -> tuple[EvalRecord | None, Snapshot | None]:
         """The loop returned ``output`` or raised ``error``: (its ``eval`` record, its last snapshot),
         (None, None) outside a loop. Nothing of ours keeps the loop's outputs afterwards."""
         self.eval.remove_hooks()
@@ -220,20 +221,20 @@ class RunSession:
         record = self.monitor.end_eval(held, batches=loop.batch)
         return record, loop.last
 
-    def end_step(self, budget: int | None) -> dict[str, Any] | None:
+    def end_step(self, budget: int | None) -> StepRecord | None:
         """Close the step in progress (its ``step`` record), then look for leaks."""
         if not self.monitor.in_step:
             return None
         record = self.monitor.end_step()
-        if isinstance(record.get("peak"), int):
-            self.run_peak = max(self.run_peak or 0, record["peak"])
+        if isinstance(record.peak, int):
+            self.run_peak = max(self.run_peak or 0, record.peak)
         self.watch_leaks(budget)
         return record
 
     def memory_scalars(self, step: int, known: PlanFacts) -> dict[str, int] | None:
         """``memory/*`` figures of optimizer step ``step`` when it was the last one measured."""
         last = self.monitor.last_step
-        if not last or last["step"] != step:
+        if last is None or last.step != step:
             return None
         return step_scalars(last, self.monitor.step_snapshots, budget=known.budget_bytes,
                             predicted_peak=known.predicted_peak, leak_bytes_per_step=self.leaks.rate)
@@ -248,17 +249,17 @@ class RunSession:
             if monitor.writer is not None:
                 monitor.writer.write(finding)
                 monitor.writer.flush()
-            when = (f"; at this rate out of memory near step {finding['predicted_oom_step']}"
-                    if finding["predicted_oom_step"] is not None else "")
+            when = (f"; at this rate out of memory near step {finding.predicted_oom_step}"
+                    if finding.predicted_oom_step is not None else "")
             logger.warning(
                 "hf-memwatch: %s grows %s per step at step end since step %d (a leak: tensors or objects kept "
                 "across steps?)%s",
-                finding["class"], format_bytes(finding["bytes_per_step"]), finding["since_step"], when,
+                finding.klass, format_bytes(finding.bytes_per_step), finding.since_step, when,
             )
 
     def _leak_headroom(self, name: str, budget: int | None) -> int | None:
         """Bytes left before the limit for ``name``: the budget above the last peak, else the real limit."""
-        peak = (self.monitor.last_step or {}).get("peak")
+        peak = None if self.monitor.last_step is None else self.monitor.last_step.peak
         if name != HOST_RSS and budget is not None and peak is not None:
             return int(budget) - int(peak)
         try:  # a prediction only: an unreadable limit must not stop the monitoring

@@ -137,6 +137,18 @@ def split_live(
     return figures
 
 
+def spike_above(peak: int, allocated: int, previous_allocated: int | None) -> int:
+    """The spike of a snapshot window: its peak above the higher of its two ends (the allocated bytes
+    now and at the previous snapshot), the temporaries that came and went inside it.
+
+    Example:
+        >>> spike_above(900, 500, 700), spike_above(900, 500, None), spike_above(400, 500, None)
+        (200, 400, 0)
+    """
+    floor = allocated if previous_allocated is None else max(previous_allocated, allocated)
+    return max(0, peak - floor)
+
+
 def dominant_class(live: Mapping[str, int | None], spike: int | None) -> str:
     """The class holding the most bytes, the spike counting as ``temporaries``.
 

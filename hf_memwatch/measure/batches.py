@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from ..core.records import Snapshot
 from .storage import nested_tensors
 
 
@@ -92,7 +93,7 @@ class FormedBatches:
     def class_storages(self, monitor: Any) -> dict[str, dict[int, int]]:
         return {}  # ``other``, as the inputs the forward registers
 
-    def adjust(self, record: dict[str, Any], monitor: Any, phase: str, window_peak: int | None) -> None:
+    def adjust(self, record: Snapshot, monitor: Any, phase: str, window_peak: int | None) -> None:
         return None
 
     def close(self) -> None:

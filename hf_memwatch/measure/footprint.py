@@ -28,6 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from ..core.records import Snapshot, StepRecord
 from ..core.units import format_bytes
 
 STATM_PATH = "/proc/self/statm"
@@ -281,9 +282,9 @@ class StepFootprint:
         return self.gap / max(1, self.next_allocated)
 
 
-def step_footprint(step_record: Mapping[str, Any], snapshots: Sequence[Mapping[str, Any]], kind: FootprintKind,
+def step_footprint(step_record: StepRecord, snapshots: Sequence[Snapshot], kind: FootprintKind,
                    baseline: FootprintReading | None = None) -> StepFootprint | None:
-    """The :class:`StepFootprint` of a ``step`` record and its ``snapshot`` records (the timeline's shapes).
+    """The :class:`StepFootprint` of a ``step`` record and its ``snapshot`` records (typed, as the monitor passes them).
 
     ``baseline``: the host reading at the start of training (host kinds only; its ``footprint`` of
     ``kind``). ``None`` where the step has no allocated peak — a CPU step not tracked in full
@@ -291,18 +292,20 @@ def step_footprint(step_record: Mapping[str, Any], snapshots: Sequence[Mapping[s
     footprint was not read.
 
     Example:
-        >>> step = {"step": 1, "peak": 900, "detail": "light", "live_at_peak": {"optimizer_states": 0}}
-        >>> snaps = [{"allocated": 500, "reserved": 1000, "live": {"optimizer_states": 0}},
-        ...          {"allocated": 700, "reserved": 1200, "live": {"optimizer_states": 200}}]
+        >>> step = StepRecord.from_dict({"step": 1, "peak": 900, "detail": "light",
+        ...                              "live_at_peak": {"optimizer_states": 0}}, lenient=True)
+        >>> snaps = [Snapshot.from_dict(s, lenient=True) for s in (
+        ...     {"allocated": 500, "reserved": 1000, "live": {"optimizer_states": 0}},
+        ...     {"allocated": 700, "reserved": 1200, "live": {"optimizer_states": 200}})]
         >>> fp = step_footprint(step, snaps, "reserved")
         >>> fp.gap, fp.states_growth, fp.need, round(fp.ratio, 3)
         (300, 200, 1400, 0.273)
     """
-    peak = step_record.get("peak")
-    if peak is None or not snapshots or (kind != "reserved" and step_record.get("detail") != "full"):
+    peak = step_record.peak
+    if peak is None or not snapshots or (kind != "reserved" and step_record.detail != "full"):
         return None
-    states_at_peak = (step_record.get("live_at_peak") or {}).get("optimizer_states") or 0
-    states_now = (snapshots[-1].get("live") or {}).get("optimizer_states") or 0
+    states_at_peak = (step_record.live_at_peak or {}).get("optimizer_states") or 0
+    states_now = (snapshots[-1].live or {}).get("optimizer_states") or 0
     growth = max(0, int(states_now) - int(states_at_peak))
     field = SNAPSHOT_FIELD[kind]
     if kind == "allocated":
@@ -310,18 +313,18 @@ def step_footprint(step_record: Mapping[str, Any], snapshots: Sequence[Mapping[s
     elif kind == "reserved":
         # The caching allocator keeps what it reserved (no empty_cache in a step): the most reserved
         # in the step is what was reserved at its allocated peak, or more.
-        reserved = [int(s[field]) for s in snapshots if s.get(field) is not None]
+        reserved = [int(getattr(s, field)) for s in snapshots if getattr(s, field) is not None]
         gap = max(reserved) - int(peak) if reserved else None
     else:
         if baseline is None:
             return None
-        footprints = [int(s[field]) for s in snapshots if s.get(field) is not None]
+        footprints = [int(getattr(s, field)) for s in snapshots if getattr(s, field) is not None]
         if not footprints:
             return None
         gap = peak_gap([baseline, FootprintReading(baseline.time, int(peak), max(footprints))])
     if gap is None:
         return None
-    return StepFootprint(int(step_record.get("step") or 0), kind, int(peak), max(0, int(gap)), growth)
+    return StepFootprint(int(step_record.step or 0), kind, int(peak), max(0, int(gap)), growth)
 
 
 # -- expandable segments -------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ..core.records import Snapshot
 from .attribution import weight_storages, weight_tensors
 
 
@@ -77,9 +78,9 @@ class HeldModels:
             held.update(weight_storages(module, monitor.device))
         return {"weights": held}
 
-    def adjust(self, record: dict[str, Any], monitor: Any, phase: str, window_peak: int | None) -> None:
+    def adjust(self, record: Snapshot, monitor: Any, phase: str, window_peak: int | None) -> None:
         trained = set(weight_storages(monitor.model, monitor.device)) if monitor.model is not None else set()
-        record["frozen_models"] = {
+        record.frozen_models = {
             name: sum(v for k, v in weight_storages(module, monitor.device).items() if k not in trained)
             for name, module in self.models.items()
         }

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..core.categories import LIVE_CLASSES
-from ..core.records import LeakRecord
+from ..core.records import LeakRecord, Snapshot
 
 MiB = 1 << 20
 LEAK_THRESHOLD = 1 * MiB  # bytes per step
@@ -36,17 +36,17 @@ HOST_RSS_MIN_STEPS = LEAK_WINDOW
 HOST_RSS_MIN_FIT = 0.8
 
 
-def step_end_figures(snapshot: Mapping[str, Any]) -> dict[str, int]:
+def step_end_figures(snapshot: Snapshot) -> dict[str, int]:
     """``{class: bytes}`` of one ``step_end`` snapshot: each live class and ``host_rss`` (when known).
 
     Example:
-        >>> step_end_figures({"live": {"weights": 10, "other": None}, "host_rss": 99})
+        >>> step_end_figures(Snapshot.from_dict({"live": {"weights": 10, "other": None}, "host_rss": 99}, lenient=True))
         {'weights': 10, 'host_rss': 99}
     """
-    figures = {name: int(value) for name, value in (snapshot.get("live") or {}).items()
+    figures = {name: int(value) for name, value in (snapshot.live or {}).items()
                if name in LIVE_CLASSES and value is not None}
-    if snapshot.get(HOST_RSS) is not None:
-        figures[HOST_RSS] = int(snapshot[HOST_RSS])
+    if snapshot.host_rss is not None:
+        figures[HOST_RSS] = int(snapshot.host_rss)
     return figures
 
 
@@ -111,16 +111,16 @@ def find_leaks(
     skip_steps: int = LEAK_SKIP_STEPS,
     headroom: Callable[[str], int | None] | None = None,
     rank: int = 0,
-) -> list[dict[str, Any]]:
+) -> list[LeakRecord]:
     """Classes growing step after step in ``history`` (``[{"step": n, "figures": {class: bytes}}, ...]``).
 
-    Returns one ``leak`` record per growing class: ``{"event": "leak", "class", "bytes_per_step",
-    "since_step", "step", "predicted_oom_step", "rank"}`` (:class:`~hf_memwatch.core.records.LeakRecord`); ``headroom(class)`` gives the bytes left before
-    the limit for the prediction (``None``: not predicted).
+    Returns one ``leak`` record (:class:`~hf_memwatch.core.records.LeakRecord`: ``klass``,
+    ``bytes_per_step``, ``since_step``, ``step``, ``predicted_oom_step``, ``rank``) per growing class;
+    ``headroom(class)`` gives the bytes left before the limit for the prediction (``None``: not predicted).
 
     Example:
         >>> h = [{"step": s, "figures": {"other": 100 + (s - 1) * 2 * MiB}} for s in range(1, 8)]
-        >>> [(f["class"], f["bytes_per_step"], f["since_step"]) for f in find_leaks(h)]
+        >>> [(f.klass, f.bytes_per_step, f.since_step) for f in find_leaks(h)]
         [('other', 2097152, 2)]
     """
     usable = list(history[skip_steps:])
@@ -146,7 +146,7 @@ def find_leaks(
             step=last_step,
             predicted_oom_step=predicted_oom_step(last_step, rate, headroom(name) if headroom else None),
             rank=rank,
-        ).to_dict())
+        ))
     return findings
 
 
@@ -171,13 +171,13 @@ class LeakWatch:
 
     threshold: float = LEAK_THRESHOLD
     history: list[dict[str, Any]] = field(default_factory=list)
-    reported: dict[str, dict[str, Any]] = field(default_factory=dict)
+    reported: dict[str, LeakRecord] = field(default_factory=dict)
     rate: int | None = None
     rank: int = 0  # written in the leak records
 
     def observe(
-        self, step: int, snapshot: Mapping[str, Any], headroom: Callable[[str], int | None] | None = None
-    ) -> list[dict[str, Any]]:
+        self, step: int, snapshot: Snapshot, headroom: Callable[[str], int | None] | None = None
+    ) -> list[LeakRecord]:
         """Add one ``step_end`` snapshot; the leak records found for the first time at this step."""
         if self.history and self.history[-1]["step"] >= step:  # a resumed or repeated step restarts the trend
             self.history.clear()
@@ -185,13 +185,13 @@ class LeakWatch:
         del self.history[: -(LEAK_WINDOW + LEAK_SKIP_STEPS + 64)]  # growth_start looks back; keep it bounded
         growing = find_leaks(self.history, threshold=self.threshold, rank=self.rank)
         if growing:
-            self.rate = max(f["bytes_per_step"] for f in growing)
+            self.rate = max(int(f.bytes_per_step) for f in growing)
         elif self.reported:
             self.rate = 0
-        new = [f for f in growing if f["class"] not in self.reported]
+        new = [f for f in growing if f.klass not in self.reported]
         if new and headroom is not None:  # predictions only for what is reported (reads the limits)
             new = find_leaks(self.history, threshold=self.threshold, headroom=headroom, rank=self.rank)
-            new = [f for f in new if f["class"] not in self.reported]
+            new = [f for f in new if f.klass not in self.reported]
         for finding in new:
-            self.reported[finding["class"]] = finding
+            self.reported[finding.klass] = finding
         return new

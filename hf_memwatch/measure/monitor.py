@@ -3,6 +3,8 @@
 :class:`StepMonitor` is what the callback drives: ``begin_step`` → ``snapshot(phase)`` … →
 ``end_step``. It owns the allocator backend, the saved-tensor registry and the timeline writer, and
 turns each reading into a timeline record with :func:`~hf_memwatch.measure.attribution.split_live`.
+Records stay typed (:mod:`hf_memwatch.core.records`) from here to the writer, which alone serialises
+them: a contributor corrects a :class:`Snapshot`'s fields, the session and the sinks read them.
 """
 
 from __future__ import annotations
@@ -14,12 +16,13 @@ from typing import Any, Protocol
 import torch
 
 from ..core.categories import LIVE_CLASSES, STEP_BEGIN, STEP_END
-from ..core.records import EvalRecord, Snapshot, StepRecord
+from ..core.records import EvalRecord, Record, Snapshot, StepRecord
 from ..core.timeline import TimelineWriter
 from .attribution import (
     dominant_class,
     gradient_storages,
     optimizer_state_storages,
+    spike_above,
     split_live,
     unwrap_optimizer,
     weight_storages,
@@ -43,7 +46,7 @@ class StorageContributor(Protocol):
         """Storage key -> bytes held per class (``weights``, ``gradients``, ``optimizer_states``)."""
         ...
 
-    def adjust(self, record: dict[str, Any], monitor: StepMonitor, phase: str, window_peak: int | None) -> None:
+    def adjust(self, record: Snapshot, monitor: StepMonitor, phase: str, window_peak: int | None) -> None:
         """Correct a full snapshot ``record`` for bytes the tracker could not see (may do nothing)."""
         ...
 
@@ -84,13 +87,13 @@ class StepMonitor:
         self.full = False
         self.in_step = False
         self.compiled = False
-        self.step_snapshots: list[dict[str, Any]] = []
-        self.last_step: dict[str, Any] | None = None
+        self.step_snapshots: list[Snapshot] = []
+        self.last_step: StepRecord | None = None
         self._previous_allocated: int | None = None
         self.contributors: list[StorageContributor] = []
-        self._last_full: dict[tuple[str, int], dict[str, Any]] = {}
+        self._last_full: dict[tuple[str, int], Snapshot] = {}
         self.eval: EvalLoopState | None = None  # the evaluation loop in progress, if any
-        self.last_eval: dict[str, Any] | None = None  # the last loop's ``eval`` record
+        self.last_eval: EvalRecord | None = None  # the last loop's ``eval`` record
         self._after_eval = False
         self.peaks = PeakWatch(backend, self.saved)  # the tensors at each full step's peak (peak_tensors)
         self._last_classes: tuple[dict[int, int], ...] | None = None
@@ -104,7 +107,7 @@ class StepMonitor:
         self.optimizer = unwrap_optimizer(optimizer) if optimizer is not None else None
         self.peaks.attach(model, self.optimizer)
 
-    def begin_step(self, step: int, full: bool) -> dict[str, Any]:
+    def begin_step(self, step: int, full: bool) -> Snapshot:
         self.step, self.micro_step, self.full, self.in_step = step, 0, full, True
         self.step_snapshots = []
         if not self._window_open:  # the run's first step: not the peak of model loading or an earlier run
@@ -121,23 +124,23 @@ class StepMonitor:
         self.peaks.begin_step(full and self.backend.tracking, full)
         return self.snapshot(STEP_BEGIN)
 
-    def end_step(self) -> dict[str, Any]:
+    def end_step(self) -> StepRecord:
         last = self.snapshot(STEP_END)
         self.stop_tracking()
         self.in_step = False
-        peak_snapshot = max(self.step_snapshots, key=lambda s: s["peak"] if s["peak"] is not None else -1)
+        peak_snapshot = max(self.step_snapshots, key=lambda s: s.peak if s.peak is not None else -1)
         record = StepRecord(
             step=self.step,
             rank=self.rank,
-            peak=peak_snapshot["peak"],
-            peak_phase=peak_snapshot["phase"],
-            peak_micro_step=peak_snapshot["micro_step"],
-            dominant=dominant_class(peak_snapshot["live"], peak_snapshot["spike"]),
+            peak=peak_snapshot.peak,
+            peak_phase=peak_snapshot.phase,
+            peak_micro_step=peak_snapshot.micro_step,
+            dominant=dominant_class(peak_snapshot.live, peak_snapshot.spike),
             detail=self._detail(),
-            live_at_peak=peak_snapshot["live"],
-            spike_at_peak=peak_snapshot["spike"],
-            reserved=last["reserved"],
-        ).to_dict()
+            live_at_peak=peak_snapshot.live,
+            spike_at_peak=peak_snapshot.spike,
+            reserved=last.reserved,
+        )
         self.last_step = record
         self._write(record)
         peak_tensors = self.peaks.end_step(self.step, self.rank)
@@ -183,7 +186,7 @@ class StepMonitor:
             return "compiled"
         return "full" if self.full else "light"
 
-    def snapshot(self, phase: str) -> dict[str, Any]:
+    def snapshot(self, phase: str) -> Snapshot:
         micro_step = self.micro_step
         if self._untracked_compiled_step():
             record = self._compiled_snapshot(phase, micro_step)
@@ -195,9 +198,9 @@ class StepMonitor:
         else:
             record = self._light_snapshot(phase, micro_step)
         self.backend.reset_peak()
-        if isinstance(record.get("peak"), int):
-            self.max_allocated = max(self.max_allocated or 0, record["peak"])
-        self._previous_allocated = record["allocated"]
+        if isinstance(record.peak, int):
+            self.max_allocated = max(self.max_allocated or 0, record.peak)
+        self._previous_allocated = record.allocated
         self.step_snapshots.append(record)
         self._write(record)
         return record
@@ -228,7 +231,7 @@ class StepMonitor:
             states.update(held.get("optimizer_states", {}))
         return weights, grads, states, saved
 
-    def measure(self, phase: str, micro_step: int) -> dict[str, Any]:
+    def measure(self, phase: str, micro_step: int) -> Snapshot:
         """A full snapshot record now (classes from every known storage), without writing it."""
         reading = self.backend.read()  # one allocator read per snapshot
         record = self._measure(phase, micro_step, reading)
@@ -236,7 +239,7 @@ class StepMonitor:
             contributor.adjust(record, self, phase, reading.peak)
         return record
 
-    def _measure(self, phase: str, micro_step: int, reading: Any) -> dict[str, Any]:
+    def _measure(self, phase: str, micro_step: int, reading: Any) -> Snapshot:
         weights, grads, states, saved = self._class_storages()
         self._last_classes = (weights, grads, states, saved)
         allocated, peak = reading.allocated, reading.peak
@@ -251,21 +254,21 @@ class StepMonitor:
         live = split_live(allocated, weights, grads, states, saved)
         return self._record(phase, micro_step, reading, allocated, peak, live, "full")
 
-    def _compiled_snapshot(self, phase: str, micro_step: int) -> dict[str, Any]:
+    def _compiled_snapshot(self, phase: str, micro_step: int) -> Snapshot:
         """What a compiled step shows from outside: the classes we can walk; totals unknown."""
         weights, grads, states, saved = self._class_storages()
         live = split_live(None, weights, grads, states, saved)
         return self._record(phase, micro_step, self.backend.read(), None, None, live, "compiled")
 
-    def _light_snapshot(self, phase: str, micro_step: int) -> dict[str, Any]:
+    def _light_snapshot(self, phase: str, micro_step: int) -> Snapshot:
         reading = self.backend.read()
         template = self._last_full.get((phase, micro_step))
-        known = dict(template["live"]) if template else dict.fromkeys(LIVE_CLASSES, 0)
+        known = dict(template.live) if template else dict.fromkeys(LIVE_CLASSES, 0)
         if self.backend.exact and reading.allocated is not None:
             allocated, peak = reading.allocated, reading.peak
             known["other"] = allocated - sum(known[k] or 0 for k in LIVE_CLASSES if k != "other")
         elif template is not None:
-            allocated, peak = template["allocated"], template["peak"]
+            allocated, peak = template.allocated, template.peak
         else:
             allocated = peak = None if reading.allocated is None else sum(v or 0 for v in known.values())
         return self._record(phase, micro_step, reading, allocated, peak, known, "light")
@@ -279,11 +282,10 @@ class StepMonitor:
         peak: int | None,
         live: dict[str, int | None],
         detail: str,
-    ) -> dict[str, Any]:
+    ) -> Snapshot:
         spike = None
         if allocated is not None and peak is not None:
-            floor = allocated if self._previous_allocated is None else max(self._previous_allocated, allocated)
-            spike = max(0, peak - floor)
+            spike = spike_above(peak, allocated, self._previous_allocated)
             peak = max(peak, allocated)
         overhead = None
         if reading.reserved is not None and allocated is not None:
@@ -310,9 +312,9 @@ class StepMonitor:
             host_rss=rss,  # the process's resident bytes: host-side growth shows too
             host_vms=vms,  # its virtual size (RLIMIT_AS counts it)
             detail=detail,
-        ).to_dict()
+        )
 
-    def _write(self, record: dict[str, Any]) -> None:
+    def _write(self, record: Record) -> None:
         if self.writer is not None:
             self.writer.write(record)
 
@@ -320,7 +322,7 @@ class StepMonitor:
     # An eval loop is a peak window of its own: the peak counter is reset when it starts and when
     # it ends, so its peak never shows in a training step's figures. On the CPU it is always
     # tracked in full (the tracker runs only for the loop's forward passes).
-    def begin_eval(self, stage: str, step: int, written_batches: int = 3) -> dict[str, Any]:
+    def begin_eval(self, stage: str, step: int, written_batches: int = 3) -> Snapshot:
         """Start measuring an evaluation loop of ``stage`` (``eval``/``predict``) at global ``step``."""
         started = not self.backend.tracking
         if started:
@@ -331,7 +333,7 @@ class StepMonitor:
         self._previous_allocated = None
         return self.eval_snapshot("eval_begin", ())
 
-    def eval_snapshot(self, phase: str, outputs: Iterable[torch.Tensor]) -> dict[str, Any]:
+    def eval_snapshot(self, phase: str, outputs: Iterable[torch.Tensor]) -> Snapshot:
         """A snapshot inside the eval loop; ``outputs`` are the tensors the loop has accumulated."""
         loop = self.eval
         assert loop is not None, "eval_snapshot outside begin_eval/end_eval"
@@ -348,13 +350,13 @@ class StepMonitor:
             peak = max(peak or 0, allocated)
         live = split_live(allocated, weights, grads, states, saved, held)
         record = self._record(phase, loop.batch, reading, allocated, peak, live, "full")
-        record.update(step=loop.step, stage=loop.stage, batch=loop.batch, outputs=live["outputs"])
+        record.step, record.stage, record.batch, record.outputs = loop.step, loop.stage, loop.batch, live["outputs"]
         self.backend.reset_peak()
-        self._previous_allocated = record["allocated"]
+        self._previous_allocated = record.allocated
         loop.observe(record, self._write)
         return record
 
-    def end_eval(self, outputs: Iterable[torch.Tensor], batches: int) -> dict[str, Any] | None:
+    def end_eval(self, outputs: Iterable[torch.Tensor], batches: int) -> EvalRecord | None:
         """Close the loop: its ``eval`` record (written), the peak window reset for training."""
         loop = self.eval
         if loop is None:
@@ -384,28 +386,29 @@ class EvalLoopState:
         self.written_batches = written_batches  # snapshots of the first batches go to the timeline
         self.previous_allocated = previous_allocated
         self.batch = 0
-        self.peak: dict[str, Any] | None = None  # the snapshot closing the highest interval
-        self.peak_live: dict[str, Any] | None = None  # classes live at that peak (the higher end)
-        self.last: dict[str, Any] | None = None
+        self.peak: Snapshot | None = None  # the snapshot closing the highest interval
+        self.peak_live: Snapshot | None = None  # the snapshot whose classes were live at that peak (the higher end)
+        self.last: Snapshot | None = None
 
-    def observe(self, record: dict[str, Any], write: Callable[[dict[str, Any]], None]) -> None:
+    def observe(self, record: Snapshot, write: Callable[[Record], None]) -> None:
         """Keep the highest interval's figures; write the first batches' snapshots and the ends."""
-        if record["phase"] in ("eval_begin", "eval_end") or record["batch"] < self.written_batches:
+        if record.phase in ("eval_begin", "eval_end") or (record.batch or 0) < self.written_batches:
             write(record)
         higher = record
-        if self.last is not None and (self.last["allocated"] or 0) > (record["allocated"] or 0):
+        if self.last is not None and (self.last.allocated or 0) > (record.allocated or 0):
             higher = self.last
-        if record["peak"] is not None and (self.peak is None or record["peak"] > self.peak["peak"]):
+        if record.peak is not None and (self.peak is None or record.peak > (self.peak.peak or 0)):
             self.peak, self.peak_live = record, higher
         self.last = record
 
-    def record(self, rank: int, batches: int) -> dict[str, Any]:
+    def record(self, rank: int, batches: int) -> EvalRecord:
         """The ``eval`` timeline record of the loop."""
-        peak, live = self.peak or {}, self.peak_live or {}
+        peak, live = self.peak, None if self.peak_live is None else self.peak_live.live
         return EvalRecord(
             stage=self.stage, step=self.step, rank=rank,
-            peak=peak.get("peak"), peak_batch=peak.get("batch"), peak_phase=peak.get("phase"),
-            live=live.get("live"), spike=None if not peak else peak.get("spike"),
-            outputs=(self.last or {}).get("outputs"), outputs_at_peak=(live.get("live") or {}).get("outputs"),
+            peak=None if peak is None else peak.peak, peak_batch=None if peak is None else peak.batch,
+            peak_phase=None if peak is None else peak.phase,
+            live=live, spike=None if peak is None else peak.spike,
+            outputs=None if self.last is None else self.last.outputs, outputs_at_peak=(live or {}).get("outputs"),
             batches=batches, time=time.time(),
-        ).to_dict()
+        )

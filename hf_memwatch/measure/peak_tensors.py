@@ -157,8 +157,12 @@ class PeakTensors:
         return data
 
     @staticmethod
-    def from_record(data: dict[str, Any]) -> PeakTensors:
-        """Back from :meth:`as_record` (a timeline line, an estimate's JSON)."""
+    def from_record(data: Any) -> PeakTensors:
+        """Back from :meth:`as_record` (a timeline line, an estimate's JSON) or from a typed
+        ``peak_tensors`` record (:class:`~hf_memwatch.core.records.PeakTensorsRecord`)."""
+        if not isinstance(data, dict):
+            data = {name: getattr(data, name) for name in ("peak", "count", "tensors", "by_module", "by_operator",
+                                                           "by_class")}
         tensors = [PeakTensor(**{("cls" if k == "class" else k): v for k, v in t.items()}) for t in data["tensors"]]
         return PeakTensors(data["peak"], data["count"], tensors,
                            [TensorGroup(**g) for g in data.get("by_module", [])],

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from ..core.categories import STAGE_AFTER
-from ..core.records import PeakTensorsRecord
+from ..core.records import PeakTensorsRecord, Snapshot
 from .module_scope import ModuleScope
 from .peak_tensors import DEFAULT_TOP, PeakCensus, PeakTensors, TensorInfo, resident_namer, summarize
 
@@ -51,7 +51,7 @@ class PeakWatch:
         self.optimizer: Any = None
         self.best: tuple[int, str, int, PeakTensors] | None = None  # peak, phase, micro_step, summary
         self.active = False
-        self.last: dict[str, Any] | None = None  # the last peak_tensors record written
+        self.last: PeakTensorsRecord | None = None  # the last peak_tensors record written
         self.history = False  # CUDA: the allocator's history is recorded (MemWatch(record_history=True))
         self.cuda = False  # this step is a full CUDA step (no census: the allocator or the classes tell)
         self.source = "tracker"
@@ -86,19 +86,19 @@ class PeakWatch:
             self.saved.observer = None
         self.active = False
 
-    def observe(self, record: dict[str, Any], classes: tuple[Mapping[int, int], ...] | None) -> None:
+    def observe(self, record: Snapshot, classes: tuple[Mapping[int, int], ...] | None) -> None:
         """A full snapshot closed a window: summarize it when it holds the step's highest peak so far."""
-        if self.cuda and classes is not None and record.get("peak") is not None:
-            if self.best is None or record["peak"] > self.best[0]:
-                self.best = (record["peak"], record["phase"], record["micro_step"], self._cuda_summary(classes))
+        if self.cuda and classes is not None and record.peak is not None:
+            if self.best is None or record.peak > self.best[0]:
+                self.best = (record.peak, record.phase, record.micro_step, self._cuda_summary(classes))
             return
-        if not self.active or record.get("peak") is None or classes is None:
+        if not self.active or record.peak is None or classes is None:
             return
-        if self.best is None or record["peak"] > self.best[0]:
+        if self.best is None or record.peak > self.best[0]:
             summary = self.summarize(self.census.alive_at_peak(), classes)
-            self.best = (record["peak"], record["phase"], record["micro_step"], summary)
+            self.best = (record.peak, record.phase, record.micro_step, summary)
         if self.scope is not None:
-            self.scope.set_stage(STAGE_AFTER.get(record["phase"], "outside"))
+            self.scope.set_stage(STAGE_AFTER.get(record.phase, "outside"))
 
     def summarize(self, alive: list[TensorInfo], classes: tuple[Mapping[int, int], ...]) -> PeakTensors:
         weights, grads, states, saved = classes
@@ -117,7 +117,7 @@ class PeakWatch:
 
         return summarize(alive, classify, resident_namer(self.model, self.optimizer), self.top)
 
-    def end_step(self, step: int, rank: int) -> dict[str, Any] | None:
+    def end_step(self, step: int, rank: int) -> PeakTensorsRecord | None:
         """The step's ``peak_tensors`` record (None on a light step)."""
         best, self.best = self.best, None
         self.stop()
@@ -126,7 +126,7 @@ class PeakWatch:
         peak, phase, micro_step, summary = best
         source = ("cuda_history" if self.history else "cuda_saved") if self.cuda else "tracker"
         self.last = PeakTensorsRecord(step=step, rank=rank, phase=phase, micro_step=micro_step, source=source,
-                                      **summary.as_record()).to_dict()
+                                      **summary.as_record())
         return self.last
 
     def _cuda_summary(self, classes: tuple[Mapping[int, int], ...]) -> PeakTensors:

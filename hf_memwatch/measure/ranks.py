@@ -117,12 +117,12 @@ def share_failure(exc: BaseException, fatal: bool) -> None:
 class Agreement:
     """The outcome of :func:`decide_across_ranks`: the plan every rank applies and who chose it."""
 
-    plan: dict[str, Any]
+    plan: Any  # as the deciding rank passed it (the auto mode's PlanRecord, pickled across ranks)
     decider: int
     needs: list[int]
 
 
-def decide_across_ranks(local_plan: Mapping[str, Any], need_bytes: int) -> Agreement:
+def decide_across_ranks(local_plan: Any, need_bytes: int) -> Agreement:
     """The plan of the rank that needs the most bytes (ties: the lowest rank), on every rank.
 
     ``need_bytes`` is how much the rank must cut from the configured run to fit its budget (its
@@ -130,13 +130,13 @@ def decide_across_ranks(local_plan: Mapping[str, Any], need_bytes: int) -> Agree
     chooses, and its plan fits every rank whose budget is larger. One ``all_gather_object``: every
     rank must call it once at the same point, and every rank then holds the same answer.
     """
-    entries = _exchange((int(need_bytes), dict(local_plan)))
+    entries = _exchange((int(need_bytes), local_plan))
     needs = [need for need, _ in entries]
     decider = max(range(len(entries)), key=lambda rank: (needs[rank], -rank))
-    return Agreement(plan=dict(entries[decider][1]), decider=decider, needs=needs)
+    return Agreement(plan=entries[decider][1], decider=decider, needs=needs)
 
 
-def agree_plan(local_plan: Mapping[str, Any], need_bytes: int) -> dict[str, Any]:
+def agree_plan(local_plan: Any, need_bytes: int) -> Any:
     """All ranks get the plan of the rank that needs the most (see :func:`decide_across_ranks`).
 
     Example:

@@ -53,10 +53,8 @@ def count_rng_states() -> None:
         @functools.wraps(original)
         def get_rng_state() -> Any:
             state = original()
-            from .tracker import StorageTracker
-
-            for mode in _get_current_dispatch_mode_stack():
-                if isinstance(mode, StorageTracker) and getattr(mode, "gpu", None) is None:
+            for mode in _get_current_dispatch_mode_stack():  # a CPU StorageTracker (measure/tracker.py) counts it
+                if getattr(mode, "counts_rng_states", False) and getattr(mode, "gpu", None) is None:
                     mode.register([state])
             return state
 

@@ -115,6 +115,8 @@ class StorageTracker(TorchDispatchMode):
         (1024, 2048)
     """
 
+    counts_rng_states = True  # measure/rng_states registers the CPU RNG states it returns with such a mode
+
     def __init__(self, device_type: str = "cpu", round_to: int = 1) -> None:
         super().__init__()
         self.device_type = device_type

@@ -26,8 +26,6 @@ import tempfile
 import traceback
 from pathlib import Path
 
-import hf_memwatch  # only for where it lies; importing it is light (lazy __init__)
-
 # The child shares the CPUs with whatever the parent does next (the next trial of a hyperparameter
 # search, evaluation), whose torch threads slow down as a whole when one of them loses its core:
 # on Linux the child runs under SCHED_IDLE (only on otherwise idle CPUs), elsewhere at the lowest
@@ -42,7 +40,7 @@ def start_report_process(directory: str | os.PathLike[str], out: str | os.PathLi
     outlives the parent (its own session: Ctrl-C of a notebook or script does not cut it), and writes
     nothing to the parent's console.
     """
-    package_root = str(Path(hf_memwatch.__file__).resolve().parent.parent)
+    package_root = str(Path(__file__).resolve().parents[2])  # the folder holding hf_memwatch/
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
     return subprocess.Popen(  # noqa: S603 - our own interpreter and module, no shell

@@ -3,8 +3,8 @@ post-mortem read — never the callback itself.
 
 Example:
     >>> from hf_memwatch.core.records import PlanRecord
-    >>> plan = PlanRecord(micro_batch_size=2, gradient_accumulation_steps=2, activation_checkpointing=False,
-    ...                   optim="adamw_torch", predicted_peak=300, budget=400, reason="fits")
+    >>> from hf_memwatch.core.plan import Plan
+    >>> plan = PlanRecord(plan=Plan(2, 2, False, "adamw_torch", predicted_peak=300, reason="fits"), budget=400)
     >>> known = KnownPlan(budget=None, plan=plan)
     >>> known.budget_bytes, known.predicted_peak, KnownPlan().budget_bytes
     (400, 300, None)

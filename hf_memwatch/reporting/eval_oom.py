@@ -28,12 +28,12 @@ import gc
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from ..core.categories import EVAL_LIVE_CLASSES
-from ..core.records import OomRecord
+from ..core.records import EvalRecord, OomRecord, Snapshot
 from ..core.run_config import RunConfig
 from ..core.units import format_bytes
 from ..planning.eval_plan import eval_request
@@ -119,22 +119,23 @@ def eval_remedies(
 
 
 def write_eval_oom_report(
-    directory: str | os.PathLike[str], exc: BaseException, loop: Mapping[str, Any],
-    failure: Mapping[str, Any] | None, trainer: Any, seq_len: int | None, writer: Any = None,
+    directory: str | os.PathLike[str], exc: BaseException, loop: EvalRecord,
+    failure: Snapshot | None, trainer: Any, seq_len: int | None, writer: Any = None,
 ) -> Path:
     """Write ``<directory>/oom_report.md`` for an OOM inside an eval loop (and an ``oom`` record)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    live = dict((failure or {}).get("live") or {})
+    live = dict((failure.live if failure is not None else None) or {})
     config = EvalFailure.from_trainer(trainer, seq_len, int(live.get("optimizer_states") or 0))
     model = getattr(trainer, "model", None)
     record = OomRecord(
-        stage=loop.get("stage"), step=loop.get("step"), batch=loop.get("batches"),
-        micro_step=loop.get("batches"), rank=loop.get("rank", 0),
-        last_phase=(failure or {}).get("phase"), time=time.time(), requested=requested_bytes(exc),
-        allocated_at_failure=(failure or {}).get("allocated"), live_at_failure=live or None,  # type: ignore[arg-type]
+        stage=loop.stage, step=loop.step, batch=loop.batches,
+        micro_step=loop.batches, rank=loop.rank if loop.rank is not None else 0,
+        last_phase=None if failure is None else failure.phase, time=time.time(), requested=requested_bytes(exc),
+        allocated_at_failure=None if failure is None else failure.allocated,
+        live_at_failure=live or None,  # type: ignore[arg-type]
         outputs_at_failure=live.get("outputs"), error=f"{type(exc).__name__}: {str(exc)[:300]}",
-    ).to_dict()
+    )
     if writer is not None:
         writer.write(record)
         writer.flush()
@@ -154,25 +155,25 @@ def write_eval_oom_report(
 
     render(*eval_remedies(model, config, estimate_eval))
     logger.warning("hf-memwatch: out of memory in the %s loop (batch %s); post-mortem in %s",
-                   loop.get("stage"), loop.get("batches"), path)
+                   loop.stage, loop.batches, path)
     return path
 
 
 def render_eval_oom_report(
-    exc: BaseException, loop: Mapping[str, Any], failure: Mapping[str, Any] | None, config: EvalFailure,
+    exc: BaseException, loop: EvalRecord, failure: Snapshot | None, config: EvalFailure,
     model: Any, baseline: int | None, remedies: list[tuple[str, int | None, str]], note: str,
 ) -> str:
     """The Markdown text of an eval loop's post-mortem."""
     name = type(model).__name__ if model is not None else "?"
-    stage = loop.get("stage")
+    stage = loop.stage
     call = "predict()" if stage == "predict" else "evaluate()"
     first = (str(exc).strip().splitlines() or [""])[0][:400]
     batches = "?" if config.samples is None else -(-config.samples // config.batch_size)
     lines = [
         "# hf-memwatch: out-of-memory post-mortem (evaluation loop)", "",
         f"- **Error:** `{type(exc).__name__}: {first}`",
-        f"- **Where:** the {stage} loop (`Trainer.{call}`) at global step {loop.get('step')}, "
-        f"eval batch {loop.get('batches')} of {batches} (0-based)",
+        f"- **Where:** the {stage} loop (`Trainer.{call}`) at global step {loop.step}, "
+        f"eval batch {loop.batches} of {batches} (0-based)",
         f"- **Loop:** {name}, per_device_eval_batch_size {config.batch_size}, {config.samples or '?'} samples, "
         f"sequence length {config.run.seq_len or '?'}, eval_accumulation_steps {config.run.eval_accumulation_steps}, "
         f"{config.run.precision}, device {config.run.device}",
@@ -180,17 +181,17 @@ def render_eval_oom_report(
     requested = requested_bytes(exc)
     if requested is not None:
         lines.append(f"- **Failed allocation:** {format_bytes(requested)}")
-    live = (failure or {}).get("live") or {}
+    live = (failure.live if failure is not None else None) or {}
     if failure is not None:
-        lines.append(f"- **Live when it failed:** {format_bytes(failure.get('allocated'))}, of which "
+        lines.append(f"- **Live when it failed:** {format_bytes(failure.allocated)}, of which "
                      f"**{format_bytes(live.get('outputs'))} accumulated outputs** (predictions, logits, labels "
                      "held by the loop until it ends)")
         lines += ["", "## Live memory when the allocation failed", "", "| class | bytes |", "|---|---:|"]
         lines += [f"| {c} | {format_bytes(live.get(c))} |" for c in EVAL_LIVE_CLASSES]
-        lines.append(f"| **allocated** | **{format_bytes(failure.get('allocated'))}** |")
-    if loop.get("peak") is not None:
-        lines.append(f"\nHighest point of the loop before it failed: {format_bytes(loop['peak'])} "
-                     f"(batch {loop.get('peak_batch')}).")
+        lines.append(f"| **allocated** | **{format_bytes(failure.allocated)}** |")
+    if loop.peak is not None:
+        lines.append(f"\nHighest point of the loop before it failed: {format_bytes(loop.peak)} "
+                     f"(batch {loop.peak_batch}).")
     lines += ["", "## Eval remedies and what each would save", ""]
     if baseline is None:
         lines.append(f"No estimator figures: {note}.")

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from ..core.categories import LIVE_CLASSES
-from ..core.records import OomRecord
+from ..core.records import OomRecord, PlanRecord, Snapshot, StepRecord
 from ..core.run_config import RunConfig, is_peft_model
 from ..core.units import format_bytes
 from ..measure.footprint import advice_from_stats, allocator_settings
@@ -192,7 +192,7 @@ def write_oom_report(
         at_failure = split_at_failure(monitor)
     except Exception:  # noqa: BLE001 - the dying process may not afford the walk; report without it
         at_failure = None
-    live_now = at_failure["allocated"] if at_failure else None
+    live_now = at_failure.allocated if at_failure else None
     try:
         failure_tensors = tensors_at_failure(monitor)
     except Exception:  # noqa: BLE001 - as above: the report goes on without the list
@@ -208,17 +208,17 @@ def write_oom_report(
         advice = advice_from_stats(torch.cuda.memory_stats(monitor.device), allocator_settings())
     record = OomRecord(
         step=monitor.step, micro_step=monitor.micro_step, rank=monitor.rank,
-        time=time.time(), last_phase=last["phase"] if last else None,
+        time=time.time(), last_phase=last.phase if last else None,
         requested=requested_bytes(exc), allocated_at_failure=live_now,
-        live_at_failure=at_failure["live"] if at_failure else None,
+        live_at_failure=at_failure.live if at_failure else None,
         error=f"{type(exc).__name__}: {str(exc)[:300]}",
-    ).to_dict()
+    )
     if monitor.writer is not None:
         monitor.writer.write(record)
         monitor.writer.flush()
     path = directory / REPORT_NAME
 
-    limit_line = binding_limit_line(monitor.backend, record["requested"])
+    limit_line = binding_limit_line(monitor.backend, record.requested)
 
     failure = PostMortem(exc=exc, monitor=monitor, last=last, config=config, model=model, at_failure=at_failure,
                          plan=plan, snapshot_path=snapshot_path, allocator_advice=advice,
@@ -270,7 +270,7 @@ def binding_limit_line(backend: Any, requested: int | None) -> str | None:
             f"{binding.detail}" + (f" (also read: {others})" if others else ""))
 
 
-def split_at_failure(monitor: Any) -> dict[str, Any] | None:
+def split_at_failure(monitor: Any) -> Snapshot | None:
     """The live classes at the moment of the failure (a snapshot record, not written to the timeline).
 
     Only where the figures are real: an allocator that counts for itself (CUDA) or a CPU step being
@@ -311,11 +311,11 @@ class PostMortem:
 
     exc: BaseException
     monitor: Any
-    last: Mapping[str, Any] | None
+    last: Snapshot | None
     config: RunConfig
     model: Any
-    at_failure: Mapping[str, Any] | None = None
-    plan: Mapping[str, Any] | None = None
+    at_failure: Snapshot | None = None
+    plan: PlanRecord | Mapping[str, Any] | None = None
     snapshot_path: Path | None = None
     allocator_advice: str | None = None
     failure_tensors: Any = None
@@ -343,7 +343,7 @@ def render_oom_report(failure: PostMortem, baseline: int | None, remedies: list[
     if last is not None:
         lines.append(
             f"- **Where:** optimizer step {monitor.step}, micro-batch {monitor.micro_step}, during "
-            f"{PHASE_IN_PROGRESS.get(last['phase'], last['phase'])} (last snapshot: `{last['phase']}`)"
+            f"{PHASE_IN_PROGRESS.get(last.phase, last.phase)} (last snapshot: `{last.phase}`)"
         )
     else:
         lines.append(f"- **Where:** before the first snapshot of step {monitor.step} (model or batch set-up)")
@@ -351,11 +351,11 @@ def render_oom_report(failure: PostMortem, baseline: int | None, remedies: list[
     if requested is not None:
         lines.append(f"- **Failed allocation:** {format_bytes(requested)}")
     if at_failure is not None:
-        lines.append(f"- **Live when it failed:** {format_bytes(at_failure['allocated'])}")
-    if last is not None and last.get("device_total") is not None:
+        lines.append(f"- **Live when it failed:** {format_bytes(at_failure.allocated)}")
+    if last is not None and last.device_total is not None:
         lines.append(
-            f"- **Device:** {format_bytes(last['device_total'])} in all, "
-            f"{format_bytes(last.get('device_free'))} free at the last snapshot"
+            f"- **Device:** {format_bytes(last.device_total)} in all, "
+            f"{format_bytes(last.device_free)} free at the last snapshot"
         )
     if limit_line is not None:
         lines.append(limit_line)
@@ -363,17 +363,17 @@ def render_oom_report(failure: PostMortem, baseline: int | None, remedies: list[
         lines += ["", "## Live memory when the allocation failed", ""]
         lines += _class_table(at_failure, spike=False)
     lines += tensor_lines(failure_tensors)
-    lines += ["", f"## Live memory at the last snapshot (`{last['phase']}`)" if last else "", ""]
-    if last is not None and last.get("allocated") is not None:
+    lines += ["", f"## Live memory at the last snapshot (`{last.phase}`)" if last else "", ""]
+    if last is not None and last.allocated is not None:
         lines += _class_table(last)
     else:
         lines.append("No snapshot with allocator figures was taken in this step.")
-    previous = monitor.last_step
-    if previous is not None and previous.get("step") != monitor.step:
+    previous: StepRecord | None = monitor.last_step
+    if previous is not None and previous.step != monitor.step:
         lines += [
             "",
-            f"Last completed step ({previous['step']}): peak {format_bytes(previous.get('peak'))} "
-            f"at `{previous.get('peak_phase')}`, dominated by {previous.get('dominant')}.",
+            f"Last completed step ({previous.step}): peak {format_bytes(previous.peak)} "
+            f"at `{previous.peak_phase}`, dominated by {previous.dominant}.",
         ]
     lines += ["", "## What would have saved how much", ""]
     lines += _remedy_lines(baseline, remedies, note, last)
@@ -394,9 +394,9 @@ def _first_line(exc: BaseException) -> str:
     return text[0][:400] if text else ""
 
 
-def _class_table(snapshot: Mapping[str, Any], spike: bool = True) -> list[str]:
-    allocated = snapshot["allocated"] or 0
-    live = snapshot.get("live") or {}
+def _class_table(snapshot: Snapshot, spike: bool = True) -> list[str]:
+    allocated = snapshot.allocated or 0
+    live = snapshot.live or {}
     rows = ["| class | bytes | share |", "|---|---:|---:|"]
     for name in LIVE_CLASSES:
         value = live.get(name)
@@ -404,18 +404,18 @@ def _class_table(snapshot: Mapping[str, Any], spike: bool = True) -> list[str]:
         rows.append(f"| {name} | {format_bytes(value)} | {share} |")
     rows.append(f"| **allocated** | **{format_bytes(allocated)}** | 100 % |")
     if spike:
-        rows.append(f"| spike (temporaries above live, in the phase) | {format_bytes(snapshot.get('spike'))} | |")
+        rows.append(f"| spike (temporaries above live, in the phase) | {format_bytes(snapshot.spike)} | |")
     return rows
 
 
 def _remedy_lines(
-    baseline: int | None, remedies: list[tuple[str, int | None, str]], note: str, last: Mapping[str, Any] | None
+    baseline: int | None, remedies: list[tuple[str, int | None, str]], note: str, last: Snapshot | None
 ) -> list[str]:
     if baseline is None:
         lines = [f"No estimator figures: {note}."]
-        if last is not None and last.get("live"):
+        if last is not None and last.live:
             lines += ["", "From the measured split only (rough, not a prediction):"]
-            live = last["live"]
+            live = last.live
             activations = live.get("activations") or 0
             states = live.get("optimizer_states") or 0
             if activations:
@@ -442,10 +442,10 @@ def _remedy_lines(
     return lines
 
 
-def _plan_text(plan: Any) -> str:
+def _plan_text(plan: PlanRecord | Mapping[str, Any] | None) -> str:
     from .summary import describe_plan
 
-    if isinstance(plan, Mapping):
-        text = describe_plan(plan)
-        return text + (f". Reason: {plan['reason']}" if plan.get("reason") else "")
-    return "None (the auto mode was off or had no plan)." if plan is None else str(plan)
+    if plan is None:
+        return "None (the auto mode was off or had no plan)."
+    reason = plan.get("reason") if isinstance(plan, Mapping) else plan.reason
+    return describe_plan(plan) + (f". Reason: {reason}" if reason else "")

@@ -29,8 +29,9 @@ def tensors_at_failure(monitor: Any) -> tuple[str, PeakTensors] | None:
         if found is not None:
             return (f"every storage alive when the allocation failed (step {monitor.step}, CPU tracker)", found)
     if peaks.last is not None:
-        return (f"the peak of the last fully tracked step ({peaks.last['step']}, `{peaks.last['phase']}`)",
-                PeakTensors.from_record(peaks.last))
+        last = peaks.last
+        return (f"the peak of the last fully tracked step ({last.step}, `{last.phase}`)",
+                PeakTensors.from_record(last))
     return None
 
 

@@ -116,7 +116,7 @@ def _file(run: RankTimeline, record: Any) -> None:
         run.peak_tensors[record.step] = record
 
 
-def run_meta(model: Any, run: RunConfig, degraded: list[str] | None = None) -> dict[str, Any]:
+def run_meta(model: Any, run: RunConfig, degraded: list[str] | None = None) -> MetaRecord:
     """The ``meta`` timeline record: what the picture's title and the summary say about the run;
     ``degraded``: the features a failed probe turned off (:mod:`hf_memwatch.compat.probes`)."""
     params = sum(p.numel() for p in model.parameters()) if model is not None else None
@@ -131,7 +131,7 @@ def run_meta(model: Any, run: RunConfig, degraded: list[str] | None = None) -> d
         optim=run.optim,
         world_size=run.world_size,
         degraded=degraded or None,
-    ).to_dict()
+    )
 
 
 def budget_of(runs: list[RankTimeline]) -> int | None:

@@ -46,6 +46,7 @@ from typing import Any
 
 from ..compat.trainer import tensorboard_routable, tensorboard_writer
 from ..core.categories import EVAL_LIVE_CLASSES, LIVE_CLASSES
+from ..core.records import EvalRecord, Snapshot, StepRecord
 
 logger = logging.getLogger("hf_memwatch")
 
@@ -55,8 +56,8 @@ _WRAPPED_MARK = "_hf_memwatch_scalars"
 
 
 def step_scalars(
-    step_record: Mapping[str, Any],
-    snapshots: list[Mapping[str, Any]] | None = None,
+    step_record: StepRecord,
+    snapshots: list[Snapshot] | None = None,
     *,
     budget: int | None = None,
     predicted_peak: int | None = None,
@@ -70,22 +71,21 @@ def step_scalars(
     does not keep (``reserved`` and ``fragmentation`` on the CPU) are left out, not logged as zero.
 
     Example:
-        >>> rec = {"peak": 100, "peak_phase": "after_forward", "spike_at_peak": 10, "reserved": None,
-        ...        "live_at_peak": {"weights": 40, "activations": 50, "other": 0}}
+        >>> rec = StepRecord.from_dict({"peak": 100, "peak_phase": "after_forward", "spike_at_peak": 10,
+        ...     "live_at_peak": {"weights": 40, "activations": 50, "other": 0}}, lenient=True)
         >>> step_scalars(rec, budget=150)["memory/headroom"]
         50
     """
     scalars: dict[str, int] = {}
-    peak = step_record.get("peak")
+    peak = step_record.peak
     _put(scalars, "peak", peak)
     live, allocated = composition_at_peak(step_record, snapshots or [])
     _put(scalars, "allocated", allocated)
-    reserved = step_record.get("reserved")
-    _put(scalars, "reserved", reserved)
+    _put(scalars, "reserved", step_record.reserved)
     for name in LIVE_CLASSES:
         _put(scalars, name, live.get(name))
-    _put(scalars, "spike", step_record.get("spike_at_peak"))
-    fragmentation = [s.get("fragmentation") for s in snapshots or [] if s.get("fragmentation") is not None]
+    _put(scalars, "spike", step_record.spike_at_peak)
+    fragmentation = [s.fragmentation for s in snapshots or [] if s.fragmentation is not None]
     _put(scalars, "fragmentation", max(fragmentation) if fragmentation else None)
     if budget is not None and peak is not None:
         _put(scalars, "headroom", int(budget) - int(peak))
@@ -94,22 +94,24 @@ def step_scalars(
     return scalars
 
 
-def eval_scalars(eval_record: Mapping[str, Any]) -> dict[str, int]:
+def eval_scalars(eval_record: EvalRecord) -> dict[str, int]:
     """``memory/eval_*`` figures (bytes) of one evaluation loop's ``eval`` record.
 
     ``memory/eval_peak``, the classes live at that peak (``memory/eval_weights``, ...,
     ``memory/eval_outputs``, ``memory/eval_other``) and ``memory/eval_spike``; they sum to the peak.
 
     Example:
-        >>> eval_scalars({"peak": 120, "spike": 20, "live": {"weights": 40, "outputs": 60, "other": 0}})
+        >>> loop = EvalRecord.from_dict({"peak": 120, "spike": 20, "live": {"weights": 40, "outputs": 60, "other": 0}},
+        ...                             lenient=True)
+        >>> eval_scalars(loop)
         {'memory/eval_peak': 120, 'memory/eval_weights': 40, 'memory/eval_outputs': 60, 'memory/eval_other': 0, 'memory/eval_spike': 20}
     """
     scalars: dict[str, int] = {}
-    _put(scalars, "eval_peak", eval_record.get("peak"))
-    live = eval_record.get("live") or {}
+    _put(scalars, "eval_peak", eval_record.peak)
+    live = eval_record.live or {}
     for name in EVAL_LIVE_CLASSES:
         _put(scalars, "eval_" + name, live.get(name))
-    _put(scalars, "eval_spike", eval_record.get("spike"))
+    _put(scalars, "eval_spike", eval_record.spike)
     return scalars
 
 
@@ -124,7 +126,7 @@ def _put(scalars: dict[str, int], name: str, value: Any) -> None:
 
 
 def composition_at_peak(
-    step_record: Mapping[str, Any], snapshots: list[Mapping[str, Any]]
+    step_record: StepRecord, snapshots: list[Snapshot]
 ) -> tuple[dict[str, Any], int | None]:
     """(live classes, their sum) at the moment of the step's peak.
 
@@ -134,19 +136,21 @@ def composition_at_peak(
     activations still live), not the after-backward one. Then classes + spike = peak.
 
     Example:
-        >>> snaps = [{"phase": "after_forward", "micro_step": 0, "allocated": 90, "live": {"activations": 90}},
-        ...          {"phase": "after_backward", "micro_step": 0, "allocated": 30, "live": {"activations": 0}}]
-        >>> composition_at_peak({"peak_phase": "after_backward", "peak_micro_step": 0, "live_at_peak": {}}, snaps)
+        >>> snaps = [Snapshot.from_dict(s, lenient=True) for s in (
+        ...     {"phase": "after_forward", "micro_step": 0, "allocated": 90, "live": {"activations": 90}},
+        ...     {"phase": "after_backward", "micro_step": 0, "allocated": 30, "live": {"activations": 0}})]
+        >>> step = StepRecord.from_dict({"peak_phase": "after_backward", "peak_micro_step": 0}, lenient=True)
+        >>> composition_at_peak(step, snaps)
         ({'activations': 90}, 90)
     """
-    phase, micro = step_record.get("peak_phase"), step_record.get("peak_micro_step")
+    phase, micro = step_record.peak_phase, step_record.peak_micro_step
     for i, snap in enumerate(snapshots):
-        if snap.get("phase") == phase and (micro is None or snap.get("micro_step") == micro):
+        if snap.phase == phase and (micro is None or snap.micro_step == micro):
             end = snap
-            if i > 0 and (snapshots[i - 1].get("allocated") or 0) > (snap.get("allocated") or 0):
+            if i > 0 and (snapshots[i - 1].allocated or 0) > (snap.allocated or 0):
                 end = snapshots[i - 1]
-            return dict(end.get("live") or {}), end.get("allocated")
-    live = dict(step_record.get("live_at_peak") or {})
+            return dict(end.live or {}), end.allocated
+    live = dict(step_record.live_at_peak or {})
     known = [v for v in live.values() if v is not None]
     return live, sum(known) if known else None
 

@@ -65,7 +65,7 @@ def summary_rows(
     ``snapshots`` are the step's snapshots (for the classes live at the peak moment, see
     :func:`~hf_memwatch.reporting.sinks.composition_at_peak`); shares are of live bytes plus the spike.
     """
-    live, _ = composition_at_peak(step.to_dict(), [s.to_dict() for s in snapshots or []])  # sinks: the live dicts
+    live, _ = composition_at_peak(step, list(snapshots or []))
     figures = {name: live.get(name) for name in LIVE_CLASSES}
     figures["temporaries"] = step.spike_at_peak
     total = sum(v or 0 for v in figures.values())
@@ -261,7 +261,7 @@ def highest_moment(steps: list[StepRecord], evals: list[EvalRecord]) -> str | No
     return text
 
 
-def print_summary(path: str | os.PathLike[str], plan: Mapping[str, Any] | None = None, console: Any = None,
+def print_summary(path: str | os.PathLike[str], plan: PlanRecord | Mapping[str, Any] | None = None, console: Any = None,
                   settings: str | None = None) -> Any:
     """Print the table for the run under ``path``; returns it (None when there is nothing to show).
 
@@ -286,7 +286,7 @@ def print_summary(path: str | os.PathLike[str], plan: Mapping[str, Any] | None =
 
 
 def finish_reports(directory: str | os.PathLike[str], report: bool | str, summary: bool,
-                   plan: Mapping[str, Any] | None) -> Any:
+                   plan: PlanRecord | Mapping[str, Any] | None) -> Any:
     """Train-end reporting of ``MemWatch`` in ``directory``: the picture and the summary (with the
     ``plan`` record in force), each failing alone, quietly; then, once, where the run's files are
     (:func:`files_line`; printed with the summary, else logged at INFO).

@@ -13,12 +13,9 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..core.errors import MemWatchConfigError
-
-if TYPE_CHECKING:
-    from .report import RankTimeline
 
 
 def time_positions(xs: list[Any], times: list[float]) -> list[Any]:
@@ -62,12 +59,13 @@ class XAxis:
         return (i - 0.5, i + 0.5) if self.times is None else (self.times[max(i - 1, 0)], self.times[i])
 
 
-def timed(runs: list[RankTimeline]) -> bool:
-    """Every snapshot has its wall-clock ``time`` (a timeline written by hand may not)."""
+def timed(runs: list[Any]) -> bool:
+    """Every snapshot has its wall-clock ``time`` (a timeline written by hand may not); ``runs``: the
+    report's ``RankTimeline``s (each with its ``snapshots``), typed loosely to keep this module below it."""
     return all(isinstance(s.time, (int, float)) for run in runs for s in run.snapshots)
 
 
-def x_axes(runs: list[RankTimeline], x_axis: str) -> list[XAxis]:
+def x_axes(runs: list[Any], x_axis: str) -> list[XAxis]:
     """Each rank's :class:`XAxis` (``x_axis``: ``steps`` or ``seconds``; ranks on one clock)."""
     if x_axis not in X_AXES:
         raise MemWatchConfigError(f"the x-axis is one of {', '.join(X_AXES)}; got {x_axis!r}")

@@ -7,3 +7,6 @@
 
 Not imported by the library's training path.
 """
+
+# The profiler range of one optimizer step: StepMarker (step_marker) opens it, truth's step_peaks reads it.
+STEP_MARK = "hf_memwatch.testing.truth.step"

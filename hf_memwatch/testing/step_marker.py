@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-from .truth import STEP_MARK
+from . import STEP_MARK
 
 
 class StepMarker(TrainerCallback):

@@ -43,7 +43,7 @@ def shards(out: Path) -> None:
         "param_type": type(next(model.parameters())).__name__,
         "local_param_bytes": sum(p.to_local().numel() * p.element_size() for p in model.parameters()),
         "tensors": len(list(model.parameters())),
-        "after_optimizer": after_optimizer,
+        "after_optimizer": after_optimizer.to_dict(),  # the typed snapshot, as the timeline writes it
     }
     (out / f"fsdp2.rank{dist.get_rank()}.json").write_text(json.dumps(result))
 

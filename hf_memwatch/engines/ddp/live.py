@@ -24,6 +24,8 @@ import torch
 
 from ...compat.ddp import ddp_logging_data, has_rebuilt_buckets
 from ...core.categories import STEP_BEGIN
+from ...core.records import Snapshot
+from ...measure.attribution import spike_above
 from ...measure.monitor import StepMonitor
 from ...measure.ranks import is_distributed
 from ...measure.storage import collect_storages
@@ -161,7 +163,7 @@ class DdpBuckets:
             grads[-(index + 1)] = nbytes  # placeholder key: storage keys are addresses, never < 0
         return sum(sizes)
 
-    def adjust(self, record: dict[str, Any], monitor: StepMonitor, phase: str, window_peak: int | None) -> None:
+    def adjust(self, record: Snapshot, monitor: StepMonitor, phase: str, window_peak: int | None) -> None:
         # Buckets the tracker had not seen when this window closed were alive all along. One first
         # seen inside the window (DDP's first write) the CPU tracker counted from the window's start
         # (``resident_aliases``); elsewhere the bound on the safe side is taken in that window.
@@ -172,11 +174,8 @@ class DdpBuckets:
         else:
             unseen = max(before, self.unseen_bytes) if phase != STEP_BEGIN else self.unseen_bytes
         if unseen and monitor.backend.live_storages() is not None and window_peak is not None:
-            record["peak"] = max(record["peak"], window_peak + unseen)
-            floor = record["allocated"]
-            if monitor.previous_allocated is not None:
-                floor = max(floor, monitor.previous_allocated)
-            record["spike"] = max(0, record["peak"] - floor)
+            record.peak = max(record.peak, window_peak + unseen)
+            record.spike = spike_above(record.peak, record.allocated, monitor.previous_allocated)
 
 
 def rebuilt_sizes_unlogged(ddp: torch.nn.parallel.DistributedDataParallel) -> bool:

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from ...core.records import Snapshot
 from ...measure.storage import collect_storages
 
 
@@ -83,5 +84,5 @@ class Fsdp2Storages:
         return {"weights": _nonzero(collect_storages(_weights(self.groups), monitor.device)),
                 "gradients": _nonzero(collect_storages(_gradients(self.groups), monitor.device))}
 
-    def adjust(self, record: dict[str, Any], monitor: Any, phase: str, window_peak: int | None) -> None:
+    def adjust(self, record: Snapshot, monitor: Any, phase: str, window_peak: int | None) -> None:
         """Nothing to correct: every storage above is one the tracker sees (or registered)."""

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from ...compat.deepspeed import zero_partitions_named
+from ...core.records import Snapshot
 from ...measure.monitor import StepMonitor
 from ...measure.storage import collect_storages, nested_tensors
 
@@ -117,5 +118,5 @@ class ZeroPartitions:
         shards = deepspeed_storages(monitor.model, self.zero_optimizer(monitor), monitor.device)
         return {name: dict(shards[name]) for name in ("weights", "gradients", "optimizer_states")}
 
-    def adjust(self, record: Any, monitor: StepMonitor, phase: str, window_peak: int | None) -> None:
+    def adjust(self, record: Snapshot, monitor: StepMonitor, phase: str, window_peak: int | None) -> None:
         """Nothing: every partition is a storage the monitor counted."""
