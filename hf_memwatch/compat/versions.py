@@ -85,10 +85,14 @@ def unsupported(versions: dict[str, str | None], *, required: bool = True) -> li
 @functools.cache
 def check_versions() -> None:
     """Fail fast on a required library older than its verified floor (one ``MemWatchConfigError``
-    line, the range named); WARN once on an optional one. Cached: a process checks once."""
+    line, the range named); WARN once on an optional one; then torch's internals that nothing runs
+    without (:mod:`hf_memwatch.compat.torch_internals`, one line too). Cached: a process checks once."""
     versions = {name: installed(name) for name in VERIFIED}
     if lines := unsupported(versions, required=True):
         check_versions.cache_clear()  # a fixed environment is checked again
         raise MemWatchConfigError("; ".join(lines))
     for line in unsupported(versions, required=False):
         logger.warning("hf-memwatch: %s; features that rely on it may be off (see the warnings that follow)", line)
+    from . import torch_internals
+
+    torch_internals.check()

@@ -142,12 +142,12 @@ def blas_ready(tensor: torch.Tensor) -> bool:
 
 def _probe_gemm(func: Any, args: tuple, kwargs: dict[str, Any]) -> int:
     """Highest allocator bytes inside one real run of ``func`` beyond its output (see above)."""
-    from torch.utils._python_dispatch import _disable_current_modes
+    from ..compat.torch_internals import disable_current_modes
 
     size = sum(a.untyped_storage().nbytes() for a in args if isinstance(a, torch.Tensor))
     if size > GEMM_PROBE_MAX_BYTES or torch._C._autograd._profiler_enabled():
         return 0
-    with _disable_current_modes():
+    with disable_current_modes():
         real = [torch.empty_strided(a.shape, a.stride(), dtype=a.dtype).zero_() if isinstance(a, torch.Tensor) else a
                 for a in args]
         with warnings.catch_warnings(), _quiet_stderr():

@@ -13,7 +13,7 @@ Example:
 from __future__ import annotations
 
 import functools
-import sys
+import inspect
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -46,7 +46,8 @@ def find_trainer() -> Any:
     """The ``transformers.Trainer`` whose code is calling us, found on the call stack (or None)."""
     from transformers import Trainer
 
-    frame = sys._getframe(1)
+    frame = inspect.currentframe()
+    frame = frame.f_back if frame is not None else None
     while frame is not None:
         candidate = frame.f_locals.get("self")
         if isinstance(candidate, Trainer):

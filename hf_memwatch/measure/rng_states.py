@@ -33,7 +33,8 @@ import threading
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+from ..compat.torch_internals import current_dispatch_modes
 
 _lock = threading.Lock()
 _active = 0  # trackers entered: the wrapper is installed while one is
@@ -55,7 +56,7 @@ def count_rng_states() -> None:
             state = original()
             from .tracker import StorageTracker
 
-            for mode in _get_current_dispatch_mode_stack():
+            for mode in current_dispatch_modes():
                 if isinstance(mode, StorageTracker) and getattr(mode, "gpu", None) is None:
                     mode.register([state])
             return state
