@@ -27,6 +27,7 @@ from hf_memwatch.compat import (
     torch_cuda_memory,
     torch_frames,
     torch_internals,
+    torch_ops,
     trainer_methods,
     versions,
 )
@@ -34,7 +35,7 @@ from hf_memwatch.compat import trainer as compat_trainer
 from hf_memwatch.measure import unperturbed
 from hf_memwatch.planning.lengths import arrow_lengths, scan_lengths
 
-PROBES = [torch_internals.STORAGE_KEY, torch_internals.PYTHON_TLS, torch_frames.REFERENCES, torch_compile.COMPILED,
+PROBES = [torch_ops.OPS, torch_internals.STORAGE_KEY, torch_internals.PYTHON_TLS, torch_frames.REFERENCES, torch_compile.COMPILED,
           torch_cuda_memory.SNAPSHOT, torch_cuda_memory.HISTORY, trainer_methods.NUM_ITEMS,
           trainer_methods.PREPARE_INPUT, trainer_methods.UNUSED_COLUMNS, trainer_methods.OUTPUT_DIR,
           compat_trainer.WANDB_MODULE, compat_generation.LOOP_GUARD, compat_accelerate.SHARED_STATE,
@@ -280,3 +281,20 @@ def test_without_the_row_mapping_lengths_are_read_item_by_item_the_same(monkeypa
     slow = scan_lengths(table, k=2, seconds=10)
     assert (slow.index, slow.length, sorted(slow.top)) == (fast.index, fast.length, sorted(fast.top)) == (1, 9, [7, 9])
     one_warning(caplog, probe)
+
+
+def test_a_renamed_aten_operator_drops_only_its_rule_loudly(monkeypatch, caplog) -> None:
+    """``aten::_grouped_mm`` renamed: warned at the first estimate, its rule off; a GPT-2 (no grouped
+    matmul) gives the same figures."""
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100)
+    verified = estimate(config, batch_size=2, seq_len=16)
+    probes.forget()
+    versions.check_versions.cache_clear()
+    real = torch_ops.aten_default
+    monkeypatch.setattr(torch_ops, "aten_default", lambda name: None if name == "_grouped_mm" else real(name))
+    with caplog.at_level(logging.WARNING, logger="hf_memwatch"):
+        degraded = estimate(config, batch_size=2, seq_len=16)
+        estimate(config, batch_size=2, seq_len=16)
+    one_warning(caplog, torch_ops.OPS)
+    assert (degraded.peak_bytes, degraded.classes) == (verified.peak_bytes, verified.classes)
+    assert torch_ops.present(torch_ops.aten_default("_grouped_mm"), torch_ops.SOFTMAX) == {torch_ops.SOFTMAX}

@@ -89,8 +89,12 @@ STORAGE_KEY = Probe("torch", "UntypedStorage._cdata (a storage's identity, views
 
 
 def check() -> None:
-    """Fail fast (one :class:`MemWatchConfigError` line) when the storage identity is not as verified."""
+    """Fail fast (one :class:`MemWatchConfigError` line) when the storage identity is not as verified;
+    warn once when an operator the replay has a rule for is gone (:data:`~hf_memwatch.compat.torch_ops.OPS`)."""
+    from .torch_ops import OPS
+
     require(STORAGE_KEY)
+    holds(OPS)
 
 
 def cpu_kernel_keys() -> Any:

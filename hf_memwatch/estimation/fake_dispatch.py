@@ -22,6 +22,7 @@ import torch
 
 from ..compat.bitsandbytes import cpu_optimizer_kernel, gemm_4bit_composite
 from ..compat.torch_internals import FakeTensor, is_fake, tensor_storage_key
+from ..compat.torch_ops import GROUPED_MM, LOCAL_SCALAR_DENSE, present
 from ..measure.attribution import weight_tensors
 from ..measure.saved_tensors import SavedTensorRegistry
 from ..measure.tracker import StorageTracker
@@ -226,7 +227,7 @@ class EstimateTracker(StorageTracker):
 
 
 _VERDICTS = {torch.ops.aten.any: False, torch.ops.aten.all: True}  # what a clean batch answers
-_READ_BACK_OPS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default}
+_READ_BACK_OPS = present(LOCAL_SCALAR_DENSE, torch.ops.aten.is_nonzero.default)
 
 
 def _boolean_index(args: tuple) -> bool:
@@ -265,7 +266,7 @@ def _nonzero_of_all_true(tensor: torch.Tensor) -> torch.Tensor:
     return torch.empty((tensor.numel(), tensor.dim()), dtype=torch.long, device=tensor.device)
 
 
-_GROUPED_MM_OPS = {torch.ops.aten._grouped_mm.default}
+_GROUPED_MM_OPS = present(GROUPED_MM)
 
 
 def _meta_rejects_dtype(args: tuple) -> bool:

@@ -135,7 +135,7 @@ def cpu_memory_deltas(prof: Any, reconcile: bool = False, alive: set[int] | None
     """
     if reconcile:
         return _reconciled_deltas(prof, alive)
-    cpu = torch._C._autograd.DeviceType.CPU
+    cpu = torch.autograd.DeviceType.CPU
     events = prof.profiler.kineto_results.events()
     return sorted(
         (event.start_ns(), event.nbytes())
