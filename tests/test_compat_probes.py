@@ -23,8 +23,11 @@ from hf_memwatch.compat import datasets as compat_datasets
 from hf_memwatch.compat import generation as compat_generation
 from hf_memwatch.compat import (
     probes,
+    torch_amp,
     torch_compile,
     torch_cuda_memory,
+    torch_dispatcher,
+    torch_distributed,
     torch_frames,
     torch_internals,
     torch_ops,
@@ -35,7 +38,8 @@ from hf_memwatch.compat import trainer as compat_trainer
 from hf_memwatch.measure import unperturbed
 from hf_memwatch.planning.lengths import arrow_lengths, scan_lengths
 
-PROBES = [torch_ops.OPS, torch_internals.STORAGE_KEY, torch_internals.PYTHON_TLS, torch_frames.REFERENCES, torch_compile.COMPILED,
+PROBES = [torch_ops.OPS, torch_ops.CUDA_OPS, torch_dispatcher.AUTOCAST_DISPATCH, torch_amp.GRAD_SCALER,
+          torch_distributed.BUCKETS, torch_internals.STORAGE_KEY, torch_internals.PYTHON_TLS, torch_frames.REFERENCES, torch_compile.COMPILED,
           torch_cuda_memory.SNAPSHOT, torch_cuda_memory.HISTORY, trainer_methods.NUM_ITEMS,
           trainer_methods.PREPARE_INPUT, trainer_methods.UNUSED_COLUMNS, trainer_methods.OUTPUT_DIR,
           compat_trainer.WANDB_MODULE, compat_generation.LOOP_GUARD, compat_accelerate.SHARED_STATE,
@@ -298,3 +302,55 @@ def test_a_renamed_aten_operator_drops_only_its_rule_loudly(monkeypatch, caplog)
     one_warning(caplog, torch_ops.OPS)
     assert (degraded.peak_bytes, degraded.classes) == (verified.peak_bytes, verified.classes)
     assert torch_ops.present(torch_ops.aten_default("_grouped_mm"), torch_ops.SOFTMAX) == {torch_ops.SOFTMAX}
+
+
+# -- the CUDA replay's torch internals (a CUDA target, replayed on the CPU) ------------------------------
+def cuda_estimate(**kwargs):
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100)
+    return estimate(config, batch_size=2, seq_len=128, device="cuda", gpu="A100-80GB", **kwargs)
+
+
+def test_without_the_dispatcher_internals_a_cuda_target_takes_cpu_autocast_loudly(monkeypatch, caplog) -> None:
+    cpu_target = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100)
+    before = estimate(cpu_target, batch_size=2, seq_len=16, precision="bf16")
+    verified = cuda_estimate(precision="bf16")
+    probes.forget()
+    monkeypatch.delattr(torch._C, "_dispatch_get_registrations_for_dispatch_key")
+    with caplog.at_level(logging.WARNING, logger="hf_memwatch"):
+        degraded = cuda_estimate(precision="bf16")
+        after = estimate(cpu_target, batch_size=2, seq_len=16, precision="bf16")
+    one_warning(caplog, torch_dispatcher.AUTOCAST_DISPATCH)
+    assert degraded.peak_bytes < verified.peak_bytes  # CUDA's fp32 copies (softmax, layer_norm...) not kept
+    assert (after.peak_bytes, after.classes) == (before.peak_bytes, before.classes)  # a CPU target: untouched
+
+
+def test_without_the_grad_scalers_internals_fp16_is_replayed_without_it_loudly(monkeypatch, caplog) -> None:
+    from hf_memwatch.estimation.cuda_optim import step_scaler
+
+    request = type("Request", (), {"device": "cuda", "precision": "fp16", "shard": None})()
+    assert step_scaler(request, tracker=None) is not None
+    probes.forget()
+    probe = failing(monkeypatch, torch_amp, "GRAD_SCALER")
+    with caplog.at_level(logging.WARNING, logger="hf_memwatch"):
+        assert step_scaler(request, tracker=None) is None
+        assert cuda_estimate(precision="fp16").peak_bytes > 0
+    one_warning(caplog, probe)
+
+
+def test_without_torchs_bucket_function_ddp_buckets_follow_the_documented_rule(monkeypatch, caplog) -> None:
+    from hf_memwatch.estimation.cuda_device import ddp_bucket_bytes
+
+    model = torch.nn.Sequential(*(torch.nn.Linear(256, 1024) for _ in range(6)))
+    verified = ddp_bucket_bytes(model)
+    probes.forget()
+    monkeypatch.delattr(torch.distributed, "_compute_bucket_assignment_by_size")
+    with caplog.at_level(logging.WARNING, logger="hf_memwatch"):
+        assert ddp_bucket_bytes(model) == verified  # one dtype, one device: the same buckets
+    one_warning(caplog, torch_distributed.BUCKETS)
+
+
+def test_without_cudas_attention_kernels_a_cuda_target_takes_the_math_path_loudly(monkeypatch, caplog) -> None:
+    probe = failing(monkeypatch, torch_ops, "CUDA_OPS")
+    with caplog.at_level(logging.WARNING, logger="hf_memwatch"):
+        assert cuda_estimate(precision="bf16").peak_bytes > 0
+    one_warning(caplog, probe)

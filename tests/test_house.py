@@ -116,11 +116,7 @@ PRIVATE_ACCESS_ALLOWED = {
     # the engines' replicas (issue #34 moves them into engines/): DeepSpeed's, FSDP2's, DDP's and gloo's internals
     "estimation/fsdp_replay.py": 6, "estimation/fsdp_units.py": 2, "estimation/zero_backward.py": 2,
     "estimation/zero_step.py": 2, "measure/distributed.py": 5, "measure/fsdp2.py": 3, "measure/gloo_staging.py": 2,
-    # the CUDA replay (issue #32) calls torch's own CUDA ops, dispatcher and GradScaler internals: to move
-    # into compat/ with probes (torch 2.13's names, checked by their modules' contract tests today)
-    "estimation/cuda_autocast.py": 11, "estimation/cuda_device.py": 2, "estimation/cuda_kernels.py": 5,
-    "estimation/cuda_libs.py": 1, "estimation/cuda_optim.py": 5, "estimation/cuda_sdpa.py": 4,
-}  # 50 in 13 modules (issue #33: 139 in 41 before this migration; 115 in 36 before compat/ took the first)
+}  # 22 in 7 modules (issue #33: 139 in 41 before this migration, 28 of them in the CUDA replay; 115 in 36 before compat/)
 
 
 def _private(name: str) -> bool:

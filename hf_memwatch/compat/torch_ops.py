@@ -67,3 +67,22 @@ def onednn_native(dtype: torch.dtype) -> bool:
     if dtype == torch.bfloat16:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     return dtype == torch.float16 and bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+
+
+# The CUDA replay's operators (estimation/cuda_kernels.py, cuda_sdpa.py): CUDA's SDPA kernels and their
+# backward ops (their schemas are registered in every build, the CPU one included).
+CUDA_NAMES = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
+              "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward",
+              "_scaled_dot_product_cudnn_attention", "_safe_softmax")
+(SDPA_FLASH, SDPA_FLASH_BACKWARD, SDPA_EFFICIENT, SDPA_EFFICIENT_BACKWARD, SDPA_CUDNN,
+ SAFE_SOFTMAX) = map(aten_default, CUDA_NAMES)
+CUDA_OPS = Probe("torch", "aten::" + ", ".join(CUDA_NAMES),
+                 "the CUDA replay's SDPA kernels (a CUDA target's attention replayed by the math path)",
+                 lambda: all(aten_default(name) is not None for name in CUDA_NAMES))
+
+
+def cuda_kernels_present() -> bool:
+    """Whether the CUDA SDPA kernels can be replayed (:data:`CUDA_OPS`, run once at a CUDA target's first attention)."""
+    from .probes import holds
+
+    return holds(CUDA_OPS)

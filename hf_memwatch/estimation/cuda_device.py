@@ -66,6 +66,7 @@ from typing import Any
 
 import torch
 
+from ..compat.torch_distributed import bucket_assignment, default_first_bucket_bytes
 from .cuda_allocator import AllocatorConfig, AllocatorOOM, ReplayResult, replay
 
 CUBLAS_WORKSPACE_KEY = "cublas_workspace"
@@ -203,9 +204,9 @@ def ddp_bucket_bytes(model: Any, bucket_cap_mb: float | None = None) -> list[int
     if not params:
         return []
     cap = int((25 if bucket_cap_mb is None else bucket_cap_mb) * MiB)
-    first = dist._DEFAULT_FIRST_BUCKET_BYTES if bucket_cap_mb is None else cap
+    first = default_first_bucket_bytes() if bucket_cap_mb is None else cap
     ready = params[::-1]
-    buckets, _ = dist._compute_bucket_assignment_by_size(ready, [first, cap], [False] * len(ready))
+    buckets = bucket_assignment(ready, [first, cap])
     return [sum(ready[i].numel() * ready[i].element_size() for i in bucket) for bucket in buckets]
 
 
