@@ -38,6 +38,7 @@ from hf_memwatch.compat import trainer as compat_trainer
 from hf_memwatch.measure import unperturbed
 from hf_memwatch.planning.lengths import arrow_lengths, scan_lengths
 
+FIVE = int(transformers.__version__.split(".")[0]) >= 5
 PROBES = [torch_ops.OPS, torch_ops.CUDA_OPS, torch_dispatcher.AUTOCAST_DISPATCH, torch_amp.GRAD_SCALER,
           torch_distributed.BUCKETS, torch_internals.STORAGE_KEY, torch_internals.PYTHON_TLS, torch_frames.REFERENCES, torch_compile.COMPILED,
           torch_cuda_memory.SNAPSHOT, torch_cuda_memory.HISTORY, trainer_methods.NUM_ITEMS,
@@ -51,9 +52,12 @@ pytestmark = pytest.mark.usefixtures("fresh_probes")
 
 
 def one_warning(caplog, probe) -> None:
-    found = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "hf-memwatch" in r.getMessage()]
+    """One WARNING and one ``degraded`` entry, the probe's (besides those this stack always has: the masks on 4.x)."""
+    expected = set() if FIVE else {compat_trainer.MASKS.entry()}
+    found = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "hf-memwatch" in r.getMessage()
+             and not any(entry in r.getMessage() for entry in expected)]
     assert found == [f"hf-memwatch: {probe.entry()} (this release of {probe.library} is not verified: docs/compat.md)"]
-    assert probes.degraded() == [probe.entry()]
+    assert [entry for entry in probes.degraded() if entry not in expected] == [probe.entry()]
     assert f"{probe.library} {versions.installed(probe.library)}" in found[0]
 
 
@@ -246,12 +250,13 @@ def test_accelerates_environment_is_left_as_found() -> None:
     assert {k: v for k, v in os.environ.items() if k.startswith(("ACCELERATE_", "FSDP_"))} == before
 
 
-def test_a_bf16_truth_run_leaves_the_next_fp32_run_in_fp32(tmp_path) -> None:
+def test_a_bf16_truth_run_leaves_the_next_fp32_run_in_fp32(tmp_path, monkeypatch) -> None:
     """On transformers 4.57.6 a bf16 ``TrainingArguments`` left ``ACCELERATE_MIXED_PRECISION=bf16`` and the
     next fp32 Trainer of the process ran under bf16 autocast (DeBERTa-v2: 3,407,576 B instead of 3,929,584)."""
     from hf_memwatch.testing.estimate_truth import trainer_peak
     from hf_memwatch.testing.families import build_family_model
 
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)  # an earlier test's 4.x Trainer may have set it
     before = os.environ.get("ACCELERATE_MIXED_PRECISION")
     trainer_peak(build_family_model("albert"), task="seq-cls", batch_size=2, seq_len=16, precision="bf16", steps=1)
     assert os.environ.get("ACCELERATE_MIXED_PRECISION") == before

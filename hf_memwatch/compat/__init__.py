@@ -3,7 +3,7 @@ the probes that check a private name at first use and switch off only what depen
 (``probes``), and the private things themselves, one module per library: torch (``torch_internals``:
 the dispatch mode, fake tensors, storage identity, required; ``torch_ops``: ATen's underscore
 operators; ``torch_frames``: C++ frame names and reference counts; ``torch_cuda_memory``;
-``torch_compile``), transformers (``trainer``: the Trainer's attributes and callbacks;
+``torch_compile``; the CUDA replay's ``torch_dispatcher``, ``torch_amp``, ``torch_distributed``), transformers (``trainer``: the Trainer's attributes and callbacks;
 ``trainer_methods``: its private methods the replay calls; ``generation``), ``accelerate``,
 ``bitsandbytes``, ``datasets``, ``deepspeed``. docs/compat.md has the matrix and every probe.
 """
