@@ -359,3 +359,28 @@ def test_without_cudas_attention_kernels_a_cuda_target_takes_the_math_path_loudl
     with caplog.at_level(logging.WARNING, logger="hf_memwatch"):
         assert cuda_estimate(precision="bf16").peak_bytes > 0
     one_warning(caplog, probe)
+
+
+def test_without_the_4bit_matmuls_python_kernel_the_op_is_replayed_bare_loudly(monkeypatch, caplog) -> None:
+    pytest.importorskip("bitsandbytes")
+    from bitsandbytes.backends.default import ops
+
+    monkeypatch.delattr(ops, "_gemm_4bit_default_impl")
+    with caplog.at_level(logging.WARNING, logger="hf_memwatch"):
+        assert compat_bnb.gemm_4bit_composite() is None and compat_bnb.gemm_4bit_composite() is None
+    one_warning(caplog, compat_bnb.GEMM_4BIT)
+
+
+def test_a_torch_without_a_required_dispatch_name_is_one_line_at_import() -> None:
+    """``_disable_current_modes`` removed from torch before hf-memwatch is imported (a subprocess)."""
+    import subprocess
+    import sys
+
+    code = ("import torch.utils._python_dispatch as d; del d._disable_current_modes\n"
+            "from hf_memwatch.core.errors import MemWatchConfigError\n"
+            "try:\n    import hf_memwatch.compat.torch_internals\nexcept MemWatchConfigError as e:\n    print(e)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    lines = done.stdout.strip().splitlines()
+    assert done.returncode == 0 and len(lines) == 1, (done.stdout, done.stderr[-2000:])
+    assert lines[0].startswith(f"torch {torch.__version__}: ") and "_disable_current_modes" in lines[0]
