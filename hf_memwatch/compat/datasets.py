@@ -1,4 +1,4 @@
-"""The ``datasets`` internal hf-memwatch reads, with its probe. Verified on datasets 4.4 and the pinned release.
+"""The ``datasets`` internal hf-memwatch reads, with its probe. Verified on datasets 4.4.1 and 5.2.0.
 
 A shuffled, selected or filtered ``datasets.Dataset`` keeps its row order in an index mapping over its
 Arrow table, ``Dataset._indices`` (a one-column table; ``None`` when the rows are the table's own).
