@@ -159,6 +159,18 @@ RECORD_PROBLEMS: list[str] = []  # what the current test wrote that does not mat
 RECORDS_DIR_ENV = "HF_MEMWATCH_TEST_RECORDS_DIR"
 
 
+@pytest.fixture
+def fresh_probes():
+    """Every compat probe runs again in the test, and no failure of the test's making outlives it."""
+    from hf_memwatch.compat import probes, versions
+
+    probes.forget()
+    versions.check_versions.cache_clear()
+    yield
+    probes.forget()
+    versions.check_versions.cache_clear()
+
+
 @pytest.fixture(autouse=True, scope="session")
 def check_every_timeline_record():
     """Every record any test writes is validated against its typed definition (see the per-test check)."""

@@ -36,14 +36,7 @@ PROBES = [pytest.param(compat_trainer.MASKS, marks=pytest.mark.skipif(not FIVE, 
           torch_frames.FRAMES]
 
 
-@pytest.fixture(autouse=True)
-def fresh_probes():
-    """Every probe runs again in each test, and no failure of a test's making outlives it."""
-    probes.forget()
-    versions.check_versions.cache_clear()
-    yield
-    probes.forget()
-    versions.check_versions.cache_clear()
+pytestmark = pytest.mark.usefixtures("fresh_probes")
 
 
 def tiny_trainer(out: Path, callbacks=(), **args) -> Trainer:

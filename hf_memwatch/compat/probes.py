@@ -19,6 +19,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ..core.errors import MemWatchConfigError
 from .versions import installed
 
 logger = logging.getLogger("hf_memwatch")
@@ -57,6 +58,21 @@ def holds(probe: Probe) -> bool:
             logger.warning("hf-memwatch: %s (this release of %s is not verified: docs/compat.md)",
                            entry, probe.library)
     return _results[key]
+
+
+def require(probe: Probe) -> None:
+    """For a private thing no feature can do without (the tracker's storage identity...): one
+    :class:`MemWatchConfigError` line naming the library, its release and what cannot run, instead
+    of a WARNING; checked once per process like :func:`holds`."""
+    key = (probe.library, probe.guards)
+    if key not in _results:
+        try:
+            _results[key] = bool(probe.check())
+        except Exception:  # noqa: BLE001 - a probe that cannot run has failed
+            _results[key] = False
+    if not _results[key]:
+        raise MemWatchConfigError(f"{probe.entry()}: hf-memwatch cannot run on this release of {probe.library} "
+                                  "(verified releases: docs/compat.md)")
 
 
 def degraded() -> list[str]:

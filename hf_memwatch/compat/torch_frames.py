@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from .probes import Probe, holds
+from .torch_internals import tensor_storage_key
 
 ACCUMULATE_CALLERS = ("torch::autograd::accumulate(", "torch::autograd::InputBuffer::add(")
 GATHER_BACKWARD_CALLER = "gather_backward("
@@ -91,3 +92,32 @@ FRAMES = Probe("torch", "the C++ frame names gather_backward( and torch::autogra
 def frames_named() -> bool:
     """Whether the callers can be told by their frames (:data:`FRAMES`, run once)."""
     return holds(FRAMES)
+
+
+def references(tensor: torch.Tensor) -> tuple[int, int]:
+    """(tensor, storage) reference counts, as the autograd engine's ``can_accumulate_inplace`` reads
+    them (``Tensor._use_count``, ``torch._C._storage_Use_Count``)."""
+    return tensor._use_count(), torch._C._storage_Use_Count(tensor_storage_key(tensor))
+
+
+def is_zerotensor(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a ZeroTensor (the engine never adds into one in place)."""
+    return bool(tensor._is_zerotensor())
+
+
+def _references_counted() -> bool:
+    """A view adds one reference to its base's storage; a plain tensor is no ZeroTensor."""
+    base = torch.zeros(2)
+    tensor_refs, storage_refs = references(base)
+    view = base[1:]
+    return tensor_refs >= 1 and references(base)[1] == storage_refs + 1 and view.numel() == 1 and not is_zerotensor(base)
+
+
+REFERENCES = Probe("torch", "Tensor._use_count, torch._C._storage_Use_Count, Tensor._is_zerotensor",
+                   "replaying the autograd engine's in-place gradient accumulation under the CPU tracker "
+                   "(its bytes are those under a dispatch mode)", _references_counted)
+
+
+def references_counted() -> bool:
+    """Whether the engine's "last reference" test can be replayed (:data:`REFERENCES`, run once)."""
+    return holds(REFERENCES)

@@ -73,6 +73,22 @@ def tensorboard_routable() -> bool:
     return holds(TENSORBOARD_WRITER)
 
 
+def _wandb_module_kept() -> bool:
+    from transformers.integrations import WandbCallback
+
+    return all("_wandb" in f.__code__.co_names for f in (WandbCallback.__init__, WandbCallback.setup))
+
+
+WANDB_MODULE = Probe("transformers", "WandbCallback._wandb (the wandb module it logs through)",
+                     "memory/* in the W&B run's row of the step (they go through the callback's own on_log, "
+                     "as train/memory/*)", _wandb_module_kept)
+
+
+def wandb_run(callback: Any) -> Any:
+    """The W&B run a ``WandbCallback`` logs to (``wandb.run`` of the module it holds), or None."""
+    return getattr(getattr(callback, "_wandb", None), "run", None) if holds(WANDB_MODULE) else None
+
+
 def _eval_container_swappable() -> bool:
     from transformers import Trainer
     from transformers import trainer as trainer_module

@@ -85,7 +85,8 @@ def unsupported(versions: dict[str, str | None], *, required: bool = True) -> li
 @functools.cache
 def check_versions() -> None:
     """Fail fast on a required library older than its verified floor (one ``MemWatchConfigError``
-    line, the range named); WARN once on an optional one. Cached: a process checks once."""
+    line, the range named); WARN once on an optional one. Cached: a process checks once.
+    :func:`hf_memwatch.compat.stack.check_stack` adds torch's internals that nothing runs without."""
     versions = {name: installed(name) for name in VERIFIED}
     if lines := unsupported(versions, required=True):
         check_versions.cache_clear()  # a fixed environment is checked again

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from ..compat.torch_internals import tensor_storage_key
 from ..measure.peak_tensors import PeakTensors
 from ..measure.tracker import StorageTracker
 from .fake_dispatch import EstimateTracker
@@ -68,7 +69,7 @@ def storage_keys(tensors: Any) -> set[int]:
     keys: set[int] = set()
     for tensor in tensors:
         if isinstance(tensor, torch.Tensor):
-            keys.add(tensor.untyped_storage()._cdata)
+            keys.add(tensor_storage_key(tensor))
     return keys
 
 

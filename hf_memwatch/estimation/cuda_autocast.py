@@ -76,6 +76,15 @@ from typing import Any
 
 import torch
 
+from ..compat.torch_dispatcher import (
+    OpOverload,
+    destroy_library,
+    dispatch_registrations,
+    excluding_dispatch_key,
+    is_view,
+    op_arguments,
+)
+from ..compat.torch_ops import LOG_SOFTMAX, SOFTMAX
 from .trainer_mirror import MIXED_DTYPES
 
 logger = logging.getLogger("hf_memwatch")
@@ -148,7 +157,7 @@ def table_for(version: str) -> tuple[str, str | None]:
 
 def registered_ops(dispatch_key: str) -> set[str]:
     """The aten ops the running build registers for ``dispatch_key`` (``"softmax.int"``, ``"sum"``)."""
-    names = torch._C._dispatch_get_registrations_for_dispatch_key(dispatch_key)
+    names = dispatch_registrations(dispatch_key)
     return {name.removeprefix("aten::") for name in names if name.startswith("aten::")}
 
 
@@ -204,7 +213,7 @@ class WeightCache:
         if arg.dtype == to_type:
             return arg
         if (to_type == torch.get_autocast_dtype("cpu") and arg.dtype == torch.float32 and arg.requires_grad
-                and arg.is_leaf and not arg._is_view() and torch.is_autocast_cache_enabled()):
+                and arg.is_leaf and not is_view(arg) and torch.is_autocast_cache_enabled()):
             hit = self.casts.get(id(arg))
             if hit is not None and hit[0]() is arg:
                 return hit[1]
@@ -221,9 +230,9 @@ class _Signature:
     """Where an op's tensor arguments are (``Tensor``, ``Tensor?``, ``Tensor[]``: what ``cached_cast``
     and ``prioritize`` have overloads for; ``Tensor?[]`` passes through as in C++), and its defaults."""
 
-    def __init__(self, op: torch._ops.OpOverload) -> None:
+    def __init__(self, op: OpOverload) -> None:
         self.op = op
-        args = op._schema.arguments
+        args = op_arguments(op)
         self.positional = [a for a in args if not a.kwarg_only]
         kinds = {"Tensor": "tensor", "Optional[Tensor]": "tensor", "List[Tensor]": "list"}
         self.kinds = {arg.name: kinds[str(arg.type)] for arg in args if str(arg.type) in kinds}
@@ -262,10 +271,10 @@ class _Signature:
 
 def _excluded() -> Any:
     """``ExcludeDispatchKeyGuard no_autocast(...)``: the replay's autocast key off for the call."""
-    return torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU))
+    return excluding_dispatch_key("AutocastCPU")
 
 
-def _overload(name: str) -> torch._ops.OpOverload:
+def _overload(name: str) -> OpOverload:
     packet, _, overload = name.partition(".")
     return getattr(getattr(torch.ops.aten, packet), overload or "default")
 
@@ -301,8 +310,7 @@ def promote_type(lower: torch.dtype, tensors: Iterator[torch.Tensor]) -> torch.d
 # (``_softmax_backward_data(..., input_dtype=Half)``) — where any other input is converted first
 # (``input_.toType(dtype)``), as the CPU kernel does for every input. With fp16 autocast, every softmax
 # of a half tensor takes that path (fp32_set_opt_dtype sets dtype=float32).
-HALF_TO_FLOAT = {"softmax.int": torch.ops.aten._softmax.default,
-                 "log_softmax.int": torch.ops.aten._log_softmax.default}
+HALF_TO_FLOAT = {"softmax.int": SOFTMAX, "log_softmax.int": LOG_SOFTMAX}
 
 
 def _dtype_of(args: tuple, kwargs: dict) -> Any:
@@ -396,4 +404,4 @@ def cuda_autocast_policy() -> Iterator[WeightCache]:
             _active.pop()
         torch.clear_autocast_cache = original_clear
         cache.clear()
-        lib._destroy()
+        destroy_library(lib)

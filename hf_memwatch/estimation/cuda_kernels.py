@@ -38,6 +38,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..compat.torch_ops import (
+    LOG_SOFTMAX,
+    SDPA_EFFICIENT,
+    SDPA_EFFICIENT_BACKWARD,
+    SDPA_FLASH_BACKWARD,
+    SOFTMAX,
+    present,
+)
 from .cuda_sdpa import (
     HALF,
     aten,
@@ -138,13 +146,11 @@ def gemm_operand_copies(args: tuple) -> int:
     return sum(cuda_blocks(t.numel() * t.element_size()) for t in operands if not _cublas_ready(t))
 
 
-_FLASH_BWD = aten._scaled_dot_product_flash_attention_backward.default
-_EFFICIENT_BWD = aten._scaled_dot_product_efficient_attention_backward.default
-_EFFICIENT_FWD = aten._scaled_dot_product_efficient_attention.default
+_FLASH_BWD, _EFFICIENT_BWD, _EFFICIENT_FWD = SDPA_FLASH_BACKWARD, SDPA_EFFICIENT_BACKWARD, SDPA_EFFICIENT
 _EMBEDDING_BWD = aten.embedding_dense_backward.default
 _GEMMS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
-_SOFTMAXES = {aten._log_softmax.default, aten._softmax.default}
-CUDA_WORKSPACE_OPS = frozenset({_FLASH_BWD, _EFFICIENT_BWD, _EFFICIENT_FWD, _EMBEDDING_BWD, *_GEMMS, *_SOFTMAXES})
+_SOFTMAXES = present(LOG_SOFTMAX, SOFTMAX)
+CUDA_WORKSPACE_OPS = present(_FLASH_BWD, _EFFICIENT_BWD, _EFFICIENT_FWD, _EMBEDDING_BWD, *_GEMMS, *_SOFTMAXES)
 
 
 def cuda_workspace(func: Any, args: tuple, gpu: Any) -> int:

@@ -45,6 +45,8 @@ from typing import Any
 
 import torch
 
+from ..compat.torch_internals import tensor_storage_key
+
 CUBLAS_WORKSPACE = "cublas_workspace"
 # GEMM threads of a training step on one stream: the Python thread (forward), the autograd device thread (backward)
 GEMM_THREADS = 2
@@ -95,7 +97,7 @@ def name_held(tracker: Any, tensors: list[torch.Tensor], name: str) -> None:
     """Name ``tensors``' storages ``name`` in the estimate's details."""
     live = tracker.live_refs()
     for tensor in tensors:
-        key = tensor.untyped_storage()._cdata
+        key = tensor_storage_key(tensor)
         if key in live:
             tracker.named[key] = (live[key], name)
 

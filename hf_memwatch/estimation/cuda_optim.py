@@ -55,6 +55,13 @@ from typing import Any
 
 import torch
 
+from ..compat.torch_amp import (
+    scaler_optimizer_state,
+    scaler_replayable,
+    scaler_tensors,
+    steps_with_amp_scaling,
+)
+
 # The tensors the replay names in its details (class "other").
 GRAD_SCALER = "grad_scaler"
 
@@ -120,8 +127,7 @@ class StepScaler:
         """The scaler's persistent tensors, made as the first ``scale`` makes them; returned to be kept."""
         from .cuda_libs import name_held
 
-        self.scaler._lazy_init_scale_growth_tracker(torch.device(device))
-        held = [self.scaler._scale, self.scaler._growth_tracker]
+        held = scaler_tensors(self.scaler, torch.device(device))
         name_held(self.tracker, held, GRAD_SCALER)
         return held
 
@@ -133,10 +139,10 @@ class StepScaler:
 
     def step(self, optimizer: Any) -> None:
         """``scaler.step(optimizer)`` of a clean step (every ``found_inf`` reads 0), then ``update()``."""
-        state = self.scaler._per_optimizer_states[id(optimizer)]
+        state = scaler_optimizer_state(self.scaler, optimizer)
         for found_inf in state["found_inf_per_device"].values():
             self.tracker.reads_zero(found_inf)
-        if state["stage"].name == "READY" and not getattr(optimizer, "_step_supports_amp_scaling", False):
+        if state["stage"].name == "READY" and not steps_with_amp_scaling(optimizer):
             self.scaler.unscale_(optimizer)  # as step() would, then its found_inf read as clean
             for found_inf in state["found_inf_per_device"].values():
                 self.tracker.reads_zero(found_inf)
@@ -163,4 +169,4 @@ def step_scaler(request: Any, tracker: Any) -> StepScaler | None:
     the loss itself, FSDP takes ``ShardedGradScaler``), None otherwise."""
     if request.device != "cuda" or request.precision != "fp16" or (request.shard or "none") != "none":
         return None
-    return StepScaler(tracker)
+    return StepScaler(tracker) if scaler_replayable() else None  # compat.torch_amp.GRAD_SCALER: warned

@@ -47,6 +47,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..compat.torch_ops import SAFE_SOFTMAX, SDPA_CUDNN, SDPA_EFFICIENT, SDPA_FLASH, cuda_kernels_present
+
 aten = torch.ops.aten
 
 FLASH, EFFICIENT, CUDNN, MATH = "flash_attention", "efficient_attention", "cudnn_attention", "math"
@@ -258,6 +260,7 @@ def cuda_sdpa(gpu: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     query, key, value, attn_mask = _autocast_inputs([query, key, value, attn_mask])
     with torch.autocast("cpu", enabled=False):
         backend = sdp_backend(gpu, query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
+        backend = backend if cuda_kernels_present() else MATH  # compat.torch_ops.CUDA_OPS: warned
         grad = _requires_grad(query, key, value)
         if backend == FLASH:
             d = query.shape[-1]
@@ -265,18 +268,15 @@ def cuda_sdpa(gpu: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Ten
                 scale = 1.0 / math.sqrt(d)
             if d % 8:
                 query, key, value = (F.pad(t, (0, 8 - d % 8)) for t in (query, key, value))
-            out = aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, False,
-                                                           scale=scale)[0]
+            out = SDPA_FLASH(query, key, value, dropout_p, is_causal, False, scale=scale)[0]
             return out[..., :d] if d % 8 else out
         mask = _convert_boolean_mask(attn_mask, query.dtype)
         if backend == EFFICIENT:
             if mask is not None:
                 mask = _preprocess_mask(mask, query, key)
-            return aten._scaled_dot_product_efficient_attention(query, key, value, mask, grad, dropout_p,
-                                                                 is_causal, scale=scale)[0]
+            return SDPA_EFFICIENT(query, key, value, mask, grad, dropout_p, is_causal, scale=scale)[0]
         if backend == CUDNN:
-            return aten._scaled_dot_product_cudnn_attention(query, key, value, mask, grad, dropout_p, is_causal,
-                                                            False, scale=scale)[0]
+            return SDPA_CUDNN(query, key, value, mask, grad, dropout_p, is_causal, False, scale=scale)[0]
         return math_sdpa(query, key, value, mask, dropout_p, is_causal, scale, enable_gqa)
 
 
@@ -301,7 +301,7 @@ def math_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask:
     attn = torch.matmul(query, key.transpose(-2, -1) * factor)
     if mask is not None:
         attn.add_(mask)
-    attn = aten._safe_softmax(attn, -1)
+    attn = SAFE_SOFTMAX(attn, -1) if SAFE_SOFTMAX is not None else torch.softmax(attn, -1)
     if dropout_p > 0.0:
         attn = torch.native_dropout(attn, dropout_p, True)[0]
     out = torch.matmul(attn, value).to(dtype)

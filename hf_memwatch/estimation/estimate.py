@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ..compat.versions import check_versions
+from ..compat.stack import check_stack
 from ..core.categories import STEP_END
 from ..core.errors import MemWatchConfigError, unknown_keywords
 from ..core.gpus import card_fits, gpu_record, target_gpu
@@ -176,7 +176,7 @@ def estimate(
 # -- the engine ------------------------------------------------------------------------------
 def estimate_request(model_or_config: Any, request: EstimateRequest) -> MemoryEstimate:
     """:func:`estimate` of one :class:`EstimateRequest` (its run settings None: the Trainer's, the defaults)."""
-    check_versions()  # an unverified transformers/torch: one line naming the supported range
+    check_stack()  # an unverified transformers/torch: one line naming the supported range
     trainer = model_or_config if is_trainer(model_or_config) else None
     request = request.resolved(trainer)
     request.generation  # noqa: B018 - fail fast on generation settings that cannot work
@@ -195,11 +195,10 @@ def estimate_request(model_or_config: Any, request: EstimateRequest) -> MemoryEs
         notes.extend(policy_notes(request.precision))  # CUDA autocast's table borrowed from another torch
     model_or_config, peft_config = resolve_adapter(model_or_config, request.lora, request.adapter)
     _check_quantization(request.quantization, model_or_config)
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.utils._python_dispatch import _disable_current_modes
+    from ..compat.torch_internals import FakeTensorMode, disable_current_modes
 
     # Outer dispatch modes (a live MemWatch tracker, a profiler's) must not see the fake step.
-    with _disable_current_modes():
+    with disable_current_modes():
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         model, config, task = fake_model(model_or_config, request.task, fake_mode, request.lora, peft_config,
                                          request.quantization)
@@ -372,13 +371,12 @@ def _config_record(model: torch.nn.Module, request: EstimateRequest) -> dict[str
 def _estimate_eval_loop(model: torch.nn.Module, fake_mode: Any, request: EstimateRequest, config: Any,
                         optimizer_state_bytes: int, preprocess_argmax: bool = False) -> Any:
     """:func:`~hf_memwatch.estimation.eval_loop.simulate_eval`, outer dispatch modes disabled, one-line errors."""
-    from torch.utils._python_dispatch import _disable_current_modes
-
+    from ..compat.torch_internals import disable_current_modes
     from .eval_loop import EvalInputs, simulate_eval
 
     inputs = EvalInputs(config=config, optimizer_state_bytes=optimizer_state_bytes,
                         preprocess_argmax=preprocess_argmax)
-    with _disable_current_modes():
+    with disable_current_modes():
         try:
             return simulate_eval(model, fake_mode, request, inputs)
         except (MemWatchConfigError, KeyboardInterrupt):
@@ -409,8 +407,7 @@ def estimate_eval(model_or_config: Any, request: EvalRequest | None = None, /, *
     Example:
         >>> estimate_eval(cfg, eval_batch_size=64, eval_samples=512, seq_len=32).peak_bytes   # doctest: +SKIP
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.utils._python_dispatch import _disable_current_modes
+    from ..compat.torch_internals import FakeTensorMode, disable_current_modes
 
     if request is None:
         try:
@@ -424,7 +421,7 @@ def estimate_eval(model_or_config: Any, request: EvalRequest | None = None, /, *
     run.validate_eval()
     check_choice("precision", run.precision, PRECISIONS)
     check_choice("device", run.device, DEVICES)
-    with _disable_current_modes():
+    with disable_current_modes():
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         model, config, task = fake_model(model_or_config, run.task, fake_mode)
     run.generation  # noqa: B018 - fail fast on generation settings that cannot work

@@ -19,8 +19,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor, is_fake
 
+from ..compat.bitsandbytes import cpu_optimizer_kernel, gemm_4bit_composite
+from ..compat.torch_internals import FakeTensor, is_fake, tensor_storage_key
+from ..compat.torch_ops import GROUPED_MM, LOCAL_SCALAR_DENSE, present
 from ..measure.attribution import weight_tensors
 from ..measure.saved_tensors import SavedTensorRegistry
 from ..measure.tracker import StorageTracker
@@ -113,7 +115,7 @@ class EstimateTracker(StorageTracker):
         if shape is None or tensor.dim() < 2 or tensor.shape[-1] != shape[0] or tensor.numel() < shape[0] * shape[1]:
             super()._track_plain(tensor)
             return
-        key = tensor.untyped_storage()._cdata
+        key = tensor_storage_key(tensor)
         before = self._live.get(key)
         super()._track_plain(tensor)
         ref = self._live.get(key)
@@ -225,7 +227,7 @@ class EstimateTracker(StorageTracker):
 
 
 _VERDICTS = {torch.ops.aten.any: False, torch.ops.aten.all: True}  # what a clean batch answers
-_READ_BACK_OPS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default}
+_READ_BACK_OPS = present(LOCAL_SCALAR_DENSE, torch.ops.aten.is_nonzero.default)
 
 
 def _boolean_index(args: tuple) -> bool:
@@ -264,7 +266,7 @@ def _nonzero_of_all_true(tensor: torch.Tensor) -> torch.Tensor:
     return torch.empty((tensor.numel(), tensor.dim()), dtype=torch.long, device=tensor.device)
 
 
-_GROUPED_MM_OPS = {torch.ops.aten._grouped_mm.default}
+_GROUPED_MM_OPS = present(GROUPED_MM)
 
 
 def _meta_rejects_dtype(args: tuple) -> bool:
@@ -291,25 +293,13 @@ def _grouped_mm_via_bf16(func: Any) -> Any:
 
 
 def bnb_cpu_kernel(op_name: str) -> Any:
-    """bitsandbytes' Python CPU implementation of an optimizer op (None when unavailable)."""
-    try:
-        from bitsandbytes.backends.cpu import ops as cpu_ops
-    except ImportError:  # pragma: no cover - bnb without a CPU backend
-        return None
-    if op_name.startswith("optimizer_update_8bit_blockwise"):
-        return getattr(cpu_ops, "_optimizer_update_8bit_blockwise_cpu", None)
-    if op_name.startswith("optimizer_update_32bit"):
-        return getattr(cpu_ops, "_optimizer_update_32bit_cpu", None)
-    return None
+    """bitsandbytes' Python CPU implementation of an optimizer op (None when unavailable: compat.bitsandbytes)."""
+    return cpu_optimizer_kernel(op_name)
 
 
 def bnb_gemm_4bit_composite() -> Any:
-    """bitsandbytes' dequantize-then-``linear`` implementation of ``gemm_4bit`` (None when unavailable)."""
-    try:
-        from bitsandbytes.backends.default import ops as default_ops
-    except ImportError:  # pragma: no cover - bnb without its default backend
-        return None
-    return getattr(default_ops, "_gemm_4bit_default_impl", None)
+    """bitsandbytes' dequantize-then-``linear`` implementation of ``gemm_4bit`` (None when unavailable: compat.bitsandbytes)."""
+    return gemm_4bit_composite()
 
 
 def name_frozen_weights(tracker: EstimateTracker, model: torch.nn.Module) -> None:
@@ -321,7 +311,7 @@ def name_frozen_weights(tracker: EstimateTracker, model: torch.nn.Module) -> Non
     if all(p.requires_grad for p in params):
         return
     for tensor in weight_tensors(model):
-        key = tensor.untyped_storage()._cdata
+        key = tensor_storage_key(tensor)
         ref = tracker._live.get(key)
         if ref is not None:
             trainable = isinstance(tensor, torch.nn.Parameter) and tensor.requires_grad

@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from ..compat.generation import default_generation_param as generation_default
+from ..compat.generation import replace_loop_guard, restore_loop_guard
 from ..core.errors import MemWatchConfigError
 
 
@@ -61,10 +63,8 @@ class GenerationSettings:
 
 def default_generation_param(name: str) -> Any:
     """transformers' default for a generation field the model's config leaves unset (``max_length``: 20)."""
-    from transformers import GenerationConfig
-
     # The defaults ``Seq2SeqTrainer.prediction_step`` and ``generate`` apply; one source, transformers'.
-    return GenerationConfig._get_default_generation_params().get(name)
+    return generation_default(name)
 
 
 def generation_config_value(model: torch.nn.Module, name: str) -> Any:
@@ -111,7 +111,7 @@ def generating_to_max_length(model: torch.nn.Module, tracker: Any, steps: int, m
 
     from transformers.utils import logging as hf_logging
 
-    model._has_unfinished_sequences = has_unfinished_sequences  # type: ignore[method-assign]
+    replace_loop_guard(model, has_unfinished_sequences)
     verbosity = hf_logging.get_verbosity()
     # generate's advice about the fake batch (a right-padding guess it cannot check) is not the user's
     hf_logging.set_verbosity_error()
@@ -120,7 +120,7 @@ def generating_to_max_length(model: torch.nn.Module, tracker: Any, steps: int, m
             yield
     finally:
         hf_logging.set_verbosity(verbosity)
-        del model._has_unfinished_sequences
+        restore_loop_guard(model)
 
 
 def _pad_to(tensor: torch.Tensor, length: int, pad_token_id: int) -> torch.Tensor:

@@ -15,10 +15,20 @@ from typing import Any
 
 import torch
 
+from ..compat.torch_ops import (
+    LOG_SOFTMAX,
+    SDPA_FLASH_CPU,
+    SDPA_FLASH_CPU_BACKWARD,
+    SOFTMAX,
+    onednn_native,
+    present,
+    profiler_enabled,
+)
+
 # ATen's CPU softmax kernels (SoftMax.cpp) make their input contiguous inside: a strided input (a slice
 # of the logits, Online DPO's ``logits[:, prompt - 1:-1].log_softmax(-1)``) is copied whole, next to
 # the output (measured, profiler: Online DPO -3.98% before, the 8 x 8 x 1002 fp32 copy missing).
-CPU_SOFTMAX_OPS = {torch.ops.aten._log_softmax.default, torch.ops.aten._softmax.default}
+CPU_SOFTMAX_OPS = present(LOG_SOFTMAX, SOFTMAX)
 
 
 def strided_input_copy(tensor: Any) -> int:
@@ -28,10 +38,7 @@ def strided_input_copy(tensor: Any) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-SDPA_CPU_OPS = {
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
-}
+SDPA_CPU_OPS = present(SDPA_FLASH_CPU, SDPA_FLASH_CPU_BACKWARD)
 
 
 def sdpa_cpu_workspace(func: Any, args: tuple) -> int:
@@ -43,7 +50,7 @@ def sdpa_cpu_workspace(func: Any, args: tuple) -> int:
     holds attention and its gradient per thread, in fp32 and, for bf16/fp16, again in low precision,
     after a contiguous copy of the output gradient when it arrives strided.
     """
-    backward = func is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+    backward = func is SDPA_FLASH_CPU_BACKWARD
     query, key = (args[1], args[2]) if backward else (args[0], args[1])
     q_len, kv_len, head_dim = query.shape[-2], key.shape[-2], query.shape[-1]
     q_split = min(256 if q_len >= 768 else 64 if q_len >= 192 else 32, q_len)
@@ -112,9 +119,7 @@ def gemm_cpu_workspace(func: Any, args: tuple, kwargs: dict[str, Any]) -> int:
 def _onednn_device(dtype: torch.dtype) -> bool:
     if not torch.backends.mkldnn.is_available():
         return False
-    if dtype == torch.bfloat16:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    return dtype == torch.float16 and bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    return onednn_native(dtype)
 
 
 def onednn_gemm(dtype: torch.dtype) -> bool:
@@ -142,12 +147,12 @@ def blas_ready(tensor: torch.Tensor) -> bool:
 
 def _probe_gemm(func: Any, args: tuple, kwargs: dict[str, Any]) -> int:
     """Highest allocator bytes inside one real run of ``func`` beyond its output (see above)."""
-    from torch.utils._python_dispatch import _disable_current_modes
+    from ..compat.torch_internals import disable_current_modes
 
     size = sum(a.untyped_storage().nbytes() for a in args if isinstance(a, torch.Tensor))
-    if size > GEMM_PROBE_MAX_BYTES or torch._C._autograd._profiler_enabled():
+    if size > GEMM_PROBE_MAX_BYTES or profiler_enabled():
         return 0
-    with _disable_current_modes():
+    with disable_current_modes():
         real = [torch.empty_strided(a.shape, a.stride(), dtype=a.dtype).zero_() if isinstance(a, torch.Tensor) else a
                 for a in args]
         with warnings.catch_warnings(), _quiet_stderr():
@@ -155,7 +160,7 @@ def _probe_gemm(func: Any, args: tuple, kwargs: dict[str, Any]) -> int:
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
                                         profile_memory=True) as prof:
                 out = func(*real, **kwargs)
-        cpu = torch._C._autograd.DeviceType.CPU
+        cpu = torch.autograd.DeviceType.CPU
         running = peak = 0
         for event in sorted(prof.profiler.kineto_results.events(), key=lambda e: e.start_ns()):
             if event.name() == "[memory]" and event.device_type() == cpu:

@@ -12,7 +12,6 @@ with the same parameter names, shapes, dtypes and ``requires_grad``, and uniform
 from __future__ import annotations
 
 import contextlib
-from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
 
@@ -48,17 +47,17 @@ def homogeneous_layers(model: torch.nn.Module, config: Any) -> torch.nn.ModuleLi
 @contextlib.contextmanager
 def truncated(stack: torch.nn.ModuleList, config: Any, depth: int) -> Iterator[None]:
     """Temporarily keep only the first ``depth`` layers (and tell the config so)."""
-    modules = stack._modules
+    removed = list(stack)[depth:]
     saved_depth = config.num_hidden_layers
     layer_types = getattr(config, "layer_types", None)
-    stack._modules = OrderedDict(list(modules.items())[:depth])
+    del stack[depth:]
     if layer_types is not None:
         config.layer_types = list(layer_types)[:depth]
     config.num_hidden_layers = depth
     try:
         yield
     finally:
-        stack._modules = modules
+        stack.extend(removed)
         if layer_types is not None:
             config.layer_types = layer_types
         config.num_hidden_layers = saved_depth

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from ..compat.accelerate import accelerate_state_kept
 from ..core.errors import MemWatchConfigError
 
 # Defined in core (one list each); named here for the estimator's callers.
@@ -40,22 +41,9 @@ def _training_arguments(optim: str) -> Any:
 
 @contextlib.contextmanager
 def _accelerate_state_kept() -> Iterator[None]:
-    """Keep accelerate's process-wide state as it was.
-
-    ``TrainingArguments()`` resets ``AcceleratorState``/``PartialState`` while setting up its device;
-    inside a running Trainer (the auto mode estimates from within ``train()``) that would leave the
-    Trainer's accelerator without a state ("`AcceleratorState` object has no attribute
-    `distributed_type`").
-    """
-    from accelerate.state import AcceleratorState, PartialState
-
-    saved = [(cls._shared_state, dict(cls._shared_state)) for cls in (AcceleratorState, PartialState)]
-    try:
+    """Keep accelerate's process-wide state and environment as they were (:mod:`hf_memwatch.compat.accelerate`)."""
+    with accelerate_state_kept():
         yield
-    finally:
-        for shared, content in saved:
-            shared.clear()
-            shared.update(content)
 
 
 # The Trainer's choice for torch's own optimizers at ``TrainingArguments``' defaults (no

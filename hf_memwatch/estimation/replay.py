@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from ..compat.torch_dispatcher import overrides_autocast
 from ..measure.saved_tensors import SavedTensorRegistry
 from .cuda_autocast import cuda_autocast_policy
 from .cuda_kernels import cuda_kernel_paths
@@ -89,6 +90,7 @@ def model_in_mode(model: torch.nn.Module, request: Any, mode: ReplayMode, use_ca
     if request.precision in MIXED_DTYPES:  # a CUDA target is replayed on fake CPU tensors: CPU autocast
         wrap_autocast(model, REPLAY_DEVICE, request.precision)
     cuda_casts = request.device == "cuda" and request.precision in MIXED_DTYPES  # ... casting as CUDA's does
+    cuda_casts = cuda_casts and overrides_autocast()  # compat.torch_dispatcher: else CPU autocast's, warned
     try:
         with cuda_autocast_policy() if cuda_casts else contextlib.nullcontext():
             yield

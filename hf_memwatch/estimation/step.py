@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from ..compat.trainer_methods import counts_items_in_batch, num_items_in_batch
 from ..core.categories import (
     AFTER_BACKWARD,
     AFTER_FORWARD,
@@ -236,8 +237,8 @@ class _StepRun:
         """``num_items_in_batch``: the Trainer's own count, else the tokens its loss counts (None: not taken)."""
         trainer, device = self.inputs.trainer, self.device
         num_items = None
-        if trainer is not None:
-            num_items = trainer._get_num_items_in_batch(batches, torch.device(device))
+        if trainer is not None and counts_items_in_batch():
+            num_items = num_items_in_batch(trainer, batches, torch.device(device))
             if isinstance(num_items, torch.Tensor):
                 self.keep([num_items])
         elif accepts_loss_kwargs(self.model):

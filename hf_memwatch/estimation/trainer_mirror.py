@@ -16,8 +16,8 @@ from types import MethodType
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import is_fake
 
+from ..compat.torch_internals import is_fake
 from ..compat.trainer import MASK_HELPERS, masks_patchable
 
 MIXED_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -139,7 +139,6 @@ def real_batch_masks(packed: bool = False, padded: bool = False) -> Any:
     flattened into one row of a tiny Llama: -8.5% under the profiler without the packed mask).
     """
     try:
-        from torch._subclasses.fake_tensor import is_fake
         from transformers import masking_utils
     except ImportError:  # pragma: no cover - older transformers
         yield

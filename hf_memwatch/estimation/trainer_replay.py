@@ -26,6 +26,11 @@ from typing import Any
 
 import torch
 
+from ..compat.trainer_methods import (
+    collator_without_unused_columns,
+    replace_prepare_input,
+    without_unused_columns,
+)
 from ..engines.engine import engine_backward_detached
 from ..measure.held_models import held_models
 
@@ -153,7 +158,7 @@ class TrainerStateGuard:
         self.trainer.current_gradient_accumulation_steps = self.accumulation
         # The replay's batches are already fake tensors on the simulated device (the CPU, for every
         # target): the Trainer's move to ``args.device`` ("cpu:0" under DDP, "cuda:0") would mismatch.
-        self.trainer._prepare_input = _already_placed
+        replace_prepare_input(self.trainer, _already_placed)
         # The engine (DeepSpeed's) is built by train(); the replay's backward is autograd's.
         self.accelerator = getattr(self.trainer, "accelerator", None)
         self.backward_patched = engine_backward_detached(self.accelerator)
@@ -211,8 +216,8 @@ def training_dataset(trainer: Any) -> Any:
     try:
         import datasets
 
-        if isinstance(dataset, datasets.Dataset) and hasattr(trainer, "_remove_unused_columns"):
-            dataset = trainer._remove_unused_columns(dataset, description="training")
+        if isinstance(dataset, datasets.Dataset):
+            dataset = without_unused_columns(trainer, dataset)
     except ImportError:
         pass
     return dataset
@@ -239,8 +244,8 @@ def collate(trainer: Any, items: list[Any]) -> dict[str, Any]:
     """``items`` collated as the Trainer's training dataloader collates them."""
     collator = trainer.data_collator
     dataset = trainer.train_dataset
-    if not hasattr(dataset, "column_names") and hasattr(trainer, "_get_collator_with_removed_columns"):
-        collator = trainer._get_collator_with_removed_columns(collator, description="training")
+    if not hasattr(dataset, "column_names"):
+        collator = collator_without_unused_columns(trainer, collator)
     return collator(items)
 
 

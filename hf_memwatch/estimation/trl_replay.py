@@ -41,6 +41,9 @@ from typing import Any
 
 import torch
 
+from ..compat.torch_internals import tensor_storage_key
+from ..compat.trainer import set_cached_train_batch_size
+from ..compat.trainer_methods import cached_train_batch_size
 from ..measure.attribution import weight_storages, weight_tensors
 from ..measure.held_models import held_model_slots
 from .generation import generating_to_max_length
@@ -186,7 +189,7 @@ class TrainerReplay:
                 real_tensors, fake_tensors = weight_tensors(module), weight_tensors(fake)
                 if len(real_tensors) == len(fake_tensors):
                     self.held_weights.extend(f for r, f in zip(real_tensors, fake_tensors)
-                                             if r.untyped_storage()._cdata not in trained)
+                                             if tensor_storage_key(r) not in trained)
                 else:  # pragma: no cover - a copy is the same structure
                     self.held_weights.extend(fake_tensors)
         self.generating = False
@@ -226,7 +229,7 @@ class TrainerReplay:
                              and isinstance(value, torch.nn.Module)})
         saved_containers = {attribute: getattr(trainer, attribute) for attribute, _ in self.slots.values()}
         saved_args = {name: getattr(args, name) for name in self._arguments() if hasattr(args, name)}
-        saved_batch = getattr(trainer, "_train_batch_size", None)
+        saved_batch = cached_train_batch_size(trainer)
         fakes = [model, *self.fakes.values()]
 
         def generating(started: bool) -> None:
@@ -244,7 +247,7 @@ class TrainerReplay:
                     if name in saved_args:
                         setattr(args, name, value)
                 if saved_batch is not None:
-                    trainer._train_batch_size = self.batch_size * max(1, int(getattr(args, "n_gpu", 1) or 1))
+                    set_cached_train_batch_size(trainer, self.batch_size * max(1, int(getattr(args, "n_gpu", 1) or 1)))
                 if self.lmbda is not None:
                     trainer.lmbda = self.lmbda  # a plain attribute: the state guard puts the user's back
                 for fake in fakes:
@@ -261,7 +264,7 @@ class TrainerReplay:
                 for name, value in saved_args.items():
                     setattr(args, name, value)
                 if saved_batch is not None:
-                    trainer._train_batch_size = saved_batch
+                    set_cached_train_batch_size(trainer, saved_batch)
 
     def _with_fakes(self, value: Any) -> Any:
         """``value`` (a held model or a container of some) with each held model's fake copy in its place."""

@@ -18,13 +18,8 @@ from typing import Any
 
 import torch
 
-
-def _optimized_module_type() -> type | None:
-    try:
-        from torch._dynamo.eval_frame import OptimizedModule
-    except ImportError:  # a torch without Dynamo
-        return None
-    return OptimizedModule
+from ..compat.torch_compile import compiled_in_place as _compiled_in_place
+from ..compat.torch_compile import optimized_module_type
 
 
 def is_compiled_module(module: Any) -> bool:
@@ -34,20 +29,20 @@ def is_compiled_module(module: Any) -> bool:
         >>> is_compiled_module(torch.nn.Linear(2, 2))
         False
     """
-    optimized = _optimized_module_type()
+    optimized = optimized_module_type()
     if optimized is None or not isinstance(module, torch.nn.Module):
         return False
     if isinstance(module, optimized):
         return True
     return any(
-        isinstance(sub, optimized) or getattr(sub, "_compiled_call_impl", None) is not None
+        isinstance(sub, optimized) or compiled_in_place(sub)
         for sub in module.modules()
     )
 
 
 def hook_target(model: Any, wrapped: Any) -> Any:
     """The module to put forward hooks on: the compiled wrapper the Trainer calls, else ``model``."""
-    optimized = _optimized_module_type()
+    optimized = optimized_module_type()
     if optimized is not None and isinstance(wrapped, optimized):
         return wrapped
     return model
@@ -55,7 +50,7 @@ def hook_target(model: Any, wrapped: Any) -> Any:
 
 def compiled_in_place(module: Any) -> bool:
     """Whether ``module`` itself was compiled in place (``module.compile()``)."""
-    return getattr(module, "_compiled_call_impl", None) is not None
+    return _compiled_in_place(module)
 
 
 def hooks_for(target: Any, before: Callable[..., Any], after: Callable[..., Any]) -> tuple[Callable, Callable]:

@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 
+from ..compat.accelerate import forward_wrapped_for_mixed_precision
 from ..core.errors import PlanError, is_oom_error
 from ..core.records import PlannedBatch
 from ..core.run_config import RunConfig, model_is_checkpointing
@@ -140,7 +141,7 @@ def mixed_precision(trainer: Any) -> Iterator[None]:
     (autocast, outputs converted to fp32) — which ``train()`` does only when it prepares the model, after
     planning — unless it is wrapped already; put back on exit."""
     accelerator, model = getattr(trainer, "accelerator", None), trainer.model
-    if not getattr(accelerator, "native_amp", False) or hasattr(model, "_original_forward"):
+    if not getattr(accelerator, "native_amp", False) or forward_wrapped_for_mixed_precision(model):
         yield
         return
     from types import MethodType
@@ -252,9 +253,7 @@ def optimizer_bytes(trainer: Any, optim: str) -> tuple[int, int]:
     import types
     import warnings
 
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.utils._python_dispatch import _disable_current_modes
-
+    from ..compat.torch_internals import FakeTensorMode, disable_current_modes
     from ..estimation.fake_dispatch import EstimateTracker
     from ..estimation.optim import optimizer_class_and_kwargs
     from ..estimation.user_optimizer import is_bitsandbytes, rebuild, user_optimizer
@@ -267,7 +266,7 @@ def optimizer_bytes(trainer: Any, optim: str) -> tuple[int, int]:
     else:
         cls, kwargs = optimizer_class_and_kwargs(optim, trainer.model)
     device_type = trainer.model.device.type if hasattr(trainer.model, "device") else "cpu"
-    with _disable_current_modes():
+    with disable_current_modes():
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         with fake_mode:
             params = [torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=p.device)) for p in trainable]

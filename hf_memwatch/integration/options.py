@@ -13,12 +13,12 @@ Example:
 from __future__ import annotations
 
 import functools
-import sys
+import inspect
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from ..compat.versions import check_versions
+from ..compat.stack import check_stack
 from ..core.errors import MemWatchConfigError
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -46,7 +46,8 @@ def find_trainer() -> Any:
     """The ``transformers.Trainer`` whose code is calling us, found on the call stack (or None)."""
     from transformers import Trainer
 
-    frame = sys._getframe(1)
+    frame = inspect.currentframe()
+    frame = frame.f_back if frame is not None else None
     while frame is not None:
         candidate = frame.f_locals.get("self")
         if isinstance(candidate, Trainer):
@@ -59,7 +60,7 @@ def check_options(detail: Any, full_steps: Any, output_dir: Any, report: Any, to
                    flags: dict[str, Any]) -> None:
     """:class:`MemWatchConfigError` with one message for the first invalid constructor argument
     (or for a required library older than its verified range: :mod:`hf_memwatch.compat.versions`)."""
-    check_versions()
+    check_stack()
     if detail not in ("auto", "full", "light"):
         raise MemWatchConfigError(f"MemWatch(detail=...) must be 'auto', 'full' or 'light'; got {detail!r}")
     if isinstance(full_steps, bool) or not isinstance(full_steps, int) or full_steps < 1:

@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ..compat.trainer_methods import trial_output_dir
 from ..core.units import format_bytes
 
 TRIALS_NAME = "trials.json"
@@ -25,7 +26,8 @@ def trial_name(trainer: Any, trial: Any) -> str | None:
     if trial is None or getattr(trainer, "hp_search_backend", None) is None:
         return None
     try:
-        return os.path.basename(os.path.normpath(trainer._get_output_dir(trial)))
+        folder = trial_output_dir(trainer, trial)
+        return None if folder is None else os.path.basename(os.path.normpath(folder))
     except Exception:  # noqa: BLE001 - another backend's context missing: one folder for all
         return None
 

@@ -341,12 +341,9 @@ def allocator_settings() -> str:
     later entries override earlier ones (:func:`expandable_segments_enabled` reads the last).
     """
     parts = [os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), os.environ.get("PYTORCH_ALLOC_CONF", "")]
-    try:
-        import torch
+    from ..compat.torch_cuda_memory import allocator_settings_in_process
 
-        parts.append(str(torch._C._accelerator_getAllocatorSettings()))
-    except (AttributeError, RuntimeError):  # an older torch: the environment is all there is
-        pass
+    parts.append(allocator_settings_in_process())
     return ",".join(part for part in parts if part)
 
 

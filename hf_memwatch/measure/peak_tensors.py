@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from ..compat.torch_internals import tensor_storage_key
 from ..core.categories import RESIDENT_CLASSES
 from ..core.units import format_bytes
 from .attribution import unwrap_optimizer
@@ -239,18 +240,18 @@ def resident_namer(model: torch.nn.Module | None, optimizer: Any) -> Namer:
         root = type(model).__name__
         for name, param in model.named_parameters(remove_duplicate=False):
             owner = owners[id(param)] = name.rpartition(".")[0] or root
-            names.setdefault(param.untyped_storage()._cdata, ("parameter", owner))
+            names.setdefault(tensor_storage_key(param), ("parameter", owner))
             if param.grad is not None:
-                names.setdefault(param.grad.untyped_storage()._cdata, ("grad", owner))
+                names.setdefault(tensor_storage_key(param.grad), ("grad", owner))
         for name, buffer in model.named_buffers():
-            names.setdefault(buffer.untyped_storage()._cdata, ("buffer", name.rpartition(".")[0] or root))
+            names.setdefault(tensor_storage_key(buffer), ("buffer", name.rpartition(".")[0] or root))
     optimizer = unwrap_optimizer(optimizer) if optimizer is not None else None
     state = getattr(optimizer, "state", None)
     for param, values in (state.items() if isinstance(state, Mapping) else ()):
         if isinstance(values, Mapping):
             for key, value in values.items():
                 if isinstance(value, torch.Tensor):
-                    names.setdefault(value.untyped_storage()._cdata, (f"state {key}", owners.get(id(param), "?")))
+                    names.setdefault(tensor_storage_key(value), (f"state {key}", owners.get(id(param), "?")))
     outside = ("input", "(outside)")
     return lambda info: names.get(info.key) or (outside if info.func is None else None)
 

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from ..compat.torch_cuda_memory import allocator_snapshot
 from ..core.categories import STAGE_AFTER
 from ..core.records import PeakTensorsRecord, Snapshot
 from .module_scope import ModuleScope
@@ -167,8 +168,10 @@ def cuda_allocator_tensors(device: Any, top: int = DEFAULT_TOP) -> PeakTensors |
     innermost Python frame that allocated each as its ``operator``; no shapes (the allocator has none).
     Written for the OOM post-mortem; not run on the CPU-only development machines."""
     try:
-        snapshot = torch.cuda.memory._snapshot()
+        snapshot = allocator_snapshot()
     except Exception:  # noqa: BLE001 - no CUDA, or an allocator without snapshots
+        return None
+    if snapshot is None:
         return None
     index = getattr(device, "index", None)
     blocks = []

@@ -33,7 +33,8 @@ import threading
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+from ..compat.torch_internals import current_dispatch_modes
 
 _lock = threading.Lock()
 _active = 0  # trackers entered: the wrapper is installed while one is
@@ -53,7 +54,7 @@ def count_rng_states() -> None:
         @functools.wraps(original)
         def get_rng_state() -> Any:
             state = original()
-            for mode in _get_current_dispatch_mode_stack():  # a CPU StorageTracker (measure/tracker.py) counts it
+            for mode in current_dispatch_modes():  # a CPU StorageTracker (measure/tracker.py) counts it
                 if getattr(mode, "counts_rng_states", False) and getattr(mode, "gpu", None) is None:
                     mode.register([state])
             return state

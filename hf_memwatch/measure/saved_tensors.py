@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..compat.torch_internals import storage_key
 from .storage import same_device
 
 
@@ -53,7 +54,7 @@ class SavedTensorRegistry:
 
     def _pack(self, tensor: torch.Tensor) -> object:
         storage = tensor.untyped_storage()
-        key = storage._cdata
+        key = storage_key(storage)
         count = self._counts.get(key)
         if count is None:
             self._counts[key] = 1

@@ -12,11 +12,8 @@ from typing import Any
 
 import torch
 
-try:  # torch >= 2.1
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-except ImportError:  # pragma: no cover - very old torch
-    def is_traceable_wrapper_subclass(t: object) -> bool:  # type: ignore[misc]
-        return False
+from ..compat.torch_internals import is_traceable_wrapper_subclass
+from ..compat.torch_internals import storage_key as _identity
 
 
 def plain_tensors(tensor: torch.Tensor) -> Iterator[torch.Tensor]:
@@ -62,7 +59,7 @@ def storage_key(tensor: torch.Tensor) -> tuple[int, int]:
         (True, 16)
     """
     storage = tensor.untyped_storage()
-    return storage._cdata, storage.nbytes()
+    return _identity(storage), storage.nbytes()
 
 
 def collect_storages(

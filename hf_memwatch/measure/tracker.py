@@ -22,8 +22,17 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _pop_mode, _push_mode
 
+from ..compat.torch_internals import (
+    TorchDispatchMode,
+    autocast_devices_of_caller,
+    cpu_kernel_keys,
+    pop_mode,
+    push_mode,
+    storage_key,
+    tensor_storage_key,
+    tree_leaves,
+)
 from ..engines.gloo_staging import staged
 from .rng_states import count_rng_states, uncount_rng_states
 from .storage import plain_tensors
@@ -54,8 +63,7 @@ def run_as_called(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
     caller's autocast (PyTorch keeps a snapshot of its dispatch state for handlers) is restored
     around the kernel, nothing else.
     """
-    with torch._C._RestorePythonTLSSnapshot():
-        devices = [device for device in _AUTOCAST_DEVICES if torch.is_autocast_enabled(device)]
+    devices = autocast_devices_of_caller(_AUTOCAST_DEVICES)
     if not devices:
         return func(*args, **kwargs)
     for device in devices:
@@ -164,7 +172,7 @@ class StorageTracker(TorchDispatchMode):
         if tensor.device.type != self.device_type:
             return
         storage = tensor.untyped_storage()
-        key = storage._cdata
+        key = storage_key(storage)
         nbytes = storage.nbytes()
         if self.round_to > 1 and nbytes:
             nbytes = -(-nbytes // self.round_to) * self.round_to
@@ -231,12 +239,10 @@ class StorageTracker(TorchDispatchMode):
     def _is_input_storage(self, key: int) -> bool:
         """Whether an input of the operator being tracked has the storage ``key`` (an in-place or
         view result: the storage existed before the operator ran)."""
-        from torch.utils._pytree import tree_leaves
-
         for leaf in tree_leaves(self._args):
             if isinstance(leaf, torch.Tensor):
                 try:
-                    if leaf.untyped_storage()._cdata == key:
+                    if tensor_storage_key(leaf) == key:
                         return True
                 except (RuntimeError, NotImplementedError):  # a subclass without a storage
                     continue
@@ -316,7 +322,7 @@ class StorageTracker(TorchDispatchMode):
                 out = func(*args, **(kwargs or {}))
         elif getattr(func, "namespace", "aten") in _BUILT_IN_NAMESPACES:  # (a wrapper of ours: plain)
             out = func(*args, **(kwargs or {}))
-        elif self.device_type == "cpu" and func._schema.name in _OBSERVED_INSIDE:
+        elif self.device_type == "cpu" and func.name().partition(".")[0] in _OBSERVED_INSIDE:
             out = run_as_called(functools.partial(self._run_observed, func), args, kwargs or {})
         else:
             out = run_as_called(func, args, kwargs or {})
@@ -342,11 +348,11 @@ class StorageTracker(TorchDispatchMode):
     def _run_observed(self, func: Any, *args: Any, **kwargs: Any) -> Any:
         """Run ``func``'s CPU kernel with this mode on the stack again, so its inner operators are
         tracked (``redispatch`` below the Python key: the handler is not entered a second time)."""
-        _push_mode(self)
+        push_mode(self)
         try:
-            return func.redispatch(torch._C.DispatchKeySet(torch._C.DispatchKey.CPU), *args, **kwargs)
+            return func.redispatch(cpu_kernel_keys(), *args, **kwargs)
         finally:
-            _pop_mode()
+            pop_mode()
 
     def _track_output(self, tensor: torch.Tensor) -> None:
         if type(tensor) is torch.Tensor or not hasattr(tensor, "__tensor_flatten__"):

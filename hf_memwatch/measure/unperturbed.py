@@ -30,8 +30,6 @@ import functools
 from typing import Any
 
 import torch
-from torch._prims_common import is_non_overlapping_and_dense_or_false as is_non_overlapping_and_dense
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from ..compat.torch_frames import (
     ACCUMULATE_CALLERS,
@@ -39,14 +37,14 @@ from ..compat.torch_frames import (
     callers,
     frames_named,
     in_autograd_node,
+    is_zerotensor,
+    references,
+    references_counted,
 )
+from ..compat.torch_internals import FakeTensor, FakeTensorMode, TorchDispatchMode, disable_current_modes
+from ..compat.torch_internals import is_non_overlapping_and_dense_or_false as is_non_overlapping_and_dense
 
 aten = torch.ops.aten
-
-
-def _references(tensor: torch.Tensor) -> tuple[int, int]:
-    """(tensor, storage) reference counts as a dispatch handler sees them (its own included)."""
-    return tensor._use_count(), torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
 
 
 class _Probe(TorchDispatchMode):
@@ -58,7 +56,7 @@ class _Probe(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is aten.scatter_add.default and self.counts is None:
-            self.counts = _references(args[0])
+            self.counts = references(args[0])
         return func(*args, **(kwargs or {}))
 
 
@@ -67,11 +65,9 @@ def _handler_references(fake: bool) -> tuple[int, int] | None:
     """References a handler adds beyond the C++ caller's one, for real or fake tensors (None: unknown)."""
     probe = _Probe()
     try:
-        with _disable_current_modes(), torch.inference_mode(False), torch.enable_grad():
+        with disable_current_modes(), torch.inference_mode(False), torch.enable_grad():
             mode: Any = None
             if fake:
-                from torch._subclasses.fake_tensor import FakeTensorMode
-
                 mode = FakeTensorMode()
                 mode.__enter__()
             try:
@@ -92,8 +88,6 @@ def _plain_kind(tensor: Any) -> bool | None:
     """False for a plain tensor, True for a fake one, None for anything else (left alone)."""
     if type(tensor) is torch.Tensor:
         return False
-    from torch._subclasses.fake_tensor import FakeTensor
-
     return True if type(tensor) is FakeTensor else None
 
 
@@ -102,14 +96,14 @@ def _engine_accumulates_in_place(old: torch.Tensor, new: Any) -> bool:
     fake = _plain_kind(old)
     if fake is None or not isinstance(new, torch.Tensor) or torch.is_grad_enabled():
         return False
-    if old.layout != torch.strided or new.layout != torch.strided or old.is_nested or old._is_zerotensor():
+    if old.layout != torch.strided or new.layout != torch.strided or old.is_nested or is_zerotensor(old):
         return False
     if old.shape != new.shape or old.dtype != new.dtype or not is_non_overlapping_and_dense(old):
         return False
-    extra = _handler_references(fake)
+    extra = _handler_references(fake) if references_counted() else None
     if extra is None:
         return False
-    tensor_refs, storage_refs = _references(old)
+    tensor_refs, storage_refs = references(old)
     return tensor_refs - extra[0] == 1 and storage_refs - extra[1] == 1
 
 
@@ -139,6 +133,7 @@ def prepare() -> None:
     """Calibrate the handler's own references (a tiny gather backward, real and fake) outside any
     mode; probe the C++ frame names (:mod:`hf_memwatch.compat.torch_frames`: failed, warned once)."""
     frames_named()
+    references_counted()
     _handler_references(False)
     _handler_references(True)
 

@@ -30,6 +30,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..compat.datasets import reads_row_mapping, row_mapping
+
 TOKEN_COLUMN = "input_ids"
 # Keys whose values are image tensors: they have sizes, not sequence lengths.
 IMAGE_KEYS = frozenset({"pixel_values", "pixel_values_videos", "image", "images", "pixel_mask", "image_grid_thw"})
@@ -164,9 +166,12 @@ def arrow_lengths(dataset: Any, k: int) -> _Lengths | None:
     """Lengths of a ``datasets.Dataset``'s token column from Arrow.
 
     ``None`` when the items must be read one by one instead: no ``input_ids`` column but other
-    list columns, or a transform that builds the items on access. A dataset of plain columns only
-    (text not yet tokenized) gives no length, with a note.
+    list columns, a transform that builds the items on access, or a ``datasets`` whose row mapping is
+    not as verified (:mod:`hf_memwatch.compat.datasets`). A dataset of plain columns only (text not
+    yet tokenized) gives no length, with a note.
     """
+    if not reads_row_mapping():
+        return None
     import pyarrow as pa
     import pyarrow.compute as pc
 
@@ -194,9 +199,9 @@ def arrow_lengths(dataset: Any, k: int) -> _Lengths | None:
         if len(chunked) != table.num_rows:
             return None
     lengths = pc.list_value_length(chunked)
-    # A shuffled/selected/filtered dataset keeps its row order in an index mapping over the table;
-    # datasets offers no public accessor for it (its own query_table reads ``_indices`` too).
-    indices = getattr(dataset, "_indices", None)
+    # A shuffled/selected/filtered dataset keeps its row order in an index mapping over the table
+    # (compat.datasets: no public accessor).
+    indices = row_mapping(dataset)
     if indices is not None:
         lengths = pc.take(lengths, indices.column(0))
     values = lengths.to_numpy(zero_copy_only=False) if hasattr(lengths, "to_numpy") else np.asarray(lengths)

@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from ..compat.torch_cuda_memory import history_options as history_options  # re-exported
+from ..compat.torch_cuda_memory import memory_metadata_setter, record_history, stop_history
 from ..core.categories import PHASES
 
 logger = logging.getLogger("hf_memwatch")
@@ -32,8 +34,9 @@ def start_allocator_history(monitor: Any, max_entries: int = 100_000) -> bool:
     if getattr(monitor.backend, "kind", None) != "cuda":
         logger.warning("hf-memwatch: record_history applies to CUDA only; device is %s", monitor.device)
         return False
-    torch.cuda.memory._record_memory_history(max_entries=max_entries, **history_options())
-    set_metadata = getattr(torch.cuda.memory, "_set_memory_metadata", None)
+    if not record_history(max_entries):
+        return False
+    set_metadata = memory_metadata_setter()
     snapshot = monitor.snapshot
 
     @functools.wraps(snapshot)
@@ -50,22 +53,7 @@ def start_allocator_history(monitor: Any, max_entries: int = 100_000) -> bool:
     return True
 
 
-def history_options(recorder: Any = None) -> dict[str, Any]:
-    """Keywords for ``torch.cuda.memory._record_memory_history`` so that the phase annotations
-    (``record_function``) reach the history: ``global_record_annotations=True`` where the installed
-    torch's recorder takes it (torch 2.13: ``_record_memory_history_impl(..., global_record_annotations)``;
-    without it annotations are recorded only while the profiler runs). Empty where it does not."""
-    import inspect
-
-    recorder = recorder or getattr(torch.cuda.memory, "_record_memory_history_impl", None)
-    try:
-        parameters = inspect.signature(recorder).parameters if recorder is not None else {}
-    except (TypeError, ValueError):
-        parameters = {}
-    return {"global_record_annotations": True} if "global_record_annotations" in parameters else {}
-
-
 def stop_allocator_history() -> None:
     """Stop CUDA allocator history recording (started by :func:`start_allocator_history`)."""
     if torch.cuda.is_available():
-        torch.cuda.memory._record_memory_history(enabled=None)
+        stop_history()

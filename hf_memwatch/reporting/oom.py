@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from ..compat.torch_cuda_memory import allocator_snapshot
 from ..core.categories import LIVE_CLASSES
 from ..core.records import OomRecord, PlanRecord, Snapshot, StepRecord
 from ..core.run_config import RunConfig, is_peft_model
@@ -83,7 +84,7 @@ def estimate_command(model: Any, config: RunConfig) -> str:
         >>> estimate_command(None, run)
         'hf-memwatch estimate <model dir or config.json> --batch-size 8 --seq-len 128 --precision bf16 --optim adamw_torch --accum 2 --device cpu --checkpointing'
     """
-    source = getattr(getattr(model, "config", None), "_name_or_path", "") or "<model dir or config.json>"
+    source = getattr(getattr(model, "config", None), "name_or_path", "") or "<model dir or config.json>"
     parts = [
         "hf-memwatch estimate", source, f"--batch-size {config.micro_batch_size}",
         f"--seq-len {config.seq_len or '<tokens>'}", f"--precision {config.precision}", f"--optim {config.optim}",
@@ -288,8 +289,8 @@ def _dump_cuda_snapshot(directory: Path) -> Path | None:
     if not torch.cuda.is_available():
         return None
     try:
-        snapshot = torch.cuda.memory._snapshot()  # one snapshot at an OOM (``_dump_snapshot`` takes another)
-        if not any(snapshot.get("device_traces") or []):
+        snapshot = allocator_snapshot()  # one snapshot at an OOM (``_dump_snapshot`` takes another)
+        if snapshot is None or not any(snapshot.get("device_traces") or []):
             return None  # history is not being recorded
         path = directory / SNAPSHOT_NAME
         with open(path, "wb") as fh:

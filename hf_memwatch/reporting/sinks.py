@@ -44,7 +44,7 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ..compat.trainer import tensorboard_routable, tensorboard_writer
+from ..compat.trainer import tensorboard_routable, tensorboard_writer, wandb_run
 from ..core.categories import EVAL_LIVE_CLASSES, LIVE_CLASSES
 from ..core.records import EvalRecord, Snapshot, StepRecord
 
@@ -254,7 +254,7 @@ def _tensorboard_write(callback: Any, memory: Mapping[str, Any], step: int) -> b
 def _wandb_stage(callback: Any, memory: Mapping[str, Any], step: int) -> bool:
     """Put the keys in the W&B run's pending row (``commit=False``); the callback's own ``log`` right
     after commits that row with ``train/loss`` and ``train/global_step``. False when no run is up."""
-    run = getattr(getattr(callback, "_wandb", None), "run", None)
+    run = wandb_run(callback)
     if run is None:
         return False
     run.log(dict(memory), commit=False)
@@ -264,7 +264,7 @@ def _wandb_stage(callback: Any, memory: Mapping[str, Any], step: int) -> bool:
 def _wandb_own_row(callback: Any, memory: Mapping[str, Any], step: int) -> bool:
     """Fallback when nothing was staged (the callback set its run up in this very ``on_log``): a row
     of their own, at the same ``train/global_step`` (the step metric the callback defines)."""
-    run = getattr(getattr(callback, "_wandb", None), "run", None)
+    run = wandb_run(callback)
     if run is None:
         return False
     run.log({**memory, "train/global_step": step})

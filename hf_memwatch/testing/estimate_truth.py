@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from ..compat.accelerate import accelerate_environment_kept
 from ..compat.trainer import checkpointing_argument
 from ..estimation.generation import GenerationSettings
 from ..estimation.trainer_mirror import make_batch
@@ -67,7 +68,8 @@ def trainer_peak(
     config = model.config
     target_len = target_len or seq_len
     dataset = synthetic_dataset(config, task, batch_size * accum * steps, seq_len, target_len)
-    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+    # transformers 4.x leaves a bf16 run's precision in the environment for the next Trainer (compat.accelerate)
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings(), accelerate_environment_kept():
         warnings.simplefilter("ignore")
         args = TrainingArguments(
             output_dir=tmp, per_device_train_batch_size=batch_size, gradient_accumulation_steps=accum,
@@ -110,7 +112,7 @@ def evaluate_peak(
         bf16=precision == "bf16", fp16=precision == "fp16", disable_tqdm=True, dataloader_num_workers=0,
     )
     eos_token_id = getattr(model.generation_config, "eos_token_id", None) if generation is not None else None
-    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings(), accelerate_environment_kept():
         warnings.simplefilter("ignore")
         if generation is None:
             trainer = Trainer(model=model, args=TrainingArguments(output_dir=tmp, **common), eval_dataset=dataset,

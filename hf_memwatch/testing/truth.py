@@ -135,7 +135,7 @@ def cpu_memory_deltas(prof: Any, reconcile: bool = False, alive: set[int] | None
     """
     if reconcile:
         return _reconciled_deltas(prof, alive)
-    cpu = torch._C._autograd.DeviceType.CPU
+    cpu = torch.autograd.DeviceType.CPU
     events = prof.profiler.kineto_results.events()
     return sorted(
         (event.start_ns(), event.nbytes())
@@ -188,7 +188,7 @@ def alive_storages() -> set[int]:
 
     Objects frozen by ``gc.freeze()`` are not listed (the suite freezes what its imports made, before any
     run: ``tests/conftest.py``); a measured window's tensors are made after such a freeze."""
-    from torch._subclasses.fake_tensor import FakeTensor
+    from ..compat.torch_internals import FakeTensor
 
     gc.collect()
     found: set[int] = set()
