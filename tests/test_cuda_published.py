@@ -71,3 +71,27 @@ def test_one_case_end_to_end(bench, tmp_path):
     text = out.read_text()
     row = next(line for line in text.splitlines() if line.startswith("| `distilbert-sdpa-eager-4x256`"))
     assert "594 MB" in row and "peak allocated" in row and "%" in row
+
+
+def test_neox_as_4_42_ran_it(bench):
+    """The NeoX cases replay 4.42's data flow: fp32 rotary buffers make the cached key fp32, the cached value
+    is a view that keeps the whole fused qkv output, and each layer holds its 2048-wide bool causal mask;
+    LogitsSum keeps the logits and every layer's present as the script's ``outputs`` does."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    from cuda_published_models import gpt_neox_4_42
+
+    config = GPTNeoXConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                           intermediate_size=64, rotary_pct=0.25, max_position_embeddings=16)
+    for attn in ("sdpa", "eager"):
+        config._attn_implementation = attn
+        model = GPTNeoXForCausalLM(config).to(torch.float16)
+        step = bench.LogitsSum(model, gpt_neox_4_42(model, attn))
+        ids = torch.randint(0, 64, (2, 8))
+        step(input_ids=ids)["loss"].backward()
+        logits, *presents = step.held
+        assert logits.shape == (2, 8, 64) and len(presents) == 2
+        key, value = presents[0]
+        assert key.dtype == torch.float32 and key.shape == (2, 4, 8, 8)
+        assert value.dtype == torch.float16 and value.untyped_storage().nbytes() == 2 * 8 * 3 * 32 * 2
+        assert model.gpt_neox.layers[0].attention.bias.shape == (1, 1, 16, 16)

@@ -1,0 +1,110 @@
+"""The measured run's modelling code where it holds other tensors than the installed transformers' (for
+``benchmarks/cuda_published.py``): a published figure is compared with a replay of the code that made it.
+
+GPT-NeoX as transformers 4.42 ran it (``models/gpt_neox/modeling_gpt_neox.py`` of the 4.42.4 wheel; the
+NeoX SDPA table of PR #31031 was measured on 4.42 dev), where 5.23's code differs in what it keeps:
+
+* ``GPTNeoXAttention.__init__`` → ``_init_bias``: every layer registers a causal-mask buffer
+  ``torch.tril(torch.ones((P, P), dtype=torch.bool))`` of ``max_position_embeddings`` P (2048 for
+  Pythia: 4 MiB a layer, 100.7 MB over 24 layers), kept whatever the attention implementation;
+  ``masked_bias`` a scalar beside it;
+* ``GPTNeoXRotaryEmbedding`` (one per layer): ``inv_freq`` built with ``.float()`` and
+  ``cos_cached``/``sin_cached`` as ``emb.cos()``/``emb.sin()`` of it, so fp32 buffers of
+  ``[P, rotary_ndims]`` that ``from_pretrained(torch_dtype=float16)`` does not cast (non-persistent,
+  never loaded);
+* ``_attn_projections_and_rope``: ``apply_rotary_pos_emb`` multiplies the fp16 query/key slices by
+  the fp32 ``cos``/``sin``, so by type promotion the rotated part is fp32 and
+  ``torch.cat((query, query_pass))`` makes the whole query and key fp32; ``value`` stays a permuted
+  view of the fused ``qkv`` output; ``present = (key, value)`` when ``use_cache`` (``config.use_cache``
+  is True and the script passes nothing): the model's output keeps, per layer, the fp32 key and
+  (through the view) the whole fp16 ``qkv``;
+* ``GPTNeoXSdpaAttention.forward``: query and key cast back with ``.to(value.dtype)`` (the comment
+  "GPT-neo-X casts query and key in fp32 to apply rotary embedding in full precision") before
+  ``scaled_dot_product_attention(..., is_causal=True)``;
+* ``GPTNeoXAttention._attn`` (eager): ``torch.zeros`` of the scores in the query's dtype (fp32 here),
+  ``torch.baddbmm`` with ``alpha=norm_factor``, ``torch.where(causal_mask, scores, finfo.min)``,
+  ``softmax``, ``.to(value.dtype)``, ``matmul`` with ``value``, then ``_merge_heads``
+  (``permute(0, 2, 1, 3).contiguous()``).
+
+:func:`gpt_neox_4_42` puts those on a 5.23 ``GPTNeoXForCausalLM`` built on the meta device: the buffers
+on every attention module and a ``forward`` with 4.42's data flow (written here from the file above,
+the same operators in the same order), which appends each layer's ``present`` to the list the
+caller hands over per forward (the model's ``past_key_values``).
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+NEOX_4_42 = "gpt_neox-4.42"
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _eager_4_42(self: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``GPTNeoXAttention._attn`` of 4.42 (no mask passed, no head mask, dropout 0) and ``_merge_heads``."""
+    b, heads, s, size = query.shape
+    causal = self.bias[:, :, :s, :s]
+    q, k = query.view(b * heads, s, size), key.view(b * heads, s, size)
+    scores = torch.zeros(b * heads, s, s, dtype=q.dtype, device=k.device)
+    scores = torch.baddbmm(scores, q, k.transpose(1, 2), beta=1.0, alpha=self.norm_factor).view(b, heads, s, s)
+    floor = torch.tensor(torch.finfo(scores.dtype).min, dtype=scores.dtype).to(scores.device)
+    weights = F.softmax(torch.where(causal, scores, floor), dim=-1).to(value.dtype)
+    return torch.matmul(weights, value).permute(0, 2, 1, 3).contiguous()
+
+
+def _forward_4_42(self: Any, hidden_states: torch.Tensor, attention_mask: Any = None,
+                  position_ids: torch.Tensor | None = None, **_: Any) -> tuple[torch.Tensor, None]:
+    """4.42's ``GPTNeoXSdpaAttention.forward`` / ``GPTNeoXAttention.forward`` for a first forward (no past)."""
+    b, s, _hidden = hidden_states.shape
+    heads, size, rot = self.n_heads_4_42, self.head_size, self.rotary_ndims
+    qkv = self.query_key_value(hidden_states).view(b, s, heads, 3 * size)
+    query = qkv[..., :size].permute(0, 2, 1, 3)
+    key = qkv[..., size:2 * size].permute(0, 2, 1, 3)
+    value = qkv[..., 2 * size:].permute(0, 2, 1, 3)
+    if position_ids is None:
+        position_ids = torch.arange(s, device=hidden_states.device).unsqueeze(0)
+    cos = self.cos_cached[:s][position_ids].unsqueeze(1)
+    sin = self.sin_cached[:s][position_ids].unsqueeze(1)
+    q_rot, k_rot = query[..., :rot], key[..., :rot]
+    query = torch.cat(((q_rot * cos) + (_rotate_half(q_rot) * sin), query[..., rot:]), dim=-1)
+    key = torch.cat(((k_rot * cos) + (_rotate_half(k_rot) * sin), key[..., rot:]), dim=-1)
+    self.holder_4_42[0].append((key, value))
+    if self.impl_4_42 == "sdpa":
+        out = F.scaled_dot_product_attention(query.to(value.dtype), key.to(value.dtype), value, attn_mask=None,
+                                             dropout_p=0.0, is_causal=True).transpose(1, 2).contiguous()
+    else:
+        out = _eager_4_42(self, query, key, value)
+    return self.dense(out.view(b, s, heads * size)), None
+
+
+def gpt_neox_4_42(model: torch.nn.Module, attn: str) -> list:
+    """``model`` (a 5.23 GPTNeoXForCausalLM on the meta device) as 4.42 ran it; returns the holder whose
+    ``presents`` list each forward fills (``holder[0] = []`` before a forward gives it a fresh one)."""
+    config = model.config
+    size = config.hidden_size // config.num_attention_heads
+    rot = int(size * config.rope_parameters.get("partial_rotary_factor", 1.0))
+    positions = config.max_position_embeddings
+    holder: list = [[]]
+    for layer in model.gpt_neox.layers:
+        attention = layer.attention
+        device = attention.query_key_value.weight.device
+        attention.register_buffer("bias", torch.empty((1, 1, positions, positions), dtype=torch.bool, device=device),
+                                  persistent=False)
+        attention.register_buffer("masked_bias", torch.empty((), dtype=torch.float16, device=device),
+                                  persistent=False)  # torch.tensor(-1e9) under from_pretrained's default dtype
+        attention.register_buffer("inv_freq", torch.empty(rot // 2, dtype=torch.float32, device=device), persistent=False)
+        for name in ("cos_cached", "sin_cached"):
+            attention.register_buffer(name, torch.empty((positions, rot), dtype=torch.float32, device=device),
+                                      persistent=False)
+        attention.n_heads_4_42, attention.norm_factor, attention.impl_4_42 = config.num_attention_heads, size**-0.5, attn
+        attention.holder_4_42 = holder
+        attention.forward = types.MethodType(_forward_4_42, attention)
+    return holder
