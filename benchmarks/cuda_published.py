@@ -38,6 +38,7 @@ here is fitted to these figures.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import platform
 import statistics
@@ -61,7 +62,7 @@ from hf_memwatch import estimate  # noqa: E402
 from hf_memwatch.estimation.fake_model import auto_class  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling module, also when imported by path
-from cuda_published_models import NEOX_4_42, gpt_neox_4_42  # noqa: E402
+from cuda_published_models import NEOX_4_42, TRAINER_4_16, gpt_neox_4_42, gradients_kept  # noqa: E402
 
 MiB = 1 << 20
 MB = 10**6
@@ -165,10 +166,13 @@ PERF_VERSIONS = "Tesla V100-SXM2 16160 MiB, driver 460.91.03, CUDA 11.2; transfo
 PERF_CONTEXT = 1343 * MiB  # the page's "torch.ones((1, 1)).to('cuda')": GPU memory occupied 1343 MB (MiB)
 PERF_SETTINGS = ("eager attention (BERT had no SDPA then); default_data_collator: input_ids + labels, "
                  "no attention_mask; seq-cls, 2 labels; AdamW: transformers.AdamW (adamw_hf, a per-parameter "
-                 "loop) passed as adamw_torch")
+                 "loop) passed as adamw_torch; model.zero_grad() with torch 1.10's set_to_none=False (gradients "
+                 "kept allocated, replayed)")
 CONTEXT_NOTE = ("nvidia-smi after train(): the peak segments stay cached (train() calls no empty_cache), so the "
                 "figure is peak reserved + the 1343 MiB context the page measured (CUDA 11.2 loads every kernel at "
                 "init; a lazily loading CUDA >= 11.7 context is smaller: device_bytes, where given, is not this run's)")
+ZERO_GRAD_NOTE = ("4.16's Trainer zeroed the gradients in place (model.zero_grad(), torch 1.10's set_to_none=False: "
+                  "cuda_published_models.gradients_kept), so they stay allocated through the next forward")
 FOREACH = ("the replay's peak at the optimizer step holds foreach AdamW's list temporaries (torch >= 2.0 on CUDA, "
            "_default_to_fused_or_foreach: _foreach_sqrt of the second moments, one parameter-size, 1.25 GiB here); "
            "2022's transformers.AdamW (adamw_hf) stepped one parameter at a time and held none")
@@ -211,7 +215,7 @@ def _perf(key: str, batch: int, accum: int, precision: str, optim: str, checkpoi
                 config=bert_large, task="seq-cls", batch=batch, seq=512, precision=precision, optim=optim,
                 checkpointing=checkpointing, accum=accum, gpu="V100-16GB", attn="eager",
                 measured=used_mib * MiB, kind="nvidia-smi", versions=PERF_VERSIONS, settings=PERF_SETTINGS,
-                explanation=f"{extra}; {CONTEXT_NOTE}", context=PERF_CONTEXT)
+                explanation=f"{extra}; {ZERO_GRAD_NOTE}; {CONTEXT_NOTE}", context=PERF_CONTEXT, modelling=TRAINER_4_16)
 
 
 def _script(key: str, source: str, model: str, config: Callable[[], Any], task: str, batch: int, seq: int,
@@ -313,8 +317,9 @@ def run_estimate(case: Case, extrapolate: bool | None = False) -> Any:
                   extrapolate_layers=extrapolate)
     if case.loop == "logits_sum":
         return estimate(logits_sum_model(case), precision=case.precision, optimizer_step=False, **common)
-    return estimate(build_config(case), precision=case.precision, optim=case.optim,
-                    checkpointing=case.checkpointing, accum=case.accum, **common)
+    with gradients_kept() if case.modelling == TRAINER_4_16 else contextlib.nullcontext():
+        return estimate(build_config(case), precision=case.precision, optim=case.optim,
+                        checkpointing=case.checkpointing, accum=case.accum, **common)
 
 
 @dataclass

@@ -30,17 +30,27 @@ NeoX SDPA table of PR #31031 was measured on 4.42 dev), where 5.23's code differ
 on every attention module and a ``forward`` with 4.42's data flow (written here from the file above,
 the same operators in the same order), which appends each layer's ``present`` to the list the
 caller hands over per forward (the model's ``past_key_values``).
+
+The Trainer as transformers 4.16 ran it on torch 1.10 (the perf guide's 2022 V100 runs):
+``Trainer.train`` calls ``model.zero_grad()`` before the loop and after each optimizer step
+(``trainer.py`` lines 1306 and 1435 of the 4.16.2 wheel), and torch 1.10's ``Module.zero_grad`` defaults
+to ``set_to_none=False``: the gradients are zeroed in place and stay allocated through the next step's
+forward, where today's Trainer (and the replay, ``estimation/step.py``) frees them
+(``zero_grad(set_to_none=True)``). :func:`gradients_kept` replays that for the duration of an estimate.
 """
 
 from __future__ import annotations
 
+import contextlib
 import types
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 NEOX_4_42 = "gpt_neox-4.42"
+TRAINER_4_16 = "trainer-4.16/torch-1.10"
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -108,3 +118,16 @@ def gpt_neox_4_42(model: torch.nn.Module, attn: str) -> list:
         attention.holder_4_42 = holder
         attention.forward = types.MethodType(_forward_4_42, attention)
     return holder
+
+
+@contextlib.contextmanager
+def gradients_kept() -> Iterator[None]:
+    """``Module.zero_grad`` and ``Optimizer.zero_grad`` zero the gradients in place whatever they are asked
+    (torch 1.10's ``set_to_none=False``, as 4.16's Trainer left it) for the duration; put back on exit."""
+    module_zero, optimizer_zero = torch.nn.Module.zero_grad, torch.optim.Optimizer.zero_grad
+    torch.nn.Module.zero_grad = lambda self, set_to_none=True: module_zero(self, set_to_none=False)
+    torch.optim.Optimizer.zero_grad = lambda self, set_to_none=True: optimizer_zero(self, set_to_none=False)
+    try:
+        yield
+    finally:
+        torch.nn.Module.zero_grad, torch.optim.Optimizer.zero_grad = module_zero, optimizer_zero

@@ -95,3 +95,20 @@ def test_neox_as_4_42_ran_it(bench):
         assert key.dtype == torch.float32 and key.shape == (2, 4, 8, 8)
         assert value.dtype == torch.float16 and value.untyped_storage().nbytes() == 2 * 8 * 3 * 32 * 2
         assert model.gpt_neox.layers[0].attention.bias.shape == (1, 1, 16, 16)
+
+
+def test_trainer_4_16_keeps_the_gradients(bench):
+    """The 2022 cases replay 4.16's ``model.zero_grad()`` on torch 1.10 (set_to_none=False): inside
+    ``gradients_kept`` the replay's ``zero_grad(set_to_none=True)`` zeroes in place; torch's own is back after."""
+    from cuda_published_models import gradients_kept
+
+    assert {c.modelling for c in bench.CASES if c.loop == "trainer"} == {bench.TRAINER_4_16}
+    layer = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(layer.parameters())
+    for owner in (layer, optimizer):
+        layer(torch.ones(1, 2)).sum().backward()
+        with gradients_kept():
+            owner.zero_grad(set_to_none=True)
+        assert layer.weight.grad is not None and not layer.weight.grad.any()
+        owner.zero_grad(set_to_none=True)
+        assert layer.weight.grad is None
