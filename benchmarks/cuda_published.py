@@ -62,7 +62,7 @@ from hf_memwatch import estimate  # noqa: E402
 from hf_memwatch.estimation.fake_model import auto_class  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling module, also when imported by path
-from cuda_published_models import NEOX_4_42, TRAINER_4_16, gpt_neox_4_42, gradients_kept  # noqa: E402
+from cuda_published_models import NEOX_4_42, TRAINER_4_16, gpt_neox_4_42, torch_1_10  # noqa: E402
 
 MiB = 1 << 20
 MB = 10**6
@@ -166,8 +166,10 @@ PERF_VERSIONS = "Tesla V100-SXM2 16160 MiB, driver 460.91.03, CUDA 11.2; transfo
 PERF_CONTEXT = 1343 * MiB  # the page's "torch.ones((1, 1)).to('cuda')": GPU memory occupied 1343 MB (MiB)
 PERF_SETTINGS = ("eager attention (BERT had no SDPA then); default_data_collator: input_ids + labels, "
                  "no attention_mask; seq-cls, 2 labels; AdamW: transformers.AdamW (adamw_hf, a per-parameter "
-                 "loop) passed as adamw_torch; model.zero_grad() with torch 1.10's set_to_none=False (gradients "
-                 "kept allocated, replayed)")
+                 "loop) passed as adamw_torch; torch 1.10 as 4.16's Trainer drove it, replayed "
+                 "(cuda_published_models.torch_1_10): model.zero_grad() with set_to_none=False (gradients kept "
+                 "allocated), softmax saving its input; checkpointing replayed as 5.23's non-reentrant kind (2022's "
+                 "was reentrant)")
 CONTEXT_NOTE = ("nvidia-smi after train(): the peak segments stay cached (train() calls no empty_cache), so the "
                 "figure is peak reserved + the 1343 MiB context the page measured (CUDA 11.2 loads every kernel at "
                 "init; a lazily loading CUDA >= 11.7 context is smaller: device_bytes, where given, is not this run's)")
@@ -176,15 +178,16 @@ ZERO_GRAD_NOTE = ("4.16's Trainer zeroed the gradients in place (model.zero_grad
 FOREACH = ("the replay's peak at the optimizer step holds foreach AdamW's list temporaries (torch >= 2.0 on CUDA, "
            "_default_to_fused_or_foreach: _foreach_sqrt of the second moments, one parameter-size, 1.25 GiB here); "
            "2022's transformers.AdamW (adamw_hf) stepped one parameter at a time and held none")
-FWD_BWD_FP32 = ("peak in the forward/backward, fp32, eager: under by 0.8-1.2 GiB (30-48 MiB per layer), not "
-                "identified here (the replay models one step's allocations; the run's allocator went through 128)")
+FWD_BWD_FP32 = ("peak in the forward/backward, fp32, eager; torch 1.10's softmax node saved its input beside its "
+                "output (pytorch#64000, fixed in 1.11 by #66018): the fp32 scores, 4x16x512x512 x 4 B = 64 MiB a "
+                "layer, 1.5 GiB over 24 layers, replayed (cuda_published_models.softmax_keeps_input); without it "
+                "-17.5..-20.8%")
 AMP_NOTE = ("torch.cuda.amp: CUDA's autocast lists (ATen/autocast_mode.h: softmax in AT_FORALL_FP32_SET_OPT_DTYPE, "
             "layer_norm in AT_FORALL_FP32) give fp32 outputs: per layer the attention probabilities are saved in "
-            "fp32 (4x16x512x512 x 4 B = 64 MiB; 4.16's scores + fp32 extended mask were fp32 already) beside the "
-            "fp16 copy the next matmul saves, and both LayerNorm outputs are fp32 beside their fp16 copies: "
-            "~48 MiB a layer more than fp16 outputs, ~1.1 GiB over 24 layers, which a replay under CPU "
-            "autocast's lists misses; with the fp32 cases' "
-            "unidentified ~1.1 GiB, about two thirds of this gap")
+            "fp32 (4x16x512x512 x 4 B = 64 MiB) beside the fp16 copy the next matmul saves, and both LayerNorm "
+            "outputs are fp32 beside their fp16 copies, which a replay under CPU autocast's lists misses; torch "
+            "1.10's softmax also saved its input, here the fp32 copy autocast made (64 MiB a layer, replayed: "
+            "cuda_published_models.softmax_keeps_input); -22.5% before both 2022 behaviours were replayed")
 AMP_GC_NOTE = ("torch.cuda.amp with checkpointing: the fp32 softmax of CUDA's autocast lists is recomputed inside "
                "one layer at a time, so it weighs one layer, not 24")
 BERT_SDPA = ("transformers docs/source/en/model_doc/bert.md (v4.39-v4.47; ko/ar translations keep it), "
@@ -246,7 +249,7 @@ CASES: tuple[Case, ...] = (
     _perf("perf-accum", 1, 4, "fp32", "adamw_torch", False, 8681,
           "peak in the backward with the gradients resident; 2022's per-parameter adamw_hf as adamw_torch"),
     _perf("perf-accum-gc", 1, 4, "fp32", "adamw_torch", True, 6775,
-          f"reentrant torch.utils.checkpoint (2022's only kind); {FOREACH}"),
+          f"2022's reentrant torch.utils.checkpoint replayed as 5.23's non-reentrant one; {FOREACH}"),
     _perf("perf-fp16", 4, 1, "fp16", "adamw_torch", False, 13939, AMP_NOTE),
     _perf("perf-accum-gc-fp16", 1, 4, "fp16", "adamw_torch", True, 7275, f"{AMP_GC_NOTE}; {FOREACH}"),
     _perf("perf-adafactor", 4, 1, "fp32", "adafactor", False, 12295,
@@ -317,7 +320,7 @@ def run_estimate(case: Case, extrapolate: bool | None = False) -> Any:
                   extrapolate_layers=extrapolate)
     if case.loop == "logits_sum":
         return estimate(logits_sum_model(case), precision=case.precision, optimizer_step=False, **common)
-    with gradients_kept() if case.modelling == TRAINER_4_16 else contextlib.nullcontext():
+    with torch_1_10() if case.modelling == TRAINER_4_16 else contextlib.nullcontext():
         return estimate(build_config(case), precision=case.precision, optim=case.optim,
                         checkpointing=case.checkpointing, accum=case.accum, **common)
 

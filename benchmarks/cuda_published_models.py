@@ -37,6 +37,13 @@ The Trainer as transformers 4.16 ran it on torch 1.10 (the perf guide's 2022 V10
 to ``set_to_none=False``: the gradients are zeroed in place and stay allocated through the next step's
 forward, where today's Trainer (and the replay, ``estimation/step.py``) frees them
 (``zero_grad(set_to_none=True)``). :func:`gradients_kept` replays that for the duration of an estimate.
+And torch 1.10's autograd saved the *input* of ``softmax`` beside its output (``derivatives.yaml``:
+``_softmax_backward_data(grad, result, dim, self)``; pytorch#64000 "Softmax/logsoftmax use more memory
+for backward than needed", fixed by #66018 on 2021-10-01, after 1.10's branch, so from 1.11 on only
+the input's dtype is kept): per BERT-large layer at 4 x 512 the fp32 scores, 4 x 16 x 512 x 512 x 4 B
+= 64 MiB, kept until that layer's backward (under AMP the fp32 copy autocast makes for softmax, whose
+list is fp32 in 1.10 as in 2.13). :func:`softmax_keeps_input` replays that: ``F.softmax`` keeps the
+tensor its kernel got until its node's backward has run (:class:`_Softmax110`).
 """
 
 from __future__ import annotations
@@ -118,6 +125,52 @@ def gpt_neox_4_42(model: torch.nn.Module, attn: str) -> list:
         attention.holder_4_42 = holder
         attention.forward = types.MethodType(_forward_4_42, attention)
     return holder
+
+
+class _Softmax110(torch.autograd.Function):
+    """``_softmax`` whose node saves its input beside its output, as torch 1.10's ``SoftmaxBackward`` did:
+    saved through autograd (so a checkpoint's saved-tensor hooks drop it as they would have), freed
+    when the node's backward has run."""
+
+    @staticmethod
+    def forward(ctx: Any, kernel_input: torch.Tensor, dim: int) -> torch.Tensor:
+        out = torch._softmax(kernel_input, dim, False)
+        ctx.save_for_backward(kernel_input, out)
+        ctx.dim = dim
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        kernel_input, out = ctx.saved_tensors
+        return torch._softmax_backward_data(grad, out, ctx.dim, kernel_input.dtype), None
+
+
+def _softmax_1_10(input: torch.Tensor, dim: int | None = None, _stacklevel: int = 3,
+                  dtype: torch.dtype | None = None) -> torch.Tensor:
+    kernel_input = input if dtype is None else input.to(dtype)
+    if torch.is_autocast_enabled("cpu") and kernel_input.dtype in (torch.float16, torch.bfloat16):
+        kernel_input = kernel_input.float()  # the cast autocast's fp32 list makes (the replay's CPU autocast)
+    if dim is None:
+        dim = 0 if kernel_input.dim() in (0, 1, 3) else 1  # F.softmax's _get_softmax_dim
+    return _Softmax110.apply(kernel_input, dim)
+
+
+@contextlib.contextmanager
+def softmax_keeps_input() -> Iterator[None]:
+    """``torch.nn.functional.softmax`` as torch 1.10's autograd kept it (its input saved), for the duration."""
+    softmax = F.softmax
+    F.softmax = _softmax_1_10
+    try:
+        yield
+    finally:
+        F.softmax = softmax
+
+
+@contextlib.contextmanager
+def torch_1_10() -> Iterator[None]:
+    """The 2022 runs' torch 1.10 as 4.16's Trainer drove it: :func:`gradients_kept` and :func:`softmax_keeps_input`."""
+    with gradients_kept(), softmax_keeps_input():
+        yield
 
 
 @contextlib.contextmanager

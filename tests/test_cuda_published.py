@@ -77,9 +77,8 @@ def test_neox_as_4_42_ran_it(bench):
     """The NeoX cases replay 4.42's data flow: fp32 rotary buffers make the cached key fp32, the cached value
     is a view that keeps the whole fused qkv output, and each layer holds its 2048-wide bool causal mask;
     LogitsSum keeps the logits and every layer's present as the script's ``outputs`` does."""
-    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
-
     from cuda_published_models import gpt_neox_4_42
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
     config = GPTNeoXConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                            intermediate_size=64, rotary_pct=0.25, max_position_embeddings=16)
@@ -112,3 +111,24 @@ def test_trainer_4_16_keeps_the_gradients(bench):
         assert layer.weight.grad is not None and not layer.weight.grad.any()
         owner.zero_grad(set_to_none=True)
         assert layer.weight.grad is None
+
+
+def test_torch_1_10_softmax_saves_its_input(bench):
+    """torch 1.10's softmax node saved its input beside its output (2.13's saves the output only): inside
+    ``softmax_keeps_input`` autograd packs both, through saved-tensor hooks a checkpoint would drop."""
+    from cuda_published_models import softmax_keeps_input
+
+    def saved(softmax_call):
+        packed = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t.shape) or t, lambda t: t):
+            out = softmax_call()
+        out.pow(2).sum().backward()
+        return len(packed)
+
+    x = torch.randn(2, 3, 4, requires_grad=True)
+    assert saved(lambda: torch.nn.functional.softmax(x, dim=-1)) == 1
+    grad_2_13, x.grad = x.grad, None
+    with softmax_keeps_input():
+        assert saved(lambda: torch.nn.functional.softmax(x, dim=-1)) == 2
+    assert torch.allclose(x.grad, grad_2_13, atol=1e-6)  # the same gradient
+    assert saved(lambda: torch.nn.functional.softmax(x, dim=-1)) == 1  # torch's own back
