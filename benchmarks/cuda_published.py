@@ -166,7 +166,7 @@ PERF_VERSIONS = "Tesla V100-SXM2 16160 MiB, driver 460.91.03, CUDA 11.2; transfo
 PERF_CONTEXT = 1343 * MiB  # the page's "torch.ones((1, 1)).to('cuda')": GPU memory occupied 1343 MB (MiB)
 PERF_SETTINGS = ("eager attention (BERT had no SDPA then); default_data_collator: input_ids + labels, "
                  "no attention_mask; seq-cls, 2 labels; AdamW: transformers.AdamW (adamw_hf, a per-parameter "
-                 "loop) passed as adamw_torch; torch 1.10 as 4.16's Trainer drove it, replayed "
+                 "loop) passed as adamw_torch, stepped per parameter; torch 1.10 as 4.16's Trainer drove it, replayed "
                  "(cuda_published_models.torch_1_10): model.zero_grad() with set_to_none=False (gradients kept "
                  "allocated), softmax saving its input; checkpointing replayed as 5.23's non-reentrant kind (2022's "
                  "was reentrant)")
@@ -175,9 +175,10 @@ CONTEXT_NOTE = ("nvidia-smi after train(): the peak segments stay cached (train(
                 "init; a lazily loading CUDA >= 11.7 context is smaller: device_bytes, where given, is not this run's)")
 ZERO_GRAD_NOTE = ("4.16's Trainer zeroed the gradients in place (model.zero_grad(), torch 1.10's set_to_none=False: "
                   "cuda_published_models.gradients_kept), so they stay allocated through the next forward")
-FOREACH = ("the replay's peak at the optimizer step holds foreach AdamW's list temporaries (torch >= 2.0 on CUDA, "
-           "_default_to_fused_or_foreach: _foreach_sqrt of the second moments, one parameter-size, 1.25 GiB here); "
-           "2022's transformers.AdamW (adamw_hf) stepped one parameter at a time and held none")
+FOREACH = ("2022's transformers.AdamW (adamw_hf) stepped one parameter at a time: replayed as torch's "
+           "single-tensor AdamW (cuda_published_models.per_parameter_adamw); with the foreach AdamW torch >= 2.0 "
+           "picks on CUDA (_foreach_sqrt of the second moments, one parameter-size list, 1.25 GiB here) the peak "
+           "moved to the optimizer step: +6.9..+14.6%")
 FWD_BWD_FP32 = ("peak in the forward/backward, fp32, eager; torch 1.10's softmax node saved its input beside its "
                 "output (pytorch#64000, fixed in 1.11 by #66018): the fp32 scores, 4x16x512x512 x 4 B = 64 MiB a "
                 "layer, 1.5 GiB over 24 layers, replayed (cuda_published_models.softmax_keeps_input); without it "
@@ -247,7 +248,7 @@ MEMEFF_NOTE = ("SDPA on sm_75 (flash needs sm_80): the run took the memory-effic
 CASES: tuple[Case, ...] = (
     _perf("perf-vanilla", 4, 1, "fp32", "adamw_torch", False, 14949, FWD_BWD_FP32),
     _perf("perf-accum", 1, 4, "fp32", "adamw_torch", False, 8681,
-          "peak in the backward with the gradients resident; 2022's per-parameter adamw_hf as adamw_torch"),
+          f"peak in the backward with the gradients resident; {FOREACH}"),
     _perf("perf-accum-gc", 1, 4, "fp32", "adamw_torch", True, 6775,
           f"2022's reentrant torch.utils.checkpoint replayed as 5.23's non-reentrant one; {FOREACH}"),
     _perf("perf-fp16", 4, 1, "fp16", "adamw_torch", False, 13939, AMP_NOTE),

@@ -43,7 +43,13 @@ for backward than needed", fixed by #66018 on 2021-10-01, after 1.10's branch, s
 the input's dtype is kept): per BERT-large layer at 4 x 512 the fp32 scores, 4 x 16 x 512 x 512 x 4 B
 = 64 MiB, kept until that layer's backward (under AMP the fp32 copy autocast makes for softmax, whose
 list is fp32 in 1.10 as in 2.13). :func:`softmax_keeps_input` replays that: ``F.softmax`` keeps the
-tensor its kernel got until its node's backward has run (:class:`_Softmax110`).
+tensor its kernel got until its node's backward has run (:class:`_Softmax110`). The optimizer was
+``transformers.AdamW`` (``adamw_hf``, gone from transformers 5): a loop over the parameters, one at a time
+(``optimization.py`` of 4.16.2: ``denom = exp_avg_sq.sqrt().add_(eps)``, one parameter-size temporary
+at a time), where the replay's ``adamw_torch`` on CUDA takes torch's ``foreach`` path (a list temporary
+of every parameter: 1.25 GiB for BERT-large). :func:`per_parameter_adamw` builds ``torch.optim.AdamW``
+with ``foreach=False`` (``_single_tensor_adamw``, the same loop; its ``denom`` is made by ``sqrt`` then
+a division, so one more parameter-size temporary for an instant: 125 MB at the word embeddings).
 """
 
 from __future__ import annotations
@@ -167,9 +173,25 @@ def softmax_keeps_input() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def per_parameter_adamw() -> Iterator[None]:
+    """``torch.optim.AdamW`` built with ``foreach=False`` (a per-parameter loop, as 4.16's AdamW) for the duration."""
+    init = torch.optim.AdamW.__init__
+
+    def single_tensor(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **{**kwargs, "foreach": False})
+
+    torch.optim.AdamW.__init__ = single_tensor
+    try:
+        yield
+    finally:
+        torch.optim.AdamW.__init__ = init
+
+
+@contextlib.contextmanager
 def torch_1_10() -> Iterator[None]:
-    """The 2022 runs' torch 1.10 as 4.16's Trainer drove it: :func:`gradients_kept` and :func:`softmax_keeps_input`."""
-    with gradients_kept(), softmax_keeps_input():
+    """The 2022 runs' torch 1.10 as 4.16's Trainer drove it: :func:`gradients_kept`, :func:`softmax_keeps_input`
+    and :func:`per_parameter_adamw`."""
+    with gradients_kept(), softmax_keeps_input(), per_parameter_adamw():
         yield
 
 

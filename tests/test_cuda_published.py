@@ -132,3 +132,14 @@ def test_torch_1_10_softmax_saves_its_input(bench):
         assert saved(lambda: torch.nn.functional.softmax(x, dim=-1)) == 2
     assert torch.allclose(x.grad, grad_2_13, atol=1e-6)  # the same gradient
     assert saved(lambda: torch.nn.functional.softmax(x, dim=-1)) == 1  # torch's own back
+
+
+def test_2022_adamw_steps_per_parameter(bench):
+    """4.16's AdamW looped over the parameters: inside ``per_parameter_adamw`` the replay's foreach=True
+    AdamW is built single-tensor; torch's own constructor is back after."""
+    from cuda_published_models import per_parameter_adamw
+
+    params = [torch.nn.Parameter(torch.ones(2))]
+    with per_parameter_adamw():
+        assert torch.optim.AdamW(params, foreach=True).defaults["foreach"] is False
+    assert torch.optim.AdamW(params, foreach=True).defaults["foreach"] is True
