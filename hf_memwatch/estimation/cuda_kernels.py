@@ -43,6 +43,7 @@ from .cuda_sdpa import (
     aten,
     cuda_blocks,
     cuda_sdpa,
+    cudnn_backward_workspace,
     efficient_backward_workspace,
     efficient_forward_workspace,
     flash_backward_workspace,
@@ -141,10 +142,12 @@ def gemm_operand_copies(args: tuple) -> int:
 _FLASH_BWD = aten._scaled_dot_product_flash_attention_backward.default
 _EFFICIENT_BWD = aten._scaled_dot_product_efficient_attention_backward.default
 _EFFICIENT_FWD = aten._scaled_dot_product_efficient_attention.default
+_CUDNN_BWD = aten._scaled_dot_product_cudnn_attention_backward.default
 _EMBEDDING_BWD = aten.embedding_dense_backward.default
 _GEMMS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
 _SOFTMAXES = {aten._log_softmax.default, aten._softmax.default}
-CUDA_WORKSPACE_OPS = frozenset({_FLASH_BWD, _EFFICIENT_BWD, _EFFICIENT_FWD, _EMBEDDING_BWD, *_GEMMS, *_SOFTMAXES})
+CUDA_WORKSPACE_OPS = frozenset({_FLASH_BWD, _EFFICIENT_BWD, _EFFICIENT_FWD, _CUDNN_BWD, _EMBEDDING_BWD, *_GEMMS,
+                                *_SOFTMAXES})
 
 
 def cuda_workspace(func: Any, args: tuple, gpu: Any) -> int:
@@ -155,6 +158,8 @@ def cuda_workspace(func: Any, args: tuple, gpu: Any) -> int:
         return efficient_backward_workspace(args, gpu.sm)
     if func is _EFFICIENT_FWD:
         return efficient_forward_workspace(args)
+    if func is _CUDNN_BWD:
+        return cudnn_backward_workspace(args)
     if func is _EMBEDDING_BWD:
         return embedding_backward_workspace(args)
     if func in _GEMMS:
