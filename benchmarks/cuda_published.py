@@ -20,9 +20,12 @@ Two measuring protocols occur. ``trainer``: ``Trainer.train()``, replayed by ``e
 ``model.zero_grad(); outputs = model(**inputs); outputs.logits.sum().backward()``, no optimizer,
 ``max_memory_allocated`` over the timed steps. It is replayed by ``estimate(LogitsSum(model), ...,
 optimizer_step=False)`` on a meta-device float16 model: :class:`LogitsSum` is that script's loss.
-The script's ``outputs`` variable keeps each step's logits alive through its backward and until the
+The script's ``outputs`` variable keeps each step's outputs alive through its backward and until the
 next forward returns (a Python variable rebound after the call): :class:`LogitsSum` holds them the same
-way, so the replay counts them (their size is named in the case's explanation).
+way, the previous step's through this step's forward included, so the replay counts them (the logits'
+size is named in the case's explanation). Where the measured transformers' modelling code keeps other
+tensors than the installed one's, the case names it (``modelling``) and :mod:`cuda_published_models`
+replays that code's data flow (GPT-NeoX as 4.42 ran it).
 
 The settings each case is estimated with are the ones its Transformers/torch version used (eager
 attention before SDPA existed, the optimizer of that time), written per case in ``settings``; the
@@ -35,6 +38,7 @@ here is fitted to these figures.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import platform
 import statistics
@@ -56,6 +60,9 @@ from transformers import BertConfig, DistilBertConfig, GPTNeoXConfig  # noqa: E4
 
 from hf_memwatch import estimate  # noqa: E402
 from hf_memwatch.estimation.fake_model import auto_class  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling module, also when imported by path
+from cuda_published_models import NEOX_4_42, TRAINER_4_16, gpt_neox_4_42, torch_1_10  # noqa: E402
 
 MiB = 1 << 20
 MB = 10**6
@@ -91,18 +98,36 @@ def pythia_410m() -> GPTNeoXConfig:
 
 class LogitsSum(torch.nn.Module):
     """The SDPA benchmark script's step: ``outputs = model(input_ids=...)``, ``outputs.logits.sum()`` (no labels,
-    no loss head), with the logits held as the script's ``outputs`` variable holds them: through the backward,
-    released when the next forward returns (``held``)."""
+    no loss head), with the model's outputs held as the script's ``outputs`` variable holds them: a step's
+    through its backward and until the next step's forward returns (the name is rebound after the call).
 
-    def __init__(self, inner: torch.nn.Module) -> None:
+    So the previous step's outputs are alive during this step's forward: replayed by a no-grad forward of
+    the same inputs just before it (the same output tensors, with no saved activations, as the previous
+    step leaves them once its backward freed its graph), released when this forward returns; this step's
+    are kept in ``held``. The outputs are the logits and, where the run's modelling code returns them
+    (``presents``: the holder :func:`cuda_published_models.gpt_neox_4_42` fills), the per-layer cache.
+    """
+
+    def __init__(self, inner: torch.nn.Module, presents: list | None = None) -> None:
         super().__init__()
         self.inner = inner
         self.config = inner.config
+        self.presents = presents
+
+    def outputs(self, input_ids: torch.Tensor) -> tuple:
+        """One call's outputs: the logits, then the cache the run's code returned (if any)."""
+        if self.presents is not None:
+            self.presents[0] = []
+        logits = self.inner(input_ids=input_ids).logits
+        return (logits, *(self.presents[0] if self.presents is not None else ()))
 
     def forward(self, input_ids: torch.Tensor, **_: Any) -> dict[str, torch.Tensor]:
-        logits = self.inner(input_ids=input_ids).logits
-        self.held = logits  # the script's ``outputs``, rebound after the call returns
-        return {"loss": logits.sum()}
+        with torch.no_grad():
+            previous = self.outputs(input_ids)  # the step before's outputs, still bound to ``outputs``
+        outputs = self.outputs(input_ids)
+        del previous  # ``outputs = model(...)`` rebinds once the call returns
+        self.held = outputs
+        return {"loss": outputs[0].sum()}
 
 
 # -- the cases ------------------------------------------------------------------------------------
@@ -132,6 +157,7 @@ class Case:
     weights_dtype: str | None = None  # "fp16": the model loaded in half precision (logits_sum)
     context: int | None = None        # the CUDA context the source measured on that machine (bytes)
     gpu_note: str = ""
+    modelling: str = ""  # the run's modelling code where it keeps other tensors than the installed one's
 
 
 PERF_GUIDE = ("transformers docs/source/en/perf_train_gpu_one.mdx (v4.16-v4.21, Jan 2022), "
@@ -140,22 +166,29 @@ PERF_VERSIONS = "Tesla V100-SXM2 16160 MiB, driver 460.91.03, CUDA 11.2; transfo
 PERF_CONTEXT = 1343 * MiB  # the page's "torch.ones((1, 1)).to('cuda')": GPU memory occupied 1343 MB (MiB)
 PERF_SETTINGS = ("eager attention (BERT had no SDPA then); default_data_collator: input_ids + labels, "
                  "no attention_mask; seq-cls, 2 labels; AdamW: transformers.AdamW (adamw_hf, a per-parameter "
-                 "loop) passed as adamw_torch")
+                 "loop) passed as adamw_torch, stepped per parameter; torch 1.10 as 4.16's Trainer drove it, replayed "
+                 "(cuda_published_models.torch_1_10): model.zero_grad() with set_to_none=False (gradients kept "
+                 "allocated), softmax saving its input; checkpointing replayed as 5.23's non-reentrant kind (2022's "
+                 "was reentrant)")
 CONTEXT_NOTE = ("nvidia-smi after train(): the peak segments stay cached (train() calls no empty_cache), so the "
                 "figure is peak reserved + the 1343 MiB context the page measured (CUDA 11.2 loads every kernel at "
                 "init; a lazily loading CUDA >= 11.7 context is smaller: device_bytes, where given, is not this run's)")
-FOREACH = ("the replay's peak at the optimizer step holds foreach AdamW's list temporaries (torch >= 2.0 on CUDA, "
-           "_default_to_fused_or_foreach: _foreach_sqrt of the second moments, one parameter-size, 1.25 GiB here); "
-           "2022's transformers.AdamW (adamw_hf) stepped one parameter at a time and held none")
-FWD_BWD_FP32 = ("peak in the forward/backward, fp32, eager: under by 0.8-1.2 GiB (30-48 MiB per layer), not "
-                "identified here (the replay models one step's allocations; the run's allocator went through 128)")
+ZERO_GRAD_NOTE = ("4.16's Trainer zeroed the gradients in place (model.zero_grad(), torch 1.10's set_to_none=False: "
+                  "cuda_published_models.gradients_kept), so they stay allocated through the next forward")
+FOREACH = ("2022's transformers.AdamW (adamw_hf) stepped one parameter at a time: replayed as torch's "
+           "single-tensor AdamW (cuda_published_models.per_parameter_adamw); with the foreach AdamW torch >= 2.0 "
+           "picks on CUDA (_foreach_sqrt of the second moments, one parameter-size list, 1.25 GiB here) the peak "
+           "moved to the optimizer step: +6.9..+14.6%")
+FWD_BWD_FP32 = ("peak in the forward/backward, fp32, eager; torch 1.10's softmax node saved its input beside its "
+                "output (pytorch#64000, fixed in 1.11 by #66018): the fp32 scores, 4x16x512x512 x 4 B = 64 MiB a "
+                "layer, 1.5 GiB over 24 layers, replayed (cuda_published_models.softmax_keeps_input); without it "
+                "-17.5..-20.8%")
 AMP_NOTE = ("torch.cuda.amp: CUDA's autocast lists (ATen/autocast_mode.h: softmax in AT_FORALL_FP32_SET_OPT_DTYPE, "
             "layer_norm in AT_FORALL_FP32) give fp32 outputs: per layer the attention probabilities are saved in "
-            "fp32 (4x16x512x512 x 4 B = 64 MiB; 4.16's scores + fp32 extended mask were fp32 already) beside the "
-            "fp16 copy the next matmul saves, and both LayerNorm outputs are fp32 beside their fp16 copies: "
-            "~48 MiB a layer more than fp16 outputs, ~1.1 GiB over 24 layers, which a replay under CPU "
-            "autocast's lists misses; with the fp32 cases' "
-            "unidentified ~1.1 GiB, about two thirds of this gap")
+            "fp32 (4x16x512x512 x 4 B = 64 MiB) beside the fp16 copy the next matmul saves, and both LayerNorm "
+            "outputs are fp32 beside their fp16 copies, which a replay under CPU autocast's lists misses; torch "
+            "1.10's softmax also saved its input, here the fp32 copy autocast made (64 MiB a layer, replayed: "
+            "cuda_published_models.softmax_keeps_input); -22.5% before both 2022 behaviours were replayed")
 AMP_GC_NOTE = ("torch.cuda.amp with checkpointing: the fp32 softmax of CUDA's autocast lists is recomputed inside "
                "one layer at a time, so it weighs one layer, not 24")
 BERT_SDPA = ("transformers docs/source/en/model_doc/bert.md (v4.39-v4.47; ko/ar translations keep it), "
@@ -165,9 +198,12 @@ NEOX_SDPA = ("transformers docs/source/en/model_doc/gpt_neox.md (SDPA section, t
              "(vasqu)")
 NEOX_VERSIONS = ("RTX 3080 Ti 16 GB (sm_86), PyTorch 2.2.1, transformers 4.42 dev (PR #31031); the script is "
                  "\"based on fxmarty's\": its AutoModelForCausalLM form with input_ids only is assumed")
-NEOX_COMMON = ("eager and SDPA are both under, by a similar 0.5-1.3 GB, so the attention kernel is not the "
-               "gap: not identified; the modelling code replayed is 5.23's, not 4.42's (rotary embedding, q/k/v "
-               "split), and the script's exact inputs are assumed")
+NEOX_COMMON = ("the run's modelling code replayed: transformers 4.42's GPT-NeoX (cuda_published_models.py): a "
+               "2048x2048 bool causal-mask buffer per layer (100.7 MB), fp32 rotary buffers that make query and key "
+               "fp32, and per layer the outputs' present (the fp32 key, and the whole fp16 qkv its value view "
+               "keeps); the peak is at the forward's end, the previous step's outputs (its logits and presents) "
+               "still bound to the script's variable (LogitsSum); with 5.23's code and this step's logits only: "
+               "-7.5..-18.2%, no CUDA behaviour involved")
 DISTIL_SDPA = "transformers docs/source/en/model_doc/distilbert.md (SDPA section, training table)"
 DISTIL_VERSIONS = "GeForce RTX 2060 8 GB (sm_75), PyTorch 2.3.1, transformers ~4.42"
 SCRIPT_SETTINGS = ("fxmarty's benchmark_sdpa_training script: from_pretrained(torch_dtype=float16, "
@@ -183,15 +219,17 @@ def _perf(key: str, batch: int, accum: int, precision: str, optim: str, checkpoi
                 config=bert_large, task="seq-cls", batch=batch, seq=512, precision=precision, optim=optim,
                 checkpointing=checkpointing, accum=accum, gpu="V100-16GB", attn="eager",
                 measured=used_mib * MiB, kind="nvidia-smi", versions=PERF_VERSIONS, settings=PERF_SETTINGS,
-                explanation=f"{extra}; {CONTEXT_NOTE}", context=PERF_CONTEXT)
+                explanation=f"{extra}; {ZERO_GRAD_NOTE}; {CONTEXT_NOTE}", context=PERF_CONTEXT, modelling=TRAINER_4_16)
 
 
 def _script(key: str, source: str, model: str, config: Callable[[], Any], task: str, batch: int, seq: int,
-            attn: str, mb: float, gpu: str, versions: str, explanation: str, gpu_note: str = "") -> Case:
+            attn: str, mb: float, gpu: str, versions: str, explanation: str, gpu_note: str = "",
+            modelling: str = "") -> Case:
     return Case(key=key, source=source, model=model, config=config, task=task, batch=batch, seq=seq,
                 precision="fp32", optim=None, checkpointing=False, accum=1, gpu=gpu, attn=attn,
                 measured=round(mb * MB), kind="allocated", versions=versions, settings=SCRIPT_SETTINGS,
-                explanation=explanation, loop="logits_sum", weights_dtype="fp16", gpu_note=gpu_note)
+                explanation=explanation, loop="logits_sum", weights_dtype="fp16", gpu_note=gpu_note,
+                modelling=modelling)
 
 
 EAGER_NOTE = ("eager attention, fp16: the same kernels on either device; the attention code is transformers "
@@ -210,9 +248,9 @@ MEMEFF_NOTE = ("SDPA on sm_75 (flash needs sm_80): the run took the memory-effic
 CASES: tuple[Case, ...] = (
     _perf("perf-vanilla", 4, 1, "fp32", "adamw_torch", False, 14949, FWD_BWD_FP32),
     _perf("perf-accum", 1, 4, "fp32", "adamw_torch", False, 8681,
-          "peak in the backward with the gradients resident; 2022's per-parameter adamw_hf as adamw_torch"),
+          f"peak in the backward with the gradients resident; {FOREACH}"),
     _perf("perf-accum-gc", 1, 4, "fp32", "adamw_torch", True, 6775,
-          f"reentrant torch.utils.checkpoint (2022's only kind); {FOREACH}"),
+          f"2022's reentrant torch.utils.checkpoint replayed as 5.23's non-reentrant one; {FOREACH}"),
     _perf("perf-fp16", 4, 1, "fp16", "adamw_torch", False, 13939, AMP_NOTE),
     _perf("perf-accum-gc-fp16", 1, 4, "fp16", "adamw_torch", True, 7275, f"{AMP_GC_NOTE}; {FOREACH}"),
     _perf("perf-adafactor", 4, 1, "fp32", "adafactor", False, 12295,
@@ -237,7 +275,7 @@ CASES: tuple[Case, ...] = (
                 "causal-lm", b, s, attn, mb, "RTX-3090", NEOX_VERSIONS,
                 f"{EAGER_NOTE if attn == 'eager' else CAUSAL_FLASH_NOTE}; {NEOX_COMMON}; {HELD_LOGITS}",
                 gpu_note="the RTX 3080 Ti is not in gpus.py: RTX-3090 (sm_86) stands in; allocated bytes do not "
-                         "depend on the card's size")
+                         "depend on the card's size", modelling=NEOX_4_42)
         for attn, b, s, mb in (("eager", 1, 1024, 4772.36), ("sdpa", 1, 1024, 2408.35),
                                ("eager", 2, 1024, 8707.55), ("sdpa", 2, 1024, 3878.86),
                                ("eager", 4, 512, 6290.58), ("sdpa", 4, 512, 3877.29))
@@ -268,7 +306,8 @@ def logits_sum_model(case: Case) -> LogitsSum:
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         inner = auto_class(case.task).from_config(case.config(), dtype=dtype, attn_implementation=case.attn)
-    return LogitsSum(inner)
+    presents = gpt_neox_4_42(inner, case.attn) if case.modelling == NEOX_4_42 else None
+    return LogitsSum(inner, presents)
 
 
 def run_estimate(case: Case, extrapolate: bool | None = False) -> Any:
@@ -282,8 +321,9 @@ def run_estimate(case: Case, extrapolate: bool | None = False) -> Any:
                   extrapolate_layers=extrapolate)
     if case.loop == "logits_sum":
         return estimate(logits_sum_model(case), precision=case.precision, optimizer_step=False, **common)
-    return estimate(build_config(case), precision=case.precision, optim=case.optim,
-                    checkpointing=case.checkpointing, accum=case.accum, **common)
+    with torch_1_10() if case.modelling == TRAINER_4_16 else contextlib.nullcontext():
+        return estimate(build_config(case), precision=case.precision, optim=case.optim,
+                        checkpointing=case.checkpointing, accum=case.accum, **common)
 
 
 @dataclass

@@ -338,8 +338,11 @@ def test_the_published_contexts_match_by_loading_mode_then_card():
     """published_context: never across loading modes (eager loads every kernel), then the card's own
     figure, then one tied to no other card; every entry has its source."""
     assert all(entry.context > 0 and entry.source.startswith("https://") for entry in PUBLISHED_CONTEXTS)
-    lazy = published_context(86, lazy=True)
+    lazy = published_context(75, lazy=True)  # no T4 figure: the one tied to no card
     assert lazy.lazy and lazy.context == 287_047_680 - 20 * MiB  # #86509's LAZY figure less its 20 MiB segment
+    assert published_context(86, lazy=True).context == 256 * MiB  # the RTX 3090's own under CUDA 12.8
+    assert published_context(89, lazy=True).context == 426 * MiB  # sm_89 (L4, RTX 4090): the RTX 6000 Ada's
+    assert published_context(70, lazy=False).context == 1341 * MiB  # the V100 of the perf guide
     assert published_context(86, lazy=False).context == 1685 * MiB  # the RTX 3090's own eager figure
     assert published_context(61, lazy=False).context == 719 * MiB
     eager_h100 = published_context(90, lazy=False)  # no H100 figure: the one tied to no card, not the 3090's

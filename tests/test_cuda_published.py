@@ -71,3 +71,75 @@ def test_one_case_end_to_end(bench, tmp_path):
     text = out.read_text()
     row = next(line for line in text.splitlines() if line.startswith("| `distilbert-sdpa-eager-4x256`"))
     assert "594 MB" in row and "peak allocated" in row and "%" in row
+
+
+def test_neox_as_4_42_ran_it(bench):
+    """The NeoX cases replay 4.42's data flow: fp32 rotary buffers make the cached key fp32, the cached value
+    is a view that keeps the whole fused qkv output, and each layer holds its 2048-wide bool causal mask;
+    LogitsSum keeps the logits and every layer's present as the script's ``outputs`` does."""
+    from cuda_published_models import gpt_neox_4_42
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    config = GPTNeoXConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                           intermediate_size=64, rotary_pct=0.25, max_position_embeddings=16)
+    for attn in ("sdpa", "eager"):
+        config._attn_implementation = attn
+        model = GPTNeoXForCausalLM(config).to(torch.float16)
+        step = bench.LogitsSum(model, gpt_neox_4_42(model, attn))
+        ids = torch.randint(0, 64, (2, 8))
+        step(input_ids=ids)["loss"].backward()
+        logits, *presents = step.held
+        assert logits.shape == (2, 8, 64) and len(presents) == 2
+        key, value = presents[0]
+        assert key.dtype == torch.float32 and key.shape == (2, 4, 8, 8)
+        assert value.dtype == torch.float16 and value.untyped_storage().nbytes() == 2 * 8 * 3 * 32 * 2
+        assert model.gpt_neox.layers[0].attention.bias.shape == (1, 1, 16, 16)
+
+
+def test_trainer_4_16_keeps_the_gradients(bench):
+    """The 2022 cases replay 4.16's ``model.zero_grad()`` on torch 1.10 (set_to_none=False): inside
+    ``gradients_kept`` the replay's ``zero_grad(set_to_none=True)`` zeroes in place; torch's own is back after."""
+    from cuda_published_models import gradients_kept
+
+    assert {c.modelling for c in bench.CASES if c.loop == "trainer"} == {bench.TRAINER_4_16}
+    layer = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(layer.parameters())
+    for owner in (layer, optimizer):
+        layer(torch.ones(1, 2)).sum().backward()
+        with gradients_kept():
+            owner.zero_grad(set_to_none=True)
+        assert layer.weight.grad is not None and not layer.weight.grad.any()
+        owner.zero_grad(set_to_none=True)
+        assert layer.weight.grad is None
+
+
+def test_torch_1_10_softmax_saves_its_input(bench):
+    """torch 1.10's softmax node saved its input beside its output (2.13's saves the output only): inside
+    ``softmax_keeps_input`` autograd packs both, through saved-tensor hooks a checkpoint would drop."""
+    from cuda_published_models import softmax_keeps_input
+
+    def saved(softmax_call):
+        packed = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t.shape) or t, lambda t: t):
+            out = softmax_call()
+        out.pow(2).sum().backward()
+        return len(packed)
+
+    x = torch.randn(2, 3, 4, requires_grad=True)
+    assert saved(lambda: torch.nn.functional.softmax(x, dim=-1)) == 1
+    grad_2_13, x.grad = x.grad, None
+    with softmax_keeps_input():
+        assert saved(lambda: torch.nn.functional.softmax(x, dim=-1)) == 2
+    assert torch.allclose(x.grad, grad_2_13, atol=1e-6)  # the same gradient
+    assert saved(lambda: torch.nn.functional.softmax(x, dim=-1)) == 1  # torch's own back
+
+
+def test_2022_adamw_steps_per_parameter(bench):
+    """4.16's AdamW looped over the parameters: inside ``per_parameter_adamw`` the replay's foreach=True
+    AdamW is built single-tensor; torch's own constructor is back after."""
+    from cuda_published_models import per_parameter_adamw
+
+    params = [torch.nn.Parameter(torch.ones(2))]
+    with per_parameter_adamw():
+        assert torch.optim.AdamW(params, foreach=True).defaults["foreach"] is False
+    assert torch.optim.AdamW(params, foreach=True).defaults["foreach"] is True

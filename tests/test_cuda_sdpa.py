@@ -152,3 +152,23 @@ def test_math_path_drops_out_with_a_bool_mask():
     assert saved == 3 * fp32 + 2 * matrix * 4 + matrix
     cpu, _ = sdpa_saved(None, 256, dropout_p=0.1)
     assert cpu - saved == matrix * 3  # the CPU dropout's mask in fp32
+
+
+def test_cudnn_backward_workspace_from_the_frontend_graph():
+    """cuDNN's backward takes its graph's workspace from the caching allocator: the frontend's fp32
+    dQ_accum and softmax_sum (none on the CPU path)."""
+    b, h, seq, d = 2, 16, 1000, 64
+
+    def run(q, k, v, out, lse, grad):
+        return ck.aten._scaled_dot_product_cudnn_attention_backward(
+            grad, q, k, v, out, lse, torch.empty((), dtype=torch.int64), torch.empty((), dtype=torch.int64),
+            torch.empty(0), None, None, seq, seq, 0.0, True)
+
+    def setup():
+        q, k, v = (t.detach() for t in qkv(b, h, seq, d))
+        out = torch.empty(b, seq, h, d, dtype=BF16).transpose(1, 2)
+        return q, k, v, out, torch.empty(b, h, seq, 1), torch.empty(b, seq, h, d, dtype=BF16).transpose(1, 2)
+
+    run.setup = setup
+    workspace = blocks(4 * b * h * seq * d + 4 * b * h * seq)  # dQ_accum + softmax_sum, one allocation
+    assert op_peak("H100", run) - op_peak(None, run) == workspace

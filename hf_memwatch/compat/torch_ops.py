@@ -73,9 +73,10 @@ def onednn_native(dtype: torch.dtype) -> bool:
 # backward ops (their schemas are registered in every build, the CPU one included).
 CUDA_NAMES = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
               "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward",
-              "_scaled_dot_product_cudnn_attention", "_safe_softmax")
+              "_scaled_dot_product_cudnn_attention", "_safe_softmax",
+              "_scaled_dot_product_cudnn_attention_backward")
 (SDPA_FLASH, SDPA_FLASH_BACKWARD, SDPA_EFFICIENT, SDPA_EFFICIENT_BACKWARD, SDPA_CUDNN,
- SAFE_SOFTMAX) = map(aten_default, CUDA_NAMES)
+ SAFE_SOFTMAX, SDPA_CUDNN_BACKWARD) = map(aten_default, CUDA_NAMES)
 CUDA_OPS = Probe("torch", "aten::" + ", ".join(CUDA_NAMES),
                  "the CUDA replay's SDPA kernels (a CUDA target's attention replayed by the math path)",
                  lambda: all(aten_default(name) is not None for name in CUDA_NAMES))

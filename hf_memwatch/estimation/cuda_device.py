@@ -40,12 +40,23 @@ context       card  CUDA   loading     source
                                        an RTX 3090, nvidia-smi after ``torch.Tensor(1).cuda()``: 1,687 MiB
                                        less the 2 MiB small-pool segment.
 719 MiB       sm_61 10.1   eager       the same comment: torch 1.8.2+cu101 on a GTX 1080, 721 MiB less 2.
+1,341 MiB     sm_70 11.2   eager       transformers' perf_train_gpu_one guide (v4.18-v4.21): Tesla V100-SXM2
+                                       16 GB, driver 460.91.03 (its nvidia-smi's CUDA 11.2; the torch build's
+                                       is not stated), pynvml used after ``torch.ones((1, 1)).to("cuda")``:
+                                       1,343 MiB less the 2 MiB small-pool segment.
+256 MiB       sm_86 12.8   lazy        invoke-ai/InvokeAI#9413: torch 2.7.1+cu128 on an RTX 3090, driver
+                                       610.43.03, nvidia-smi's per-process figure of a process that had made
+                                       no tensor (its context came from ``torch.cuda.mem_get_info``, PR #9447).
+426 MiB       sm_89 13.0   lazy        unslothai/unsloth-zoo#1053: torch 2.10.0+cu130 on an RTX 6000 Ada,
+                                       nvidia-smi after ``torch.cuda.mem_get_info(0)``, allocated and
+                                       reserved 0.
 ============  ====  =====  ==========  ====================================================================
 
 The maintainers' statements agree on the order of the lazy figure (pytorch/pytorch#107667: "~300MB"
 with CUDA >= 11.7; #109888: "around 400MB") but name no card or exact figure, so they are not
-entries. Left out for want of a published measurement: any figure for V100, T4, A100, A10G, L4,
-RTX 4090, H100 or H200 under CUDA 12, and the device memory of cuBLAS/cuDNN handles outside the
+entries. The two lazy figures of CUDA 12.8/13.0 are contexts before a first kernel was loaded: a
+step's own kernels come on top. Left out for want of a published measurement: any figure for T4,
+A100, A10G, H100 or H200 under CUDA 12, and the device memory of cuBLAS/cuDNN handles outside the
 allocator (the cuBLAS workspace lives in the caching allocator and is replayed there). A target
 without its own entry gets the entry of its loading mode tied to no other card (noted).
 
@@ -136,6 +147,15 @@ PUBLISHED_CONTEXTS: tuple[PublishedContext, ...] = (
     PublishedContext((721 - 2) * MiB, 61, "10.1", False,
                      "torch 1.8.2+cu101 on a GTX 1080, nvidia-smi after torch.Tensor(1).cuda()",
                      "https://github.com/pytorch/pytorch/issues/55277"),
+    PublishedContext((1343 - 2) * MiB, 70, "11.2", False,
+                     "a Tesla V100-SXM2 16 GB, driver 460.91.03, pynvml used after torch.ones((1, 1)).to('cuda')",
+                     "https://huggingface.co/docs/transformers/v4.21.0/perf_train_gpu_one"),
+    PublishedContext(256 * MiB, 86, "12.8", True,
+                     "torch 2.7.1+cu128 on an RTX 3090, nvidia-smi per process, a context and no tensor",
+                     "https://github.com/invoke-ai/InvokeAI/issues/9413"),
+    PublishedContext(426 * MiB, 89, "13.0", True,
+                     "torch 2.10.0+cu130 on an RTX 6000 Ada, nvidia-smi after torch.cuda.mem_get_info(0)",
+                     "https://github.com/unslothai/unsloth-zoo/pull/1053"),
 )
 
 

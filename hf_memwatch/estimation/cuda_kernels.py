@@ -40,6 +40,7 @@ import torch.nn.functional as F
 
 from ..compat.torch_ops import (
     LOG_SOFTMAX,
+    SDPA_CUDNN_BACKWARD,
     SDPA_EFFICIENT,
     SDPA_EFFICIENT_BACKWARD,
     SDPA_FLASH_BACKWARD,
@@ -51,6 +52,7 @@ from .cuda_sdpa import (
     aten,
     cuda_blocks,
     cuda_sdpa,
+    cudnn_backward_workspace,
     efficient_backward_workspace,
     efficient_forward_workspace,
     flash_backward_workspace,
@@ -147,10 +149,12 @@ def gemm_operand_copies(args: tuple) -> int:
 
 
 _FLASH_BWD, _EFFICIENT_BWD, _EFFICIENT_FWD = SDPA_FLASH_BACKWARD, SDPA_EFFICIENT_BACKWARD, SDPA_EFFICIENT
+_CUDNN_BWD = SDPA_CUDNN_BACKWARD
 _EMBEDDING_BWD = aten.embedding_dense_backward.default
 _GEMMS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
 _SOFTMAXES = present(LOG_SOFTMAX, SOFTMAX)
-CUDA_WORKSPACE_OPS = present(_FLASH_BWD, _EFFICIENT_BWD, _EFFICIENT_FWD, _EMBEDDING_BWD, *_GEMMS, *_SOFTMAXES)
+CUDA_WORKSPACE_OPS = present(_FLASH_BWD, _EFFICIENT_BWD, _EFFICIENT_FWD, _CUDNN_BWD, _EMBEDDING_BWD, *_GEMMS,
+                             *_SOFTMAXES)
 
 
 def cuda_workspace(func: Any, args: tuple, gpu: Any) -> int:
@@ -161,6 +165,8 @@ def cuda_workspace(func: Any, args: tuple, gpu: Any) -> int:
         return efficient_backward_workspace(args, gpu.sm)
     if func is _EFFICIENT_FWD:
         return efficient_forward_workspace(args)
+    if func is _CUDNN_BWD:
+        return cudnn_backward_workspace(args)
     if func is _EMBEDDING_BWD:
         return embedding_backward_workspace(args)
     if func in _GEMMS:

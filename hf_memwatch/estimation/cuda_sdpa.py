@@ -15,7 +15,7 @@ attention matrix kept for backward): +185% … +248% on a GPT-2-large-sized benc
   CUDA; autograd then saves what CUDA's does (the output, the fp32 log-sum-exp — padded to 32 rows by
   the memory-efficient kernel — and the RNG seed and offset), not the attention matrix;
 * the kernels' internal buffers (:func:`flash_backward_workspace`, :func:`efficient_backward_workspace`,
-  :func:`efficient_forward_workspace`), added as transients by the tracker.
+  :func:`efficient_forward_workspace`, :func:`cudnn_backward_workspace`), added as transients by the tracker.
 
 Sources: the kernel tables and workspace formulas from the headers torch 2.13 installs
 (``mem_eff_attention/kernel_backward.h``, ``kernels/cutlassB.h``, ``kernel_forward.h``,
@@ -24,7 +24,8 @@ Sources: the kernel tables and workspace formulas from the headers torch 2.13 in
 GQA is the ``check_batch_size_and_num_heads_dense<false>`` of the versions whose template matches 2.13's
 header; the cuDNN preference assumes the wheel's cuDNN is newer than 9.15.0).
 
-Not modelled: cuDNN attention's workspace (the cuDNN frontend graph reports it at run time), the split-KV
+cuDNN attention's backward workspace: its cuDNN frontend part (:func:`cudnn_backward_workspace`); the engine's
+own plan workspace is not modelled (the cuDNN runtime reports it); the split-KV
 buffers (decoding only), the memory-efficient backward's shared-memory fit check (the first kernel
 ``dispatch_cutlassB`` lists that fits the shape is taken), and flash backward's deterministic mode
 (``torch.use_deterministic_algorithms``: ``dq_accum`` split per SM group).
@@ -324,6 +325,17 @@ def flash_backward_workspace(args: tuple) -> int:
     if hk != h:
         total += 2 * cuda_blocks(b * lk * h * d * query.element_size())
     return total
+
+
+def cudnn_backward_workspace(args: tuple) -> int:
+    """Bytes ``_cudnn_attention_backward`` takes from the caching allocator for its cuDNN graph (MHA.cpp,
+    ``run_cudnn_SDP_bprop``: ``CUDACachingAllocator::get()->allocate(mha_graph->get_workspace_size())``),
+    the cuDNN frontend's part of it (``CompositeSDPABackwardNode::get_fe_workspace_size_node``, cuDNN >= 9,
+    dense, not deterministic): ``dQ_accum`` fp32 ``[B, H, Lq, D]`` and ``softmax_sum`` fp32 ``[B, H, Lq]``,
+    one allocation. The engine's own plan workspace comes on top and is known only at run time."""
+    query = args[1]
+    b, h, lq, d = query.shape
+    return cuda_blocks(4 * b * h * lq * d + 4 * b * h * lq)
 
 
 # dispatch_cutlassB's aligned kernels in order (mem_eff_attention/kernels/cutlassB.h, torch 2.13):
