@@ -1,0 +1,334 @@
+"""The seeded sweep's two-rank draws (issue 37): engines on 2 gloo ranks against the profiler, per rank.
+
+Launches itself with ``torchrun --nproc-per-node 2`` (gloo; DeepSpeed's CPU accelerator,
+``DS_ACCELERATOR=cpu``; FSDP2 through the Trainer forced on these CPU ranks by
+:mod:`hf_memwatch.testing.fsdp_cpu`, as ``tests/dist_scripts/fsdp2_trainer.py`` does). Each draw
+(:func:`draw_ranks`: an engine — DDP, ZeRO-1/2/3, ZeRO-2/3 with the optimizer offloaded, FSDP2 with or
+without resharding after the forward —, a causal family of :mod:`hf_memwatch.testing.families`, depth,
+micro-batch, sequence length, accumulation, optimizer, precision and checkpointing: off, the Trainer's,
+or FSDP's own ``fsdp_config["activation_checkpointing"]``) is trained twice for 2 steps on each rank:
+
+* without MemWatch, under the profiler from the model's construction on: ``estimate(trainer)`` made
+  before ``train()`` (no engine yet; its leftovers taken out) against the rank's highest profiler step
+  peak, the frees gloo's threads make reconciled (``hf_memwatch.testing.truth``, ``reconcile=True``,
+  ``alive_storages``), the raw running sum beside it;
+* with ``MemWatch(detail="full")``, under the profiler the same way: its step peaks against the
+  profiler's reconciled step peaks of that run.
+
+Run: ``python benchmarks/sweep_ranks.py --draws 24`` (2 cores: about a minute a draw); appends the
+two-rank section to ``benchmarks/results/sweep.md`` (``--out``), one JSON line a draw to ``--jsonl``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import traceback
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results" / "sweep.md"
+ENGINES = ("ddp", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload", "fsdp2", "fsdp2_keep")
+# causal families of testing/families.py that every engine above trains on CPU ranks
+FAMILIES = ("gpt_neox", "phi3", "phi", "opt", "bloom", "gemma", "qwen2", "mistral", "olmo", "stablelm", "gpt_bigcode",
+            "gptj", "codegen", "starcoder2")
+OPTIMS = ("adamw_torch", "adamw_torch_fused", "sgd", "adafactor")
+BUCKET = 100_000  # DeepSpeed's buckets, as tests/dist_scripts/deepspeed_zero.py sets them (2 GB per rank by default)
+STEPS = 2
+ESTIMATE_MARK = "sweep_ranks.estimate"
+SECTION = "# Two-rank draws"
+
+
+@dataclass(frozen=True)
+class RankDraw:
+    """One two-rank configuration (see the module doc)."""
+
+    seed: int
+    engine: str
+    family: str
+    layers: int
+    batch: int
+    seq_len: int
+    accum: int
+    optim: str
+    precision: str  # "fp32" | "bf16" (DDP and FSDP2: autocast; ZeRO: DeepSpeed's bf16 section)
+    checkpointing: str  # "off" | "on" (the Trainer's) | "fsdp" (FSDP's own switch)
+
+    def describe(self) -> str:
+        return (f"{self.engine}, {self.family} L{self.layers}, {self.batch}x{self.seq_len}, accum {self.accum}, "
+                f"{self.optim}, {self.precision}, ckpt {self.checkpointing}")
+
+
+def draw_ranks(seed: int) -> RankDraw:
+    """The two-rank configuration of ``seed``: the engines in turn, everything else drawn."""
+    rng = random.Random(10_000 + seed)
+    engine = ENGINES[seed % len(ENGINES)]
+    fsdp = engine.startswith("fsdp2")
+    checkpointing = rng.choice(["off", "on"] + (["fsdp"] if fsdp else []))
+    # transformers' Adafactor steps DTensors with plain tensors: FSDP2 raises (torch refuses the mix)
+    optims = [o for o in OPTIMS if not (fsdp and o == "adafactor")]
+    return RankDraw(seed=seed, engine=engine, family=rng.choice(FAMILIES), layers=rng.choice([1, 2, 3]),
+                    batch=rng.choice([1, 2, 4]), seq_len=rng.choice([16, 32, 64, 128]), accum=rng.choice([1, 2]),
+                    optim=rng.choice(optims), precision=rng.choice(["fp32", "bf16"]), checkpointing=checkpointing)
+
+
+# -- on a rank -------------------------------------------------------------------------------------------
+def _deepspeed(d: RankDraw) -> dict[str, Any]:
+    stage = int(d.engine[4])
+    zero: dict[str, Any] = {"stage": stage, "reduce_bucket_size": BUCKET, "allgather_bucket_size": BUCKET}
+    if stage == 3:
+        zero.update(stage3_prefetch_bucket_size=BUCKET, stage3_param_persistence_threshold=0)
+    config: dict[str, Any] = {"zero_optimization": zero, "train_micro_batch_size_per_gpu": "auto",
+                              "gradient_accumulation_steps": "auto", "zero_allow_untested_optimizer": True,
+                              "bf16": {"enabled": "auto"}}
+    if d.engine.endswith("_offload"):
+        zero["offload_optimizer"] = {"device": "cpu"}
+        config["zero_force_ds_cpu_optimizer"] = False  # the Trainer's optimizer, not DeepSpeedCPUAdam's JIT build
+    return config
+
+
+def _engine_args(d: RankDraw, wrap: list[str]) -> dict[str, Any]:
+    if d.engine == "ddp":
+        return {"ddp_backend": "gloo"}
+    if d.engine.startswith("zero"):
+        return {"deepspeed": _deepspeed(d)}
+    keep = d.engine == "fsdp2_keep"
+    fsdp_config = {"fsdp_version": 2, "transformer_layer_cls_to_wrap": wrap,
+                   "reshard_after_forward": not keep}
+    if d.checkpointing == "fsdp":
+        fsdp_config["activation_checkpointing"] = True
+    return {"fsdp": "shard_grad_op" if keep else "full_shard", "fsdp_config": fsdp_config}
+
+
+def _rows(d: RankDraw) -> list[dict[str, Any]]:
+    import torch
+
+    gen = torch.Generator().manual_seed(d.seed)
+    rows = []
+    for _ in range(2 * (STEPS + 1) * d.batch * d.accum):  # 2 ranks, the steps and the batch fetched ahead
+        ids = torch.randint(1, 1000, (d.seq_len,), generator=gen)
+        rows.append({"input_ids": ids, "labels": ids.clone()})
+    return rows
+
+
+def build(d: RankDraw, out: str, callbacks: list[Any], profiler: Any) -> Any:
+    """The draw's Trainer; the profiler's window opens before the model is built."""
+    from transformers import Trainer, TrainingArguments
+
+    from hf_memwatch.testing.estimate_truth import ListDataset
+    from hf_memwatch.testing.step_marker import StepMarker
+    from hf_memwatch.testing.sweep import Draw, _model
+    from hf_memwatch.testing.truth import remembered_allocations
+
+    single = Draw(seed=d.seed, family=d.family, layers=d.layers, hidden=None, batch=d.batch, seq_len=d.seq_len,
+                  shape="fixed", precision=d.precision, optim=d.optim, checkpointing="off", accum=d.accum, lora=False)
+    wrap = list(_model(single)._no_split_modules)  # FSDP2's units: the family's blocks
+    prime = remembered_allocations()  # the frees of blocks made before the window are reported
+    data = ListDataset(_rows(d))
+    args = TrainingArguments(
+        output_dir=out, per_device_train_batch_size=d.batch, gradient_accumulation_steps=d.accum, max_steps=STEPS,
+        logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, seed=0, dataloader_num_workers=0,
+        disable_tqdm=True, optim=d.optim, bf16=d.precision == "bf16", gradient_checkpointing=d.checkpointing == "on",
+        **_engine_args(d, wrap))
+    prime.stop()
+    profiler.start()
+    model = _model(single)  # after the arguments, as a user builds it: under ZeRO-3, by deepspeed.zero.Init
+    return Trainer(model=model, args=args, train_dataset=data, callbacks=[*callbacks, StepMarker()])
+
+
+def _train(trainer: Any, profiler: Any, predict: bool) -> dict[str, Any]:
+    from hf_memwatch import estimate
+    from hf_memwatch.testing.truth import alive_storages, left_alive, ops_unrecorded, step_peaks
+
+    predicted = None
+    if predict:
+        with ops_unrecorded(profiler, ESTIMATE_MARK):
+            predicted = estimate(trainer).peak_bytes
+    alive = None
+    try:
+        trainer.train()
+    finally:
+        profiler.stop()
+        alive = alive_storages()
+    left = left_alive(profiler, ESTIMATE_MARK) if predict else 0
+    return {"predicted": predicted, "truth": step_peaks(profiler, -left, reconcile=True, alive=alive),
+            "raw": step_peaks(profiler, -left), "distributed_type": str(trainer.accelerator.distributed_type)}
+
+
+def measure(d: RankDraw, out: Path) -> dict[str, Any]:
+    """Both runs of draw ``d`` on this rank (module doc); an error is recorded, not raised."""
+    import torch
+    from accelerate.state import AcceleratorState
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    from hf_memwatch import MemWatch
+    from hf_memwatch.core.timeline import TIMELINE_DIRNAME, timeline_filename
+    from hf_memwatch.testing.truth import cpu_memory_profile
+
+    rank = torch.distributed.get_rank()
+    facts: dict[str, Any] = {"draw": asdict(d), "rank": rank}
+    AcceleratorState._reset_state()  # no engine of an earlier draw (a fresh process would hold none)
+    unset_hf_deepspeed_config()
+    for name in ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP"):  # set by TrainingArguments
+        os.environ.pop(name, None)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            profiler = cpu_memory_profile(record_shapes=True)
+            facts["plain"] = _train(build(d, str(out / f"{d.seed}_plain"), [], profiler), profiler, predict=True)
+            profiler = cpu_memory_profile(record_shapes=True)
+            watch = MemWatch(detail="full", report=False, summary=False)
+            facts["watched"] = _train(build(d, str(out / f"{d.seed}_watched"), [watch], profiler), profiler, False)
+        path = out / f"{d.seed}_watched" / TIMELINE_DIRNAME / timeline_filename(rank)
+        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        facts["live"] = [r["peak"] for r in records if r["event"] == "step"]
+    except Exception as exc:  # noqa: BLE001 - a configuration the libraries refuse: reported, not measured
+        facts["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+        facts["traceback"] = traceback.format_exc()[-3000:]
+    torch.distributed.barrier()  # a rank that failed waits for the other before the next draw
+    return facts
+
+
+def worker(out: Path, seeds: list[int]) -> None:
+    import gc
+
+    import torch
+
+    sys.path.insert(0, str(ROOT / "tests" / "dist_scripts"))
+    from deepspeed_zero import without_shm_comm
+
+    from hf_memwatch.testing.fsdp_cpu import allow_fsdp_on_cpu_ranks
+
+    torch.distributed.init_process_group("gloo")
+    without_shm_comm()
+    allow_fsdp_on_cpu_ranks()  # acts only where the Trainer passes an FSDP plugin
+    gc.freeze()
+    rank = torch.distributed.get_rank()
+    with (out / f"ranks.rank{rank}.jsonl").open("a") as handle:
+        for seed in seeds:
+            handle.write(json.dumps(measure(draw_ranks(seed), out)) + "\n")
+            handle.flush()
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+def launch(out: Path, seeds: list[int], timeout_s: int) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", DS_BUILD_OPS="0", HF_HUB_OFFLINE="1",
+               WANDB_MODE="offline", TRL_EXPERIMENTAL_SILENCE="1", PYTHONPATH=str(ROOT))
+    with (out / "launch.log").open("w") as log:
+        proc = subprocess.Popen([str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", "2",
+                                 "--master-addr", "127.0.0.1", "--master-port", str(port), __file__, "--worker",
+                                 str(out), *map(str, seeds)], env=env, start_new_session=True, stdout=log,
+                                stderr=subprocess.STDOUT)
+        try:
+            if proc.wait(timeout=timeout_s) != 0:
+                print(f"the launch exited with {proc.returncode}; see {out / 'launch.log'}", file=sys.stderr)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            print(f"the launch did not finish in {timeout_s} s", file=sys.stderr)
+
+
+# -- the report ------------------------------------------------------------------------------------------
+def rank_errors(fact: dict[str, Any]) -> dict[str, Any]:
+    """The figures of one rank of one draw: estimate vs the highest reconciled step peak, the raw one,
+    MemWatch's worst step vs the profiler's of the watched run."""
+    plain = fact["plain"]
+    truth = max(plain["truth"])
+    live = fact.get("live") or []
+    live_truth = fact["watched"]["truth"]
+    live_error = max((abs(a - b) / b for a, b in zip(live, live_truth, strict=False)), default=None)
+    return {"truth": truth, "raw": max(plain["raw"]), "predicted": plain["predicted"],
+            "estimate_error": plain["predicted"] / truth - 1, "live_error": live_error,
+            "distributed_type": plain["distributed_type"]}
+
+
+def _distribution(values: list[float]) -> str:
+    if not values:
+        return "none"
+    ordered = sorted(values)
+    p95 = ordered[min(len(ordered) - 1, int(round(0.95 * (len(ordered) - 1))))]
+    return (f"median {100 * statistics.median(ordered):.3f}%, p95 {100 * p95:.3f}%, worst {100 * ordered[-1]:.3f}%"
+            f" ({len(ordered)} rank figures, {sum(v > 0.01 for v in ordered)} over 1%, "
+            f"{sum(v > 0.03 for v in ordered)} over 3%)")
+
+
+def report(facts: list[dict[str, Any]]) -> list[str]:
+    """The two-rank section of ``sweep.md`` from every rank's facts (both ranks of a draw)."""
+    by_seed: dict[int, list[dict[str, Any]]] = {}
+    for fact in facts:
+        by_seed.setdefault(fact["draw"]["seed"], []).append(fact)
+    measured = {s: fs for s, fs in by_seed.items() if all("error" not in f for f in fs)}
+    rows = {s: [rank_errors(f) for f in sorted(fs, key=lambda f: f["rank"])] for s, fs in measured.items()}
+    estimate = [abs(r["estimate_error"]) for rs in rows.values() for r in rs]
+    live = [r["live_error"] for rs in rows.values() for r in rs if r["live_error"] is not None]
+    lines = [SECTION, "",
+             f"{len(by_seed)} draws on 2 gloo ranks (seeds {min(by_seed)}-{max(by_seed)}), {len(measured)} measured, "
+             f"{len(by_seed) - len(measured)} refused by the libraries. Generated by `benchmarks/sweep_ranks.py`; "
+             "truth: the profiler's per-rank step peaks from the model's construction on, frees on gloo's threads "
+             "reconciled (`hf_memwatch/testing/truth.py`), the raw running sum beside it.", "",
+             f"- `estimate(trainer)` before `train()` vs the rank's highest step peak, |error|: {_distribution(estimate)}",
+             f"- MemWatch's live step peaks vs the profiler's (worst step a rank): {_distribution(live)}", "",
+             "| seed | configuration | rank | truth, reconciled (B) | raw (B) | estimate | error | live |",
+             "|---|---|---|---|---|---|---|---|"]
+    for seed in sorted(by_seed):
+        d = RankDraw(**by_seed[seed][0]["draw"])
+        if seed not in rows:
+            error = next(f["error"] for f in by_seed[seed] if "error" in f)
+            lines.append(f"| {seed} | {d.describe()} | | refused: {error} | | | | |")
+            continue
+        for rank, r in enumerate(rows[seed]):
+            live = "n/a" if r["live_error"] is None else f"{100 * r['live_error']:.2f}%"
+            lines.append(f"| {seed} | {d.describe()} | {rank} | {r['truth']:,} | {r['raw']:,} | {r['predicted']:,} | "
+                         f"{100 * r['estimate_error']:+.2f}% | {live} |")
+    return lines
+
+
+def publish_section(lines: list[str], path: Path) -> None:
+    """Replace (or append) the two-rank section of ``path``."""
+    text = path.read_text() if path.exists() else ""
+    head = text.split(f"\n{SECTION}\n")[0].rstrip("\n")
+    path.write_text(head + "\n\n" + "\n".join(lines) + "\n")
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        worker(Path(sys.argv[2]), [int(s) for s in sys.argv[3:]])
+        return
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--draws", type=int, default=24)
+    parser.add_argument("--start", type=int, default=0)
+    parser.add_argument("--seeds", type=int, nargs="*", default=None)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--keep", type=Path, default=None, help="the launch's folder (default: a temporary one)")
+    parser.add_argument("--report-only", type=Path, default=None, help="rewrite the section from a --keep folder")
+    parser.add_argument("--timeout", type=int, default=3600)
+    options = parser.parse_args()
+    seeds = options.seeds or list(range(options.start, options.start + options.draws))
+    with tempfile.TemporaryDirectory() as tmp:
+        out = options.report_only or options.keep or Path(tmp)
+        out.mkdir(parents=True, exist_ok=True)
+        if options.report_only is None:
+            launch(out, seeds, options.timeout)
+        facts = [json.loads(line) for rank in (0, 1) if (out / f"ranks.rank{rank}.jsonl").exists()
+                 for line in (out / f"ranks.rank{rank}.jsonl").read_text().splitlines() if line.strip()]
+    lines = report(facts)
+    publish_section(lines, options.out)
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
