@@ -114,7 +114,8 @@ class RunConfig:
         return cls(
             micro_batch_size=int(args.per_device_train_batch_size),
             gradient_accumulation_steps=int(args.gradient_accumulation_steps),
-            checkpointing=checkpointing_requested(args) or model_is_checkpointing(model),
+            checkpointing=checkpointing_requested(args) or model_is_checkpointing(model)
+            or (engine.kind == "fsdp" and fsdp_checkpointing(args)),
             optim=optim_name(args),
             precision=precision_of(args),
             device=torch.device(args.device).type,
@@ -195,6 +196,15 @@ def precision_of(args: Any) -> str:
 def checkpointing_requested(args: Any) -> bool:
     """Whether the arguments ask for activation checkpointing (5.x name, then the 4.x alias)."""
     return bool(getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False))
+
+
+def fsdp_checkpointing(args: Any) -> bool:
+    """Whether ``fsdp_config["activation_checkpointing"]`` asks FSDP's own activation checkpointing (the
+    switch transformers recommends under FSDP, instead of the Trainer's; accelerate's ``fsdp2_apply_ac``
+    wraps every unit in ``checkpoint_wrapper(preserve_rng_state=False)``, non-reentrant). It acts only where
+    FSDP is built (the caller checks the engine)."""
+    plugin = getattr(args, "fsdp_plugin_args", None)
+    return bool(getattr(args, "fsdp", None)) and isinstance(plugin, dict) and bool(plugin.get("activation_checkpointing"))
 
 
 def model_is_checkpointing(model: Any) -> bool:
