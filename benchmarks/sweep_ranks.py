@@ -297,6 +297,40 @@ def report(facts: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def spread(runs: list[list[dict[str, Any]]]) -> list[str]:
+    """Run-to-run spread: the same draws launched again (``--repeat``), each rank's reconciled and raw
+    highest step peak over the launches (issue 37 point 3: the planner's margin against the spread)."""
+    peaks: dict[tuple[int, int], dict[str, list[int]]] = {}
+    draws: dict[int, RankDraw] = {}
+    for facts in runs:
+        for fact in facts:
+            if "error" in fact:
+                continue
+            key = (fact["draw"]["seed"], fact["rank"])
+            draws[key[0]] = RankDraw(**fact["draw"])
+            entry = peaks.setdefault(key, {"reconciled": [], "raw": [], "predicted": []})
+            entry["reconciled"].append(max(fact["plain"]["truth"]))
+            entry["raw"].append(max(fact["plain"]["raw"]))
+            entry["predicted"].append(fact["plain"]["predicted"])
+    lines = [f"## Run-to-run spread ({len(runs)} launches of the same draws)", "",
+             "| seed | configuration | rank | reconciled peaks (B) | spread | raw peaks (B) | spread | estimate (B) |",
+             "|---|---|---|---|---|---|---|---|"]
+    worst = {"reconciled": 0.0, "raw": 0.0}
+    for (seed, rank), entry in sorted(peaks.items()):
+        cells = []
+        for name in ("reconciled", "raw"):
+            values = entry[name]
+            share = (max(values) - min(values)) / min(values)
+            worst[name] = max(worst[name], share)
+            cells += [", ".join(f"{v:,}" for v in values), f"{100 * share:.2f}%"]
+        predicted = sorted(set(entry["predicted"]))
+        lines.append(f"| {seed} | {draws[seed].describe()} | {rank} | {' | '.join(cells)} | "
+                     f"{', '.join(f'{p:,}' for p in predicted)} |")
+    lines += ["", f"Worst spread over the launches: reconciled {100 * worst['reconciled']:.2f}%, raw "
+                  f"{100 * worst['raw']:.2f}%."]
+    return lines
+
+
 def publish_section(lines: list[str], path: Path) -> None:
     """Replace (or append) the two-rank section of ``path``."""
     text = path.read_text() if path.exists() else ""
@@ -316,17 +350,43 @@ def main() -> None:
     parser.add_argument("--keep", type=Path, default=None, help="the launch's folder (default: a temporary one)")
     parser.add_argument("--report-only", type=Path, default=None, help="rewrite the section from a --keep folder")
     parser.add_argument("--timeout", type=int, default=3600)
+    parser.add_argument("--repeat", type=int, default=1, help="launch the draws this many times: the spread")
     options = parser.parse_args()
     seeds = options.seeds or list(range(options.start, options.start + options.draws))
+    if options.repeat > 1:
+        repeated(options, seeds)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         out = options.report_only or options.keep or Path(tmp)
         out.mkdir(parents=True, exist_ok=True)
         if options.report_only is None:
             launch(out, seeds, options.timeout)
-        facts = [json.loads(line) for rank in (0, 1) if (out / f"ranks.rank{rank}.jsonl").exists()
-                 for line in (out / f"ranks.rank{rank}.jsonl").read_text().splitlines() if line.strip()]
+        facts = _facts(out)
     lines = report(facts)
     publish_section(lines, options.out)
+    print("\n".join(lines))
+
+
+def _facts(out: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for rank in (0, 1) if (out / f"ranks.rank{rank}.jsonl").exists()
+            for line in (out / f"ranks.rank{rank}.jsonl").read_text().splitlines() if line.strip()]
+
+
+def repeated(options: argparse.Namespace, seeds: list[int]) -> None:
+    """``--repeat N``: the draws launched N times (fresh processes), their spread appended to ``--out``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        base = options.report_only or options.keep or Path(tmp)
+        runs = []
+        for index in range(options.repeat):
+            out = base / f"launch{index}"
+            out.mkdir(parents=True, exist_ok=True)
+            if options.report_only is None:
+                launch(out, seeds, options.timeout)
+            runs.append(_facts(out))
+    lines = spread(runs)
+    text = options.out.read_text() if options.out.exists() else ""
+    head = text.split("\n## Run-to-run spread")[0].rstrip("\n")
+    options.out.write_text(head + "\n\n" + "\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

@@ -29,3 +29,13 @@ def test_a_fixed_seed_slice_is_within_one_percent() -> None:
         assert abs(result.estimate_error) <= 0.01, (result.draw.describe(), result.estimate, result.truth)
         assert result.live_error <= 0.01, (result.live, result.live_truth)
     assert auto.auto in ("fits", "no plan fits (truthful)"), (auto.auto, auto.auto_peak, auto.budget)
+
+
+def test_the_depth_extrapolated_estimate_equals_the_full_depth_replay() -> None:
+    """Issue 37: each draw's configuration at 4-8 layers, estimated by depth extrapolation (2 and 3
+    layers replayed) and by the full-depth replay: equal to the byte where the shortcut is taken."""
+    from hf_memwatch.testing.sweep import depth_check
+
+    depth, shortcut, full = depth_check(draw(2))  # bloom, ragged 1 x 64, fused AdamW, accumulation 2
+    assert depth >= 4 and shortcut is not None
+    assert shortcut == full, (shortcut, full)
