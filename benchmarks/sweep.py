@@ -59,9 +59,9 @@ def report(results: list[DrawResult], seconds: float) -> list[str]:
         f"- MemWatch's live step peaks vs the profiler's step peaks (worst step a draw): {_distribution(live)}",
         f"- auto mode at {AUTO_SHARE} x the unwatched peak: {len(autos)} runs; "
         + ", ".join(f"{sum(r.auto == k for r in autos)} {k}" for k in sorted({r.auto for r in autos})), "",
-        "Not drawn yet (the issue's full space): two-rank engines (DDP, ZeRO-1/2/3 +- offload, FSDP2), TRL "
-        "trainers, QLoRA, fp16 weights, iterable datasets, Adafactor/paged instances, and the depth-extrapolated "
-        "estimate against the full-depth one (every draw here has at most 3 layers: no extrapolation).", "",
+        "Not drawn yet (the issue's full space): TRL trainers, QLoRA, fp16/bf16 weights as loaded, iterable "
+        "datasets, Adafactor/paged instances. Two-rank engines: `benchmarks/sweep_ranks.py`, in its section "
+        "below; each draw at a depth the estimate extrapolates: `--depth-only`, in its section below.", "",
         "## Draws over 1%", "",
     ]
     over = [r for r in measured if (r.estimate_error is not None and abs(r.estimate_error) > 0.01)
