@@ -467,8 +467,10 @@ def _simulate(model: torch.nn.Module, fake_mode: Any, request: EstimateRequest, 
             with truncated(stack, config, layers):
                 simulation = simulate_step(model, fake_mode, request, inputs)
             short[layers] = simulation.phase_classes
-        extended = extrapolate(short, depth)
-        if extended is not None:
+        extended = extrapolate(short, depth, stack)
+        if extended is None:
+            notes.append("every layer replayed: a line through 2 and 3 layers is not exact here (layers.extrapolate)")
+        else:
             notes.append(f"depth extrapolated from {SHORT_DEPTHS[0]} and {SHORT_DEPTHS[1]} simulated layers")
             if simulation.phase_tensors:
                 notes.append(f"peak tensors: those of the {SHORT_DEPTHS[1]}-layer simulation")
