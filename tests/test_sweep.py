@@ -44,7 +44,8 @@ def test_the_depth_extrapolated_estimate_equals_the_full_depth_replay() -> None:
 def test_where_the_backward_high_moves_with_depth_every_layer_is_replayed() -> None:
     """Draw 11 (Mistral-shaped, 1 x 128, reentrant checkpointing) at 8 layers: the backward's high moves
     from the logits' gradient to the last layers' gradients, and the line through 2 and 3 layers read
-    5,352,020 B against the full replay's 5,536,596 B (-3.3%). The shortcut is not taken for it now."""
+    5,352,020 B against the full replay's 5,536,596 B (-3.3%). The shortcut is not taken for it now
+    (a checkpointed run replays every layer; layers.backward_high_stays guards the same move without)."""
     from hf_memwatch.testing.sweep import depth_check
 
     depth, shortcut, full = depth_check(draw(11))

@@ -459,7 +459,10 @@ def _simulate(model: torch.nn.Module, fake_mode: Any, request: EstimateRequest, 
     peak tensors (a note says so: the layers beyond hold more of the same).
     """
     config = inputs.config
-    stack = homogeneous_layers(model, config) if request.extrapolate_layers is not False else None
+    # checkpointing: a layer's forward replayed inside the backward moves each phase's high between
+    # moments of the step as depth grows (layers.py's module doc): every layer replayed
+    stack = homogeneous_layers(model, config) if request.extrapolate_layers is not False and not request.checkpointing \
+        else None
     depth = getattr(config, "num_hidden_layers", 0) or 0
     if stack is not None and (request.extrapolate_layers or depth >= AUTO_MIN_LAYERS):
         short, simulation = {}, None
