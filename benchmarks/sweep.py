@@ -28,7 +28,7 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 sys.path.insert(0, str(Path(__file__).parent))
 from overhead import publish  # noqa: E402
 
-from hf_memwatch.testing.sweep import AUTO_SHARE, Draw, DrawResult, draw, run_draw  # noqa: E402
+from hf_memwatch.testing.sweep import AUTO_SHARE, Draw, DrawResult, depth_check, draw, run_draw  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "sweep.md"
 
@@ -59,9 +59,9 @@ def report(results: list[DrawResult], seconds: float) -> list[str]:
         f"- MemWatch's live step peaks vs the profiler's step peaks (worst step a draw): {_distribution(live)}",
         f"- auto mode at {AUTO_SHARE} x the unwatched peak: {len(autos)} runs; "
         + ", ".join(f"{sum(r.auto == k for r in autos)} {k}" for k in sorted({r.auto for r in autos})), "",
-        "Not drawn yet (the issue's full space): two-rank engines (DDP, ZeRO-1/2/3 +- offload, FSDP2), TRL "
-        "trainers, QLoRA, fp16 weights, iterable datasets, Adafactor/paged instances, and the depth-extrapolated "
-        "estimate against the full-depth one (every draw here has at most 3 layers: no extrapolation).", "",
+        "Not drawn yet (the issue's full space): TRL trainers, QLoRA, fp16/bf16 weights as loaded, iterable "
+        "datasets, Adafactor/paged instances. Two-rank engines: `benchmarks/sweep_ranks.py`, in its section "
+        "below; each draw at a depth the estimate extrapolates: `--depth-only`, in its section below.", "",
         "## Draws over 1%", "",
     ]
     over = [r for r in measured if (r.estimate_error is not None and abs(r.estimate_error) > 0.01)
@@ -80,6 +80,44 @@ def report(results: list[DrawResult], seconds: float) -> list[str]:
     return lines
 
 
+DEPTH_SECTION = "## Depth extrapolation against the full-depth replay"
+
+
+def depth_section(seeds: range, out: Path) -> None:
+    """Each draw's configuration at a depth the estimate may extrapolate (``depth_check``): the extrapolated
+    and the full-depth estimates, which must agree to the byte; the section replaces its earlier self in ``out``."""
+    rows, taken, equal, refused = [], 0, 0, 0
+    started = time.perf_counter()
+    for seed in seeds:
+        d = draw(seed)
+        try:
+            depth, shortcut, full = depth_check(d)
+        except Exception as exc:  # noqa: BLE001 - a configuration the libraries refuse: reported
+            refused += 1
+            rows.append(f"| {seed} | {d.describe()} | | refused: {type(exc).__name__} | | |")
+            continue
+        taken += shortcut is not None
+        equal += shortcut == full
+        verdict = "not taken" if shortcut is None else "equal" if shortcut == full else f"{shortcut - full:+,} B"
+        rows.append(f"| {seed} | {d.describe()} | {depth} | {full:,} | "
+                    f"{'' if shortcut is None else f'{shortcut:,}'} | {verdict} |")
+        print(f"depth seed {seed}: {verdict}", file=sys.stderr, flush=True)
+    lines = [DEPTH_SECTION, "",
+             f"{len(seeds)} draws at a depth of 4-8 layers ({refused} refused), estimates only "
+             f"({(time.perf_counter() - started) / 60:.0f} min): the shortcut taken on {taken}, equal to the "
+             f"full-depth replay to the byte on {equal} of them; elsewhere the stack is not homogeneous (per-layer "
+             "attention types, ...) and the full model is replayed.", "",
+             "| seed | configuration (depth replaced) | depth | full depth (B) | extrapolated (B) | verdict |",
+             "|---|---|---|---|---|---|", *rows]
+    text = out.read_text() if out.exists() else ""
+    before, _, rest = text.partition(f"\n{DEPTH_SECTION}\n")
+    after = rest[rest.index("\n# ") :] if "\n# " in rest else ""  # the sections after (two-rank draws)
+    if not rest:  # first time: before the two-rank section
+        before, sep, after = text.partition("\n# Two-rank draws")
+        after = sep + after
+    out.write_text(before.rstrip("\n") + "\n\n" + "\n".join(lines) + "\n" + after)
+
+
 def from_dict(row: dict) -> DrawResult:
     """A :class:`DrawResult` from its ``--jsonl`` line."""
     fields = {k: v for k, v in row.items() if k in DrawResult.__dataclass_fields__ and k != "draw"}
@@ -94,7 +132,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--jsonl", type=Path, default=None)
     parser.add_argument("--report-only", type=Path, default=None, help="rewrite the report from a --jsonl file")
+    parser.add_argument("--depth-only", action="store_true", help="only the depth-extrapolation check of each draw")
     options = parser.parse_args()
+    if options.depth_only:
+        depth_section(range(options.start, options.start + options.draws), options.out)
+        return
     if options.report_only:
         rows = [json.loads(line) for line in options.report_only.read_text().splitlines() if line.strip()]
         results = [from_dict(row) for row in rows]

@@ -63,9 +63,10 @@ def test_the_replay_checkpoints_what_the_run_checkpoints(tmp_path: Path, case: s
         assert full < predicted  # a partial layout keeps more activations than full checkpointing
 
 
-def test_the_depth_extrapolation_checkpoints_every_simulated_depth():
-    """The short depths are replayed on one fake model: the second (3 layers) must checkpoint its third
-    layer too, not find the first replay's flags and leave the new layer unchecked (BERT demo: +12.6%)."""
+def test_a_checkpointed_run_replays_every_layer():
+    """Under checkpointing the line through 2 and 3 replayed layers is not exact (issue 37's sweep: 6 of 68
+    checkpointed draws off the full replay, -184,576 B to +4,137,796 B; this BERT was within 0.1%, not to
+    the byte): every layer is replayed, even where the extrapolation is asked for."""
     from transformers import BertConfig
 
     from hf_memwatch import estimate
@@ -73,7 +74,8 @@ def test_the_depth_extrapolation_checkpoints_every_simulated_depth():
     config = BertConfig(num_hidden_layers=8, hidden_size=64, num_attention_heads=4, intermediate_size=128,
                         vocab_size=500, architectures=["BertForSequenceClassification"])
     kwargs = dict(task="seq-cls", batch_size=4, seq_len=64, checkpointing=True)
-    extrapolated = estimate(config, **kwargs)
-    assert any("extrapolated" in note for note in extrapolated.notes)
-    full = estimate(config, extrapolate_layers=False, **kwargs)
-    assert abs(extrapolated.peak_bytes - full.peak_bytes) <= 0.001 * full.peak_bytes
+    asked = estimate(config, extrapolate_layers=True, **kwargs)
+    assert not any("depth extrapolated" in note for note in asked.notes)
+    assert asked.peak_bytes == estimate(config, extrapolate_layers=False, **kwargs).peak_bytes
+    plain = estimate(config, **{**kwargs, "checkpointing": False})
+    assert any("depth extrapolated" in note for note in plain.notes)  # without checkpointing: the shortcut

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ..engines.engine import Engine, engine_of
+from ..engines.engine import Engine, engine_of, own_checkpointing
 from .errors import MemWatchConfigError
 
 
@@ -114,7 +114,8 @@ class RunConfig:
         return cls(
             micro_batch_size=int(args.per_device_train_batch_size),
             gradient_accumulation_steps=int(args.gradient_accumulation_steps),
-            checkpointing=checkpointing_requested(args) or model_is_checkpointing(model),
+            checkpointing=checkpointing_requested(args) or model_is_checkpointing(model)
+            or own_checkpointing(args, engine),
             optim=optim_name(args),
             precision=precision_of(args),
             device=torch.device(args.device).type,

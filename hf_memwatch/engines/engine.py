@@ -293,3 +293,20 @@ def engine_of(args: Any, accelerator: Any = None, model: Any = None, env: Mappin
                 ignored = (*ignored, f"fsdp={_fsdp_text(args)}: the accelerator runs {real.describe()}")
             return real.replace(ignored=ignored)
     return planned
+
+
+def own_checkpointing(args: Any, engine: Engine | None = None) -> bool:
+    """Whether the engine's own activation checkpointing is asked: ``fsdp_config["activation_checkpointing"]``,
+    the switch transformers recommends under FSDP instead of the Trainer's (accelerate's ``fsdp2_apply_ac``
+    wraps every unit in ``checkpoint_wrapper(preserve_rng_state=False)``, non-reentrant). It acts only where
+    FSDP is built: with ``engine`` given, only when that engine is FSDP.
+
+    Example:
+        >>> class Args:
+        ...     fsdp, fsdp_plugin_args = "full_shard", {"activation_checkpointing": True}
+        >>> own_checkpointing(Args()), own_checkpointing(Args(), Engine(kind="ddp"))
+        (True, False)
+    """
+    plugin = getattr(args, "fsdp_plugin_args", None)
+    asked = bool(getattr(args, "fsdp", None)) and isinstance(plugin, dict) and bool(plugin.get("activation_checkpointing"))
+    return asked and (engine is None or engine.kind == "fsdp")

@@ -170,14 +170,21 @@ def engine_classes(classes: dict[str, int], model: torch.nn.Module, engine: Any,
     if stage == 3:
         out["weights"] += zero3_gathered_bytes(model, engine) - 2 * largest_layer_bytes(model)  # shard_classes' 2 layers
         _note(notes, f"zero3: {zero3_gathered_bytes(model, engine)} bytes of parameters gathered at once")
+    host = 0
     if engine.offload_optimizer != "none":
         out["gradients"] += _ceil_div(4 * numel, world)
         _note(notes, f"offload optimizer: + the fp32 gradient partition for the host step ({_ceil_div(4 * numel, world)} bytes)")
-    host = 0
+    if engine.offload_optimizer != "none" and stage in (1, 2) and trainable:
+        # stage_1_and_2.py (__init__): temp_grad_buffer_for_cpu_offload (host) and temp_grad_buffer_for_gpu_offload
+        # (the device), each the largest parameter's numel in the model's dtype, resident from the engine on
+        staging = max(p.numel() for p in trainable) * size
+        out["gradients"] += staging if device != "cpu" else 2 * staging
+        host += staging if device != "cpu" else 0
+        _note(notes, f"offload optimizer: + 2 staging buffers of the largest parameter ({staging} bytes each)")
     if engine.offload != "none":
         moved = ["optimizer_states"] + (["weights"] if engine.offload == "params" else [])
         if device != "cpu":
-            host = sum(out[name] for name in moved)
+            host += sum(out[name] for name in moved)
             for name in moved:
                 out[name] = 0
             _note(notes, f"offload {engine.offload}: {host} bytes in host RAM, off the device")

@@ -442,7 +442,10 @@ def _simulate(model: torch.nn.Module, fake_mode: Any, request: EstimateRequest, 
     peak tensors (a note says so: the layers beyond hold more of the same).
     """
     config = inputs.config
-    stack = homogeneous_layers(model, config) if request.extrapolate_layers is not False else None
+    # checkpointing: a layer's forward replayed inside the backward moves each phase's high between
+    # moments of the step as depth grows (layers.py's module doc): every layer replayed
+    stack = homogeneous_layers(model, config) if request.extrapolate_layers is not False and not request.checkpointing \
+        else None
     depth = getattr(config, "num_hidden_layers", 0) or 0
     if stack is not None and (request.extrapolate_layers or depth >= AUTO_MIN_LAYERS):
         short, simulation = {}, None
@@ -450,8 +453,10 @@ def _simulate(model: torch.nn.Module, fake_mode: Any, request: EstimateRequest, 
             with truncated(stack, config, layers):
                 simulation = simulate_step(model, fake_mode, request, inputs)
             short[layers] = simulation.phase_classes
-        extended = extrapolate(short, depth)
-        if extended is not None:
+        extended = extrapolate(short, depth, stack)
+        if extended is None:
+            notes.append("every layer replayed: a line through 2 and 3 layers is not exact here (layers.extrapolate)")
+        else:
             notes.append(f"depth extrapolated from {SHORT_DEPTHS[0]} and {SHORT_DEPTHS[1]} simulated layers")
             if simulation.phase_tensors:
                 notes.append(f"peak tensors: those of the {SHORT_DEPTHS[1]}-layer simulation")

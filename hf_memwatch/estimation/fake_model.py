@@ -148,7 +148,8 @@ def fake_copy(model: torch.nn.Module, fake_mode: Any, device: str) -> torch.nn.M
             memo[id(tensor)] = fake_quantized_param(tensor, fake_mode, memo)
             continue
         with torch.no_grad():
-            fake = fake_mode.from_tensor(tensor.detach())
+            fake = _zero3_partitioned(tensor, fake_mode, target)
+            fake = fake_mode.from_tensor(tensor.detach()) if fake is None else fake
             if fake.device != target:
                 with fake_mode:
                     fake = fake.to(target)
@@ -159,6 +160,21 @@ def fake_copy(model: torch.nn.Module, fake_mode: Any, device: str) -> torch.nn.M
     copied = copy.deepcopy(model, memo)
     rebind_patched_forwards(copied, memo)  # TRL's fused-LM-head forward: the copy's modules, not the live ones
     return copied
+
+
+def _zero3_partitioned(tensor: torch.Tensor, fake_mode: Any, target: torch.device) -> torch.Tensor | None:
+    """A fake of the whole parameter where DeepSpeed's ``zero.Init`` left only this rank's partition.
+
+    A model built after ``TrainingArguments(deepspeed=<ZeRO-3>)`` (``from_config``/``from_pretrained``
+    run under ``deepspeed.zero.Init``) holds parameters of shape ``[0]``; DeepSpeed keeps the whole
+    shape in ``ds_shape`` (``deepspeed/runtime/zero/partition_parameters.py``, ``_convert_to_deepspeed_param``).
+    The step replays the whole model, as the engine gathers it (measured: the sweep's ZeRO-3 draws were
+    refused with "no trainable parameter" before)."""
+    shape = getattr(tensor, "ds_shape", None)
+    if shape is None or tensor.numel() != 0:
+        return None
+    with fake_mode:
+        return torch.empty(tuple(shape), dtype=tensor.dtype, device=target)
 
 
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")

@@ -79,12 +79,17 @@ def enable_checkpointing(model: torch.nn.Module, args: Any = None) -> bool:
     -0.01% now; the first layer only -39.28% before, +0.00% now; ``use_reentrant=True`` -0.85%, -0.06% now).
     Returns whether it switched checkpointing on (undo with :func:`disable_checkpointing`).
     """
-    from ..core.run_config import model_is_checkpointing
+    from ..core.run_config import checkpointing_requested, model_is_checkpointing
+    from ..engines.engine import own_checkpointing
 
     if model_is_checkpointing(model):
         return False
     kwargs = dict(getattr(args, "activation_checkpointing_kwargs", None)
                   or getattr(args, "gradient_checkpointing_kwargs", None) or {})
+    if args is not None and own_checkpointing(args) and not checkpointing_requested(args):
+        # FSDP's own switch: accelerate's fsdp2_apply_ac wraps each unit (the decoder layers) in
+        # checkpoint_wrapper(layer, preserve_rng_state=False), non-reentrant: no RNG state saved a call
+        kwargs = {"use_reentrant": False, "preserve_rng_state": False}
     layout = {}
     if (every := kwargs.pop("every_n_layers", 1)) != 1:
         layout["every_n_layers"] = every

@@ -15,6 +15,7 @@ from typing import Any
 from ..compat.trainer import set_cached_train_batch_size
 from ..core.records import PlanRecord
 from ..core.run_config import RunConfig, checkpointing_requested, model_is_checkpointing, optim_name
+from ..engines.engine import own_checkpointing
 from ..estimation.trl_replay import batches_generation, steps_per_generation
 from ..planning.plan import Plan
 
@@ -34,7 +35,8 @@ def apply_plan(trainer: Any, plan: Plan) -> list[str]:
         args.steps_per_generation = steps_per_generation(trainer, plan.micro_batch_size)
     if plan.optim != optim_name(args):
         args.optim = OptimizerNames(plan.optim)
-    if plan.activation_checkpointing and not (checkpointing_requested(args) or model_is_checkpointing(trainer.model)):
+    if plan.activation_checkpointing and not (checkpointing_requested(args) or model_is_checkpointing(trainer.model)
+                                              or own_checkpointing(args)):  # FSDP's own: not both (transformers refuses)
         # train() switches it on from the argument, as for a user who set it
         if hasattr(args, "activation_checkpointing"):
             args.activation_checkpointing = True

@@ -35,6 +35,10 @@ def allow_fsdp_on_cpu_ranks() -> Callable[[], None]:
         plugin = fsdp_plugin if fsdp_plugin is not None else getattr(self, "fsdp_plugin", None)
         if plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
             self.distributed_type = DistributedType.FSDP
+            if fsdp_plugin is not None and self.mixed_precision != "no":
+                # what the accelerator-device branch does with the plugin (state.py, AcceleratorState.__init__):
+                # FSDP2's MixedPrecisionPolicy(param_dtype=reduce_dtype=output_dtype=bf16/fp16)
+                fsdp_plugin.set_mixed_precision(self.mixed_precision)
             self.fsdp_plugin = plugin
 
     init._hf_memwatch_fsdp_on_cpu = True  # type: ignore[attr-defined]

@@ -254,6 +254,25 @@ def run_draw(d: Draw, *, auto: bool = False) -> DrawResult:
     return result
 
 
+DEPTHS = (4, 5, 6, 8)
+
+
+def depth_check(d: Draw) -> tuple[int, int | None, int]:
+    """The draw's configuration at a depth where the estimate may extrapolate (``DEPTHS``, drawn from the
+    seed): ``(depth, the depth-extrapolated peak or None where the shortcut is not taken for the model,
+    the full-depth replay's peak)``. They must agree to the byte (issue 37); estimates only, no training."""
+    from ..estimation.estimate import estimate
+
+    deep = Draw(**{**asdict(d), "layers": random.Random(-1 - d.seed).choice(DEPTHS)})
+    with tempfile.TemporaryDirectory() as out, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = builder(deep)(out, [])
+        shortcut = estimate(trainer, extrapolate_layers=True)
+        full = estimate(trainer, extrapolate_layers=False)
+    taken = any(note.startswith("depth extrapolated") for note in shortcut.notes)
+    return deep.layers, shortcut.peak_bytes if taken else None, full.peak_bytes
+
+
 def _profiled_peak(trainer: Any) -> int:
     baseline = _baseline(trainer)
     with cpu_memory_profile() as prof:

@@ -33,6 +33,9 @@ _DEEPSPEED_ATTRIBUTES: dict[str, tuple[str, ...]] = {
     "gradients": (
         "averaged_gradients", "all_grad_tensors", "ipg_buckets", "ipg_buffer",
         "grad_partitions_flat_buffer", "grads_in_partition",
+        # ZeRO-1/2 with the optimizer offloaded: two staging buffers of the largest parameter's numel, made
+        # with the optimizer (stage_1_and_2.py, ``__init__``; both on the host on CPU ranks)
+        "temp_grad_buffer_for_cpu_offload", "temp_grad_buffer_for_gpu_offload",
     ),
     "optimizer_states": ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat"),
 }
