@@ -40,6 +40,7 @@ from .cuda_device import cuda_step_reserve, ddp_resident
 from .fake_model import auto_class, count_params, fake_copy, fake_model, load_config, resolve_adapter
 from .fsdp_replay import fsdp_applies, fsdp_flow
 from .layers import AUTO_MIN_LAYERS, SHORT_DEPTHS, extrapolate, homogeneous_layers, truncated
+from .memo import built_model
 from .peft import LoraSpec
 from .quantized import QuantSpec
 from .request import (
@@ -197,6 +198,7 @@ def estimate_request(model_or_config: Any, request: EstimateRequest) -> MemoryEs
         if assumed:
             notes.append(assumed)
         notes.extend(policy_notes(request.precision))  # CUDA autocast's table borrowed from another torch
+    subject = model_or_config
     model_or_config, peft_config = resolve_adapter(model_or_config, request.lora, request.adapter)
     _check_quantization(request.quantization, model_or_config)
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -204,9 +206,12 @@ def estimate_request(model_or_config: Any, request: EstimateRequest) -> MemoryEs
 
     # Outer dispatch modes (a live MemWatch tracker, a profiler's) must not see the fake step.
     with _disable_current_modes():
-        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-        model, config, task = fake_model(model_or_config, request.task, fake_mode, request.lora, peft_config,
-                                         request.quantization)
+        def build() -> tuple:
+            fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+            return (fake_mode, *fake_model(model_or_config, request.task, fake_mode, request.lora, peft_config,
+                                           request.quantization))
+
+        fake_mode, model, config, task = built_model(subject, request, build)  # one per plan (memo.py)
         request = request.replace(task=task)
         params, trainable = count_params(model)
         if trainable == 0:
