@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -116,6 +117,10 @@ class MemoryEstimate:
     device_overheads: dict[str, int | None] = field(default_factory=dict)
     # The tensors alive at the predicted peak (``top_tensors`` > 0): the largest, by module and operator.
     peak_tensors: PeakTensors | None = None
+    # What this estimate itself cost: wall seconds and this process's CPU seconds (issue 36's budget for
+    # the replay; a plan's estimates after its first share the fake model, estimation/memo.py).
+    seconds: float = 0.0
+    cpu_seconds: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         """Plain-data form (the CLI's ``--json`` object)."""
@@ -181,6 +186,13 @@ def estimate(
 # -- the engine ------------------------------------------------------------------------------
 def estimate_request(model_or_config: Any, request: EstimateRequest) -> MemoryEstimate:
     """:func:`estimate` of one :class:`EstimateRequest` (its run settings None: the Trainer's, the defaults)."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    result = _estimate_request(model_or_config, request)
+    result.seconds, result.cpu_seconds = time.perf_counter() - wall, time.process_time() - cpu
+    return result
+
+
+def _estimate_request(model_or_config: Any, request: EstimateRequest) -> MemoryEstimate:
     check_versions()  # an unverified transformers/torch: one line naming the supported range
     trainer = model_or_config if is_trainer(model_or_config) else None
     request = request.resolved(trainer)
