@@ -384,8 +384,8 @@ class AutoMode(BetweenSteps):
             record = record.replace(advice=[item.as_dict() for item in found])
         # The rank that must cut the most from the configured run decides (issue 7): its plan fits
         # every rank with a larger budget. A chosen plan's own peak would pick the laxest rank.
-        record = record.replace(planning_seconds=round(time.perf_counter() - started, 3))
-        return agree(record, int(result.given.predicted_peak or 0) - budget.usable)
+        record = agree(record, int(result.given.predicted_peak or 0) - budget.usable)
+        return record.replace(planning_seconds=round(time.perf_counter() - started, 3))  # this rank's
 
     def _plan_eval(self, trainer: Any, run: RunConfig, budget: Budget, predictor: EstimatorPredictor,
                    chosen: Plan) -> dict[str, Any]:
