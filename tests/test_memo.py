@@ -91,8 +91,9 @@ def test_a_plan_is_byte_identical_with_the_shortcuts_on_and_off(fields):
     assert old_predictor.estimates.keys() == new_predictor.estimates.keys()
     for key, estimated in old_predictor.estimates.items():
         assert figures(estimated) == figures(new_predictor.estimates[key]), key
-    for key, estimated in old_predictor.floors.items():
-        assert figures(estimated) == figures(new_predictor.floors[key]), key
+    assert set(new_predictor.floors) <= set(old_predictor.floors)  # chooser._Exact.replayed: fewer floors
+    for key, estimated in new_predictor.floors.items():
+        assert figures(estimated) == figures(old_predictor.floors[key]), key
     assert old_predictor.models == {} and len(new_predictor.models) == 1  # shared only with the shortcuts on
     # 8-bit AdamW was replayed (chosen or weighed) by both paths: bitsandbytes' table agrees with the Trainer
     assert any(key[3] != run.optim for key in new_predictor.estimates) or new.chosen.optim == run.optim
@@ -120,3 +121,35 @@ def test_the_auto_mode_says_how_long_it_planned(tmp_path, caplog):
     record = watch.plan_in_force()
     assert record is not None and record["planning_seconds"] > 0
     assert f"planned in {record['planning_seconds']:.1f} s" in lines[0]
+
+
+class Toy:
+    """A predictor whose forward/backward (``floor_parts``) replays are counted."""
+
+    def __init__(self) -> None:
+        self.calls, self.floor_replays = 0, []
+
+    def peak(self, plan) -> int:
+        self.calls += 1
+        return 100 + 10 * plan.micro_batch_size
+
+    def parts(self, plan):
+        from hf_memwatch.planning.chooser import PeakParts
+
+        return PeakParts(forward_backward=50 + 10 * plan.micro_batch_size, trainable_params=1)
+
+    def floor_parts(self, plan):
+        self.floor_replays.append(plan.key())
+        return self.parts(plan)
+
+
+def test_no_floor_replays_a_micro_step_already_in_hand():
+    from hf_memwatch.planning.chooser import Plan, _Exact
+
+    for on, expected in ((True, []), (False, [(4, 2, False, "paged_adamw_8bit")])):
+        toy = Toy()
+        exact = _Exact(toy)
+        exact(Plan(4, 2, False, "adamw_torch"))  # the micro-step's forward and backward: in hand
+        with memo.shortcuts(on):
+            assert exact.over(Plan(4, 2, False, "paged_adamw_8bit"), limit=1000, cheap=True) is False
+        assert toy.floor_replays == expected
