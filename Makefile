@@ -99,6 +99,7 @@ bench: venv
 	$(PY) benchmarks/overhead.py --out benchmarks/results/overhead.md
 	$(PY) benchmarks/fixed_cost.py --out benchmarks/results/fixed_cost.md
 	$(PY) benchmarks/estimate_cost.py --out benchmarks/results/estimate_cost.md
+	$(PY) benchmarks/planning_cost.py --out benchmarks/results/planning_cost.md
 	$(PY) benchmarks/accuracy.py
 	$(PY) benchmarks/peft_accuracy.py
 	$(PY) benchmarks/trl_accuracy.py

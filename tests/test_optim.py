@@ -9,8 +9,11 @@ from transformers import Trainer
 from hf_memwatch.estimation import optim
 
 
-@pytest.mark.parametrize("name", sorted(optim.TORCH_NATIVE))
-def test_torch_native_table_is_the_trainers_choice(name):
+@pytest.mark.parametrize("name", sorted(optim.TORCH_NATIVE) + sorted(optim.BNB_NATIVE))
+def test_optimizer_tables_are_the_trainers_choice(name):
+    """TORCH_NATIVE and BNB_NATIVE (the planning shortcut for 8-bit AdamW) give what the Trainer picks."""
+    if name in optim.BNB_NATIVE:
+        pytest.importorskip("bitsandbytes")
     args = optim._training_arguments(name)
     expected_cls, expected_kwargs = Trainer.get_optimizer_cls_and_kwargs(args, None)
     cls, kwargs = optim.optimizer_class_and_kwargs(name)

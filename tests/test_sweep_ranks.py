@@ -63,6 +63,7 @@ def test_zero2_offload_counts_deepspeed_staging_buffers_of_the_largest_parameter
     draws (two 64,000-element embeddings x 4 B x 2 buffers), exact to the byte after; the estimate -22.6%
     -> -5.9% (qwen2), -9.47% -> -0.09% (phi3)."""
     import torch
+
     from hf_memwatch.engines.engine import Engine
     from hf_memwatch.engines.shard import engine_classes
     from hf_memwatch.engines.zero.live import _DEEPSPEED_ATTRIBUTES

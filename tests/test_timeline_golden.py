@@ -5,7 +5,7 @@ A tiny GPT-2 (seed 0) trained 5 steps under ``MemWatch(auto=True, budget=3_000_0
 2 steps and ``logging_steps=4``: a ``plan`` with remedies (checkpointing, 8-bit Adam), ``meta``, full steps
 (1, 2, 4) with ``peak_tensors``, light steps (3, 5), the auto mode's ``footprint`` records and two ``eval``
 loops with their snapshots. Every line is compared as written (key order and separators included), after the
-fields that depend on the machine or the clock are replaced by ``"<varies>"``: ``time``, the host's sizes
+fields that depend on the machine or the clock are replaced by ``"<varies>"``: ``time``, the plan's ``planning_seconds``, the host's sizes
 (``host_rss``, ``host_vms``), the device's free and total bytes, and the footprint record's figures measured
 from the host's resident size. The plan the callback saves in the Trainer's state is compared too.
 
@@ -27,7 +27,7 @@ from transformers import Trainer
 from hf_memwatch import MemWatch
 
 GOLDEN = Path(__file__).parent / "data" / "timeline_golden.jsonl"
-VARIES = {"time", "host_rss", "host_vms", "device_free", "device_total"}
+VARIES = {"time", "host_rss", "host_vms", "device_free", "device_total", "planning_seconds"}
 FOOTPRINT_VARIES = {"footprint_gap", "margin", "planned_need", "next_step_need", "fits"}  # from the host's RSS
 
 

@@ -150,6 +150,7 @@ class PlanRecord(Record):
     resumed: bool | None = optional()
     status: str | None = optional()
     recovered_from_oom: int | None = optional()
+    planning_seconds: float | None = optional()  # wall seconds the plan took (its estimates' replays included)
     eval_batch_size: int | None = optional()
     eval_accumulation_steps: int | None = optional()
     eval_predicted_peak: Bytes | None = optional()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -40,6 +41,7 @@ from .cuda_autocast import policy_notes
 from .cuda_device import cuda_step_reserve
 from .fake_model import auto_class, count_params, fake_copy, fake_model, load_config, resolve_adapter
 from .layers import AUTO_MIN_LAYERS, SHORT_DEPTHS, extrapolate, homogeneous_layers, truncated
+from .memo import built_model
 from .peft import LoraSpec
 from .quantized import QuantSpec
 from .request import (
@@ -111,6 +113,10 @@ class MemoryEstimate:
     device_overheads: dict[str, int | None] = field(default_factory=dict)
     # The tensors alive at the predicted peak (``top_tensors`` > 0): the largest, by module and operator.
     peak_tensors: PeakTensors | None = None
+    # What this estimate itself cost: wall seconds and this process's CPU seconds (issue 36's budget for
+    # the replay; a plan's estimates after its first share the fake model, estimation/memo.py).
+    seconds: float = 0.0
+    cpu_seconds: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         """Plain-data form (the CLI's ``--json`` object)."""
@@ -176,6 +182,13 @@ def estimate(
 # -- the engine ------------------------------------------------------------------------------
 def estimate_request(model_or_config: Any, request: EstimateRequest) -> MemoryEstimate:
     """:func:`estimate` of one :class:`EstimateRequest` (its run settings None: the Trainer's, the defaults)."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    result = _estimate_request(model_or_config, request)
+    result.seconds, result.cpu_seconds = time.perf_counter() - wall, time.process_time() - cpu
+    return result
+
+
+def _estimate_request(model_or_config: Any, request: EstimateRequest) -> MemoryEstimate:
     check_stack()  # an unverified transformers/torch: one line naming the supported range
     trainer = model_or_config if is_trainer(model_or_config) else None
     request = request.resolved(trainer)
@@ -193,15 +206,19 @@ def estimate_request(model_or_config: Any, request: EstimateRequest) -> MemoryEs
         if assumed:
             notes.append(assumed)
         notes.extend(policy_notes(request.precision))  # CUDA autocast's table borrowed from another torch
+    subject = model_or_config
     model_or_config, peft_config = resolve_adapter(model_or_config, request.lora, request.adapter)
     _check_quantization(request.quantization, model_or_config)
     from ..compat.torch_internals import FakeTensorMode, disable_current_modes
 
     # Outer dispatch modes (a live MemWatch tracker, a profiler's) must not see the fake step.
     with disable_current_modes():
-        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-        model, config, task = fake_model(model_or_config, request.task, fake_mode, request.lora, peft_config,
-                                         request.quantization)
+        def build() -> tuple:
+            fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+            return (fake_mode, *fake_model(model_or_config, request.task, fake_mode, request.lora, peft_config,
+                                           request.quantization))
+
+        fake_mode, model, config, task = built_model(subject, request, build)  # one per plan (memo.py)
         request = request.replace(task=task)
         params, trainable = count_params(model)
         if trainable == 0:

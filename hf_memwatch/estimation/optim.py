@@ -59,6 +59,16 @@ TORCH_NATIVE: dict[str, tuple[str, dict[str, Any]]] = {
     "adagrad": ("Adagrad", {"lr": _DEFAULT_LR}),
     "rmsprop": ("RMSprop", {"lr": _DEFAULT_LR}),
 }
+# The same for bitsandbytes' AdamW variants (the auto mode's 8-bit remedy, :mod:`hf_memwatch.planning.
+# catalogue`): the class of ``bitsandbytes.optim`` and the Trainer's kwargs, without the ~0.6 s of CPU of
+# ``transformers.trainer`` (bitsandbytes itself is imported: its optimizer is replayed). Used while
+# :data:`~hf_memwatch.estimation.memo.SHORTCUTS` is on; tests/test_optim.py checks every entry.
+BNB_NATIVE: dict[str, tuple[str, dict[str, Any]]] = {
+    "adamw_bnb_8bit": ("AdamW", {**_ADAM_DEFAULTS, "optim_bits": 8, "is_paged": False}),
+    "adamw_8bit": ("AdamW", {**_ADAM_DEFAULTS, "optim_bits": 8, "is_paged": False}),
+    "paged_adamw_8bit": ("AdamW", {**_ADAM_DEFAULTS, "optim_bits": 8, "is_paged": True}),
+    "paged_adamw_32bit": ("AdamW", {**_ADAM_DEFAULTS, "optim_bits": 32, "is_paged": True}),
+}
 # ``Trainer.get_decay_parameter_names``: no decay for LayerNorm weights and these names.
 _NO_DECAY_PATTERNS = [r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"]
 
@@ -68,6 +78,11 @@ def optimizer_class_and_kwargs(optim: str, model: torch.nn.Module | None = None)
     if optim in TORCH_NATIVE:
         name, kwargs = TORCH_NATIVE[optim]
         return getattr(torch.optim, name), dict(kwargs)
+    if _tabled(optim):
+        import bitsandbytes.optim
+
+        name, kwargs = BNB_NATIVE[optim]
+        return getattr(bitsandbytes.optim, name), dict(kwargs)
     from transformers import Trainer
 
     args = _training_arguments(optim)
@@ -90,6 +105,13 @@ def param_groups(model: torch.nn.Module, weight_decay: float = 0.0) -> list[dict
     ]
 
 
+def _tabled(optim: str) -> bool:
+    """``optim`` is in :data:`BNB_NATIVE` and the planning shortcuts are on."""
+    from .memo import shortcuts_on
+
+    return optim in BNB_NATIVE and shortcuts_on()
+
+
 def build_optimizer(model: torch.nn.Module, optim: str, target: str = "cpu") -> Any:
     """Instantiate the Trainer's optimizer over ``model``'s (fake) parameters.
 
@@ -101,7 +123,7 @@ def build_optimizer(model: torch.nn.Module, optim: str, target: str = "cpu") -> 
     if target == "cuda" and cls.__module__.startswith("torch.optim") and not kwargs.get("fused"):
         if "foreach" in inspect.signature(cls.__init__).parameters and kwargs.get("foreach") is None:
             kwargs["foreach"] = True
-    weight_decay = 0.0 if optim in TORCH_NATIVE else _training_arguments(optim).weight_decay
+    weight_decay = 0.0 if optim in TORCH_NATIVE or _tabled(optim) else _training_arguments(optim).weight_decay
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         optimizer = cls(param_groups(model, weight_decay), **kwargs)

@@ -113,12 +113,15 @@ class AutoMode(BetweenSteps):
         self.installed = False  # train() wrapped: planning happens before the loop is built
         self.plan_changed_the_run = False  # the last plan differs from the run as configured
 
-    def _put_in_force(self, trainer: Any, record: PlanRecord, *, log: str = "hf-memwatch plan: %s") -> None:
-        """Write ``record`` into the Trainer, make it the plan in force, say it once, record it."""
+    def _put_in_force(self, trainer: Any, record: PlanRecord, *, log: str = "hf-memwatch plan: %s",
+                      timed: bool = False) -> None:
+        """Write ``record`` into the Trainer, make it the plan in force, say it once (``timed``: with how
+        long planning took), record it."""
         apply_plan(trainer, record.plan)  # the chooser's Plan, as the record nests it
         apply_eval_plan(trainer, record)
         self.plan = record
-        logger.warning(log, record.reason)
+        took = f"; planned in {record.planning_seconds:.1f} s" if timed and record.planning_seconds is not None else ""
+        logger.warning(log, record.reason + took)
 
     # -- wiring -------------------------------------------------------------------------------
     def train_call(self, trainer: Any, call: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
@@ -292,7 +295,7 @@ class AutoMode(BetweenSteps):
                 "planning anew for the effective batch now asked for.", configured_of(run), saved.configured,
             )
         record = self._decide_with_peers(trainer, run, self.budget)
-        self._put_in_force(trainer, record)
+        self._put_in_force(trainer, record, timed=True)
         log_advice(record, pressed=self.plan_changed_the_run)
         self.record(record)
         return record
@@ -365,7 +368,8 @@ class AutoMode(BetweenSteps):
             record = record.replace(advice=[item.as_dict() for item in found])
         # The rank that must cut the most from the configured run decides (issue 7): its plan fits
         # every rank with a larger budget. A chosen plan's own peak would pick the laxest rank.
-        return agree(record, int(result.given.predicted_peak or 0) - budget.usable)
+        record = agree(record, int(result.given.predicted_peak or 0) - budget.usable)
+        return record.replace(planning_seconds=round(time.perf_counter() - started, 3))  # this rank's
 
     def _plan_eval(self, trainer: Any, run: RunConfig, budget: Budget, predictor: EstimatorPredictor,
                    chosen: Plan) -> dict[str, Any]:

@@ -44,6 +44,7 @@ class EstimatorPredictor:
         self.floors: dict[tuple, Any] = {}  # forward/backward-only estimates
         self.calls = 0
         self.floor_calls = 0
+        self.models: dict = {}  # the fake models the estimates share
 
     def estimate(self, plan: Plan) -> Any:
         """The :class:`~hf_memwatch.estimation.estimate.MemoryEstimate` of ``plan`` (cached)."""
@@ -65,7 +66,10 @@ class EstimatorPredictor:
         if self.sample_index is not None:
             kwargs["sample_index"] = self.sample_index
         kwargs.update(self.extra, **options)
-        return estimate(self.subject, **kwargs)
+        from ..estimation.memo import sharing
+
+        with sharing(self.models):  # one fake model for every plan of the run (estimation/memo.py)
+            return estimate(self.subject, **kwargs)
 
     def peak(self, plan: Plan) -> int:
         """Predicted step peak of ``plan`` with the margin, bytes per device."""
