@@ -1,7 +1,8 @@
 """FSDP2's and accelerate's private names the FSDP2 engine (:mod:`hf_memwatch.engines.fsdp2`) relies on,
 each with its probe. Verified on torch 2.13 (``torch/distributed/fsdp/_fully_shard/_fsdp_state.py``,
-``_fsdp_param.py``, ``_fsdp_common.py``), accelerate 1.15 / 1.10 (``utils/fsdp_utils.py``) and
-transformers 5.23 / 4.57 (``modeling_utils.py``).
+``_fsdp_param.py``, ``_fsdp_common.py``), accelerate 1.15 (``utils/fsdp_utils.py``; 1.10.1 has no ``_find_final_norm``:
+:data:`FINAL_NORM` fails there and the FSDP2 replay is off, warned) and transformers 5.23 / 4.57
+(``modeling_utils.py``); the torch probes hold on both stacks (torch 2.13).
 
 =======================================  ==================================  ====================================
 private thing (``guards``)                what relies on it                   without it (``off``)
