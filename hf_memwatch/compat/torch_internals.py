@@ -149,9 +149,10 @@ def autocast_devices_of_caller(devices: tuple[str, ...]) -> list[str]:
 
 def _autograd_engine_runs_callbacks() -> bool:
     """Outside a backward the graph task id is -1; inside one it is not, and a callback queued there
-    runs when the backward ends (checked on real tensors, the caller's modes left)."""
+    runs when the backward ends (checked on real tensors, the caller's modes, no-grad and inference
+    mode left)."""
     seen: list[int] = []
-    with disable_current_modes(), torch.enable_grad():
+    with disable_current_modes(), torch.inference_mode(False), torch.enable_grad():
         leaf = torch.ones(1, requires_grad=True)
         outside = torch._C._current_graph_task_id()
 

@@ -140,3 +140,9 @@ def test_a_param_without_its_unsharded_attribute_reads_as_none_loudly(monkeypatc
     with caplog.at_level(logging.WARNING, logger="hf_memwatch"):
         assert compat_fsdp.unsharded_param(torch.nn.Parameter(torch.zeros(1))) is None
     assert probes.degraded() == [compat_fsdp.UNSHARDED_PARAM.entry()]
+
+
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode], ids=["no_grad", "inference_mode"])
+def test_the_autograd_probe_holds_whatever_grad_mode_it_is_first_used_under(mode) -> None:
+    with mode():
+        assert torch_internals.autograd_engine_replayable()
