@@ -55,8 +55,9 @@ def _param_keeps_unsharded() -> bool:
 
 
 def _parameters_settable() -> bool:
-    with disable_current_modes():
-        owner, param = torch.nn.Linear(1, 1), torch.nn.Parameter(torch.zeros(1))
+    with disable_current_modes():  # no layer built: its initialization would draw from the run's RNG
+        owner, param = torch.nn.Module(), torch.nn.Parameter(torch.zeros(1))
+        owner.register_parameter("weight", torch.nn.Parameter(torch.ones(1)))
         set_parameter(owner, "weight", param)
         return owner.weight is param and dict(owner.named_parameters())["weight"] is param
 

@@ -146,3 +146,14 @@ def test_a_param_without_its_unsharded_attribute_reads_as_none_loudly(monkeypatc
 def test_the_autograd_probe_holds_whatever_grad_mode_it_is_first_used_under(mode) -> None:
     with mode():
         assert torch_internals.autograd_engine_replayable()
+
+
+def test_the_probes_draw_nothing_from_the_runs_random_numbers() -> None:
+    """A probe runs at first use, inside the user's run: a watched run's first loss is the plain run's
+    (tests/engines/test_distributed.py::test_monitoring_changes_nothing_under_fsdp2 caught a probe that
+    built a ``Linear``)."""
+    torch.manual_seed(0)
+    expected = torch.rand(4)
+    torch.manual_seed(0)
+    assert all(probes.holds(probe) for probe in PROBES)
+    assert torch.equal(torch.rand(4), expected)
