@@ -54,7 +54,7 @@ STACK2_TESTS := tests/test_compat.py tests/test_compat_probes.py tests/test_memw
 	"tests/test_estimate.py::test_peak_matches_profiler_truth_of_a_real_trainer_run[llama-bf16-checkpointing]" \
 	tests/test_estimate.py::test_config_and_built_model_give_the_same_estimate \
 	tests/test_estimate.py::test_forward_backward_only_of_a_trainer_is_its_step_without_optimizer_states \
-	tests/test_auto.py::test_over_budget_run_fits_and_equals_the_hand_configured_plan
+	tests/test_auto.py::test_over_budget_run_fits_and_equals_the_hand_configured_plan tests/test_expert_loop.py
 
 $(STACK2_STAMP): $(STAMP) constraints-stack2.txt
 	rm -rf $(STACK2)

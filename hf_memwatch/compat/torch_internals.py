@@ -22,6 +22,9 @@ private thing (torch 2.13)                             what relies on it
 ``torch._prims_common.is_non_overlapping_and_dense_or_false``  the autograd engine's in-place test replayed
 ``UntypedStorage._cdata``                              a storage's identity (:func:`storage_key`): every
                                                        figure is a sum over distinct storages
+``torch._C._current_graph_task_id``, ``Variable.``      the ZeRO-1/2 and FSDP2 gradient replays: probed
+``_execution_engine.queue_callback``                   (:data:`AUTOGRAD_ENGINE`), without them the engine's
+                                                       step is taken without its replay (one WARNING)
 =====================================================  ==============================================
 
 Example:
@@ -58,7 +61,8 @@ except ImportError as gone:  # pragma: no cover - a torch this module was not ve
 __all__ = [
     "FakeTensor", "FakeTensorMode", "TorchDispatchMode", "current_dispatch_modes", "disable_current_modes",
     "is_fake", "is_non_overlapping_and_dense_or_false", "is_traceable_wrapper_subclass", "pop_mode", "push_mode",
-    "autocast_devices_of_caller", "cpu_kernel_keys", "storage_key", "tensor_storage_key", "tree_flatten", "tree_leaves", "tree_unflatten",
+    "autocast_devices_of_caller", "autograd_engine_replayable", "cpu_kernel_keys", "in_backward",
+    "queue_backward_callback", "storage_key", "tensor_storage_key", "tree_flatten", "tree_leaves", "tree_unflatten",
 ]
 
 
@@ -141,3 +145,44 @@ def autocast_devices_of_caller(devices: tuple[str, ...]) -> list[str]:
         return []
     with torch._C._RestorePythonTLSSnapshot():
         return [device for device in devices if torch.is_autocast_enabled(device)]
+
+
+def _autograd_engine_runs_callbacks() -> bool:
+    """Outside a backward the graph task id is -1; inside one it is not, and a callback queued there
+    runs when the backward ends (checked on real tensors, the caller's modes, no-grad and inference
+    mode left)."""
+    seen: list[int] = []
+    with disable_current_modes(), torch.inference_mode(False), torch.enable_grad():
+        leaf = torch.ones(1, requires_grad=True)
+        outside = torch._C._current_graph_task_id()
+
+        def hook(grad: torch.Tensor) -> torch.Tensor:
+            seen.append(torch._C._current_graph_task_id())
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: seen.append(-2))
+            return grad
+
+        leaf.register_hook(hook)
+        (leaf * 2).sum().backward()
+    return outside == -1 and len(seen) == 2 and seen[0] != -1 and seen[1] == -2
+
+
+AUTOGRAD_ENGINE = Probe("torch", "torch._C._current_graph_task_id, Variable._execution_engine.queue_callback",
+                        "the ZeRO-1/2 and FSDP2 gradient replays (the engine's steps taken without them)",
+                        _autograd_engine_runs_callbacks)
+
+
+def in_backward() -> bool:
+    """Whether the autograd engine is running a backward on this thread (a recomputation's forward
+    inside a checkpointed backward is)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def queue_backward_callback(callback: Any) -> None:
+    """Run ``callback`` when the running backward ends (the autograd engine's ``queue_callback``, as
+    DeepSpeed's and FSDP2's own epilogues do)."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def autograd_engine_replayable() -> bool:
+    """Whether :func:`in_backward` and :func:`queue_backward_callback` work as verified (:data:`AUTOGRAD_ENGINE`)."""
+    return holds(AUTOGRAD_ENGINE)

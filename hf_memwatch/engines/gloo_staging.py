@@ -38,13 +38,13 @@ def _cpu_bytes(value: Any) -> int:
 def staged(func: Any, out: Any) -> tuple[int, Any] | None:
     """``(bytes, future)`` for a CPU all-gather's staging copy (``out``: the operator's result, its
     outputs then a ``Work``; the future of that work completes after gloo freed the copy), else None."""
-    if func._schema.name not in GATHERS or not isinstance(out, tuple) or len(out) < 2:
+    if func.name().split(".", 1)[0] not in GATHERS or not isinstance(out, tuple) or len(out) < 2:
         return None
     nbytes = _cpu_bytes(out[0])
     if not nbytes:
         return None
     try:
-        future = torch._C._distributed_c10d.Work.unbox(out[-1]).get_future()
+        future = torch.distributed.Work.unbox(out[-1]).get_future()
     except (AttributeError, RuntimeError, TypeError):
         return None
     return nbytes, future

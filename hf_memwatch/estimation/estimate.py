@@ -39,6 +39,7 @@ from ..measure.tracker import recording_allocations
 from .branches import worst_branch
 from .cuda_autocast import policy_notes
 from .cuda_device import cuda_step_reserve
+from .expert_loop import expert_loop_notes
 from .fake_model import auto_class, count_params, fake_copy, fake_model, load_config, resolve_adapter
 from .layers import AUTO_MIN_LAYERS, SHORT_DEPTHS, extrapolate, homogeneous_layers, truncated
 from .memo import built_model
@@ -327,6 +328,7 @@ def _result(model: torch.nn.Module, fake_mode: Any, request: EstimateRequest, in
     if not request.optimizer_step:
         notes.append("forward and backward only (optimizer_step=False): no optimizer state or step, "
                      "a floor under the step's peak")
+    notes.extend(expert_loop_notes(model))  # 4.x MoE blocks: data-dependent routing, an upper bound
     engine = _engine_of(request, inputs.trainer)
     shard, world_size, device = request.shard, request.world_size, request.device
     rules = rules_for(shard, world_size, engine)  # the rank's share, what its engine holds beside (engines/registry.py)

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from ...compat.ddp import ddp_logging_data, has_rebuilt_buckets
+from ...compat.torch_internals import storage_key
 from ...core.categories import STEP_BEGIN
 from ...core.records import Snapshot
 from ...measure.attribution import spike_above
@@ -76,8 +77,8 @@ def ddp_gradient_buckets(
     if getattr(ddp, "gradient_as_bucket_view", False):
         for grad in (p.grad for p in params if p.grad is not None):
             storage = grad.untyped_storage()
-            if storage._cdata not in seen and storage.nbytes() in wanted:
-                seen.add(storage._cdata)
+            if storage_key(storage) not in seen and storage.nbytes() in wanted:
+                seen.add(storage_key(storage))
                 wanted.remove(storage.nbytes())
                 found.append(grad)
     if not live or not wanted:

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from ...compat.fsdp import fsdp_param_group, unsharded_param
 from ...core.records import Snapshot
 from ...measure.storage import collect_storages
 
@@ -39,7 +40,7 @@ def fsdp2_param_groups(model: Any) -> list[Any]:
     groups = []
     for module in model.modules():
         if isinstance(module, FSDPModule):
-            group = module._get_fsdp_state()._fsdp_param_group
+            group = fsdp_param_group(module)
             if group is not None:
                 groups.append(group)
     return groups
@@ -59,7 +60,7 @@ def _gradients(groups: list[Any]) -> Iterator[torch.Tensor | None]:
     for group in groups:
         for param in group.fsdp_params:
             yield param.sharded_param.grad
-            unsharded = getattr(param, "_unsharded_param", None)
+            unsharded = unsharded_param(param)
             if unsharded is not None:
                 yield unsharded.grad
         for state in getattr(group.comm_ctx, "reduce_scatter_states", None) or ():

@@ -44,8 +44,16 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from ...compat.fsdp import replay_supported, set_parameter
+from ...compat.torch_internals import (
+    current_dispatch_modes,
+    in_backward,
+    queue_backward_callback,
+    storage_key,
+    tree_flatten,
+    tree_unflatten,
+)
 from ...estimation.classify import refs
 from ...estimation.fake_dispatch import EstimateTracker
 from .units import (
@@ -72,7 +80,9 @@ def fsdp_applies(engine: Any, model: torch.nn.Module, precision: str = "fp32") -
         return False
     params = list(model.parameters())
     # already sharded (a model fully_shard wrapped, DTensor parameters): not replayed a second time
-    return bool(params) and all(p.dtype == torch.float32 and type(p).__name__ != "DTensor" for p in params)
+    if not (bool(params) and all(p.dtype == torch.float32 and type(p).__name__ != "DTensor" for p in params)):
+        return False
+    return replay_supported()  # torch's and accelerate's private names it needs (probed, warned once)
 
 
 class _Param:
@@ -178,7 +188,7 @@ class Fsdp2Flow:
                     return output  # a group's module before its last
             if self.state[id(unit)] == PRE_BACKWARD:
                 return output
-            if torch._C._current_graph_task_id() == -1:  # not inside a backward (recomputation)
+            if not in_backward():  # not a recomputation inside a backward
                 if unit.reshard_after_forward:
                     self._reshard(unit)
                 self.indices[id(unit)].append(len(self.post_forward_order))
@@ -279,7 +289,7 @@ class Fsdp2Flow:
         self.state[id(unit)] = PRE_BACKWARD
         if not self.callback_queued:
             self.callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._final_callback)
+            queue_backward_callback(self._final_callback)
         self._unshard(unit)
         self._wait_for_unshard(unit)
         indices = self.indices[id(unit)]
@@ -373,13 +383,11 @@ class _PostBackward(torch.autograd.Function):
 
 
 def _set(owner: torch.nn.Module, attr: str, param: torch.nn.Parameter) -> None:
-    owner._parameters[attr] = param  # FSDP's unsafe_setattr_param: no module checks
+    set_parameter(owner, attr, param)  # FSDP's unsafe_setattr_param: no module checks
 
 
 def _trackers() -> list[EstimateTracker]:
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
-    return [mode for mode in _get_current_dispatch_mode_stack() if isinstance(mode, EstimateTracker)]
+    return [mode for mode in current_dispatch_modes() if isinstance(mode, EstimateTracker)]
 
 
 def _release(tensor: torch.Tensor) -> None:
@@ -387,7 +395,7 @@ def _release(tensor: torch.Tensor) -> None:
     dropped rather than shrunk, so a snapshot taken at an earlier high keeps its size."""
     storage = tensor.untyped_storage()
     for tracker in _trackers():
-        ref = tracker.live_refs().get(storage._cdata)
+        ref = tracker.live_refs().get(storage_key(storage))
         if ref is not None:
             tracker._free(ref)  # the tracker's own free path (its weakref callback's)
     storage.resize_(0)

@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from ...compat.fsdp import final_norm, no_split_modules
+
 
 @dataclass
 class FsdpUnit:
@@ -58,7 +60,7 @@ def wrap_policy(trainer: Any, model: torch.nn.Module) -> Any:
     state = getattr(getattr(trainer, "accelerator", None), "state", None)
     plugin = getattr(state, "fsdp_plugin", None)
     if plugin is None:  # no accelerator (the CLI, a bare model): the transformer policy's default classes
-        names = set(getattr(model, "_no_split_modules", None) or ())
+        names = no_split_modules(model)
         return (lambda module: type(module).__name__ in names) if names else None
     from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
 
@@ -78,7 +80,6 @@ def reshards_after_forward(trainer: Any, engine: Any) -> bool:
 
 def build_units(model: torch.nn.Module, policy: Any, reshard: bool) -> list[FsdpUnit]:
     """The units ``fsdp2_prepare_model`` makes of ``model`` (see the module doc), in creation order."""
-    from accelerate.utils.fsdp_utils import _find_final_norm
     from accelerate.utils.other import get_module_children_bottom_up
 
     units: list[FsdpUnit] = []
@@ -111,7 +112,7 @@ def build_units(model: torch.nn.Module, policy: Any, reshard: bool) -> list[Fsdp
             and getattr(input_embed, "weight", None) is getattr(output_embed, "weight", None))
     if not tied and input_embed is not None and id(input_embed) not in wrapped:
         add((input_embed,), reshard)
-    norm = _find_final_norm(model)
+    norm = final_norm(model)
     tail = (norm, input_embed, output_embed) if tied else (norm, output_embed)
     tail = tuple(m for m in tail if m is not None and id(m) not in wrapped)
     if tail:

@@ -51,6 +51,11 @@ from typing import Any
 
 import torch
 
+from ...compat.torch_internals import (
+    autograd_engine_replayable,
+    current_dispatch_modes,
+    queue_backward_callback,
+)
 from ...estimation.classify import refs
 from ...estimation.fake_dispatch import EstimateTracker
 from ...estimation.optim import param_groups
@@ -104,7 +109,9 @@ def flow_applies(engine: Any, model: torch.nn.Module, precision: str = "fp32") -
     if engine.offload != "none" or engine.engine_optimizer or precision in ("bf16", "fp16"):
         return False
     trainable = [p for p in model.parameters() if p.requires_grad]
-    return bool(trainable) and all(p.dtype == torch.float32 for p in trainable)
+    if not (bool(trainable) and all(p.dtype == torch.float32 for p in trainable)):
+        return False
+    return autograd_engine_replayable()  # the backward's epilogue (probed, warned once)
 
 
 class ZeroGradientFlow:
@@ -167,7 +174,7 @@ class ZeroGradientFlow:
             self.started = True
             self.bucket = None  # bucket.buffer.clear(), then a new one
             self.bucket = _held(torch.empty(self.bucket_numel, dtype=param.dtype, device=param.device))
-            torch.autograd.Variable._execution_engine.queue_callback(self._epilogue)
+            queue_backward_callback(self._epilogue)
         if self.stage == 2:
             self._into_bucket(param)
 
@@ -274,9 +281,7 @@ def flat_slices(pending: list[torch.nn.Parameter], spans: dict[int, tuple[int, i
 
 
 def _trackers() -> list[EstimateTracker]:
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
-    return [mode for mode in _get_current_dispatch_mode_stack() if isinstance(mode, EstimateTracker)]
+    return [mode for mode in current_dispatch_modes() if isinstance(mode, EstimateTracker)]
 
 
 def _restart_high() -> None:

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from ...compat.torch_internals import FakeTensorMode, disable_current_modes
 from ...core.categories import AFTER_OPTIMIZER, STEP_END
 from ...estimation.fake_dispatch import EstimateTracker
 from ...estimation.optim import BNB_OPTIMS, optimizer_class_and_kwargs, param_groups
@@ -65,12 +66,9 @@ def flat_step(model: torch.nn.Module, world_size: int, optim: str, device: str =
     Two steps (the first creates the states); the temporaries are the second step's high above what
     was live before it (partitions, their gradients, the states).
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.utils._python_dispatch import _disable_current_modes
-
     partitions = rank_partitions(model, world_size)
     cls, kwargs = optimizer_class_and_kwargs(optim, None)
-    with _disable_current_modes():
+    with disable_current_modes():
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         with fake_mode:
             flats = [torch.nn.Parameter(torch.zeros(n, dtype=torch.float32)) for n in partitions]
