@@ -394,15 +394,7 @@ def import_cycles(graph: dict[str, set[str]]) -> list[frozenset[str]]:
 
 
 # Cycles still there, each with why; this list may only shrink (a new cycle fails, a fixed one must go).
-CYCLES_ALLOWED = {
-    # the CUDA replay's kernels, SDPA and the fake dispatch (issue #32's modules, edited concurrently)
-    frozenset({"hf_memwatch.estimation.cuda_kernels", "hf_memwatch.estimation.cuda_sdpa",
-               "hf_memwatch.estimation.fake_dispatch"}),
-    # an iterable dataset's batch needs the replay's collation; the replay asks it for one-pass datasets
-    frozenset({"hf_memwatch.estimation.streaming", "hf_memwatch.estimation.trainer_replay"}),
-    # write_report's page (Plotly) and the picture's helpers it draws with (issue #35 edits both)
-    frozenset({"hf_memwatch.reporting.page", "hf_memwatch.reporting.report"}),
-}
+CYCLES_ALLOWED: set[frozenset[str]] = set()  # none left (issue #34 point 4); may only stay empty
 
 
 def test_no_import_cycle_at_any_level() -> None:
