@@ -423,7 +423,6 @@ UNNAMED_ALLOWED = {
     "hf_memwatch.integration.trials": "hyperparameter_search: its doctest and tests/test_runs.py",
     "hf_memwatch.measure.batches": "the formed batches counted: tests/test_batches_as_formed.py",
     "hf_memwatch.measure.cuda_context": "CUDA only; tests/test_cuda_hygiene.py",
-    "hf_memwatch.measure.module_scope": "the peak tensors' modules: tests/test_peak_tensors.py",
     "hf_memwatch.measure.peak_watch": "the peak_tensors records: tests/test_peak_tensors.py",
     "hf_memwatch.engines.ddp.live": "DDP's buckets on live gloo ranks: tests/engines/test_distributed.py (torchrun)",
     "hf_memwatch.engines.zero.advice": "ZeRO advice per rank: tests/engines/test_deepspeed_zero.py, test_cli_estimate.py",
