@@ -381,15 +381,7 @@ def import_cycles(graph: dict[str, set[str]]) -> list[frozenset[str]]:
 
 
 # Cycles still there, each with why; this list may only shrink (a new cycle fails, a fixed one must go).
-CYCLES_ALLOWED = {
-    # the CUDA replay's kernels, SDPA and the fake dispatch (issue #32's modules, edited concurrently)
-    frozenset({"hf_memwatch.estimation.cuda_kernels", "hf_memwatch.estimation.cuda_sdpa",
-               "hf_memwatch.estimation.fake_dispatch"}),
-    # an iterable dataset's batch needs the replay's collation; the replay asks it for one-pass datasets
-    frozenset({"hf_memwatch.estimation.streaming", "hf_memwatch.estimation.trainer_replay"}),
-    # write_report's page (Plotly) and the picture's helpers it draws with (issue #35 edits both)
-    frozenset({"hf_memwatch.reporting.page", "hf_memwatch.reporting.report"}),
-}
+CYCLES_ALLOWED: set[frozenset[str]] = set()  # none left (issue #34 point 4); may only stay empty
 
 
 def test_no_import_cycle_at_any_level() -> None:
@@ -411,28 +403,17 @@ def test_the_cycle_check_sees_an_import_inside_a_function() -> None:
 # -- a test file names every module (issue #34 point 4) -------------------------------------------------
 # Modules no tests/test_*.py file imports or names, each with where it is exercised; may only shrink.
 UNNAMED_ALLOWED = {
-    "hf_memwatch.cli.report": "the `hf-memwatch report` subcommand: tests/test_report.py runs the CLI",
-    "hf_memwatch.core.choices": "the CLI's names, checked by tests/test_cli_estimate.py's bad-argument cases",
-    "hf_memwatch.estimation.layers": "every replay: tests/test_estimate.py, test_cpu_golden.py",
     "hf_memwatch.estimation.peak": "estimate(top_tensors=...): tests/test_peak_tensors.py",
     "hf_memwatch.estimation.rebind": "TRL's patched forwards rebound in the fake copy: tests/test_gkd_auto.py",
     "hf_memwatch.estimation.trl_replay": "TRL's generating steps: tests/test_trl_online.py, test_gkd_auto.py",
     "hf_memwatch.integration.callback": "MemWatch itself, imported as hf_memwatch.MemWatch by most files",
-    "hf_memwatch.integration.options": "MemWatch's argument checks: tests/test_bad_input.py",
     "hf_memwatch.integration.trials": "hyperparameter_search: its doctest and tests/test_runs.py",
     "hf_memwatch.measure.batches": "the formed batches counted: tests/test_batches_as_formed.py",
     "hf_memwatch.measure.cuda_context": "CUDA only; tests/test_cuda_hygiene.py",
-    "hf_memwatch.measure.module_scope": "the peak tensors' modules: tests/test_peak_tensors.py",
     "hf_memwatch.measure.peak_watch": "the peak_tensors records: tests/test_peak_tensors.py",
-    "hf_memwatch.measure.storage": "every tracked snapshot: tests/test_tracker.py",
-    "hf_memwatch.core.advice": "`Advice`, re-exported by planning.catalogue: tests/test_planner.py, test_auto.py",
-    "hf_memwatch.engines.rules": "the base rules (one process), reached through the registry: tests/engines/test_registry.py",
-    "hf_memwatch.engines.ddp.rules": "DDP's registry line: tests/engines/test_registry.py, test_distributed.py",
     "hf_memwatch.engines.ddp.live": "DDP's buckets on live gloo ranks: tests/engines/test_distributed.py (torchrun)",
-    "hf_memwatch.engines.zero.rules": "ZeRO's registry line: tests/engines/test_registry.py, test_deepspeed_zero.py",
     "hf_memwatch.engines.zero.advice": "ZeRO advice per rank: tests/engines/test_deepspeed_zero.py, test_cli_estimate.py",
     "hf_memwatch.engines.zero.gather": "ZeRO-3 on gloo ranks: tests/engines/test_deepspeed_zero.py",
-    "hf_memwatch.engines.fsdp2.rules": "FSDP2's registry line: tests/engines/test_registry.py, test_fsdp_replay.py",
     "hf_memwatch.engines.gloo_staging": "gloo ranks: tests/engines/test_distributed.py (torchrun)",
     "hf_memwatch.reporting.eval_oom": "an OOM in an eval loop: tests/test_eval.py",
 }

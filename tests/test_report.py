@@ -159,7 +159,7 @@ def test_events_are_words_and_the_plan_label_names_its_remedies(run):
     """The page's event list says the plan in words (not the record's raw dict), and the plan's label
     names checkpointing when the plan holds it."""
     from hf_memwatch.reporting.page import render_html
-    from hf_memwatch.reporting.report import event_label, event_text
+    from hf_memwatch.reporting.run_view import event_label, event_text
 
     (rank,) = load_run(run["out"])
     (plan,) = [e for e in rank.events if e.EVENT == "plan"]

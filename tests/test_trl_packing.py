@@ -24,7 +24,7 @@ from test_custom_trainer import resident
 from test_equivalence import FULL, llama
 
 from hf_memwatch import MemWatch, estimate
-from hf_memwatch.estimation.trainer_replay import worst_case_batch
+from hf_memwatch.estimation.worst_batch import worst_case_batch
 from hf_memwatch.testing.tokenizers import word_tokenizer
 from hf_memwatch.testing.truth import cpu_memory_profile, window_peak
 

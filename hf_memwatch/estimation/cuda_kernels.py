@@ -50,13 +50,13 @@ from ..compat.torch_ops import (
 from .cuda_sdpa import (
     HALF,
     aten,
-    cuda_blocks,
     cuda_sdpa,
     cudnn_backward_workspace,
     efficient_backward_workspace,
     efficient_forward_workspace,
     flash_backward_workspace,
 )
+from .cuda_settings import cuda_blocks
 
 
 # -- dropout -----------------------------------------------------------------------------------

@@ -49,20 +49,12 @@ import torch
 import torch.nn.functional as F
 
 from ..compat.torch_ops import SAFE_SOFTMAX, SDPA_CUDNN, SDPA_EFFICIENT, SDPA_FLASH, cuda_kernels_present
+from .cuda_settings import cuda_blocks
 
 aten = torch.ops.aten
 
 FLASH, EFFICIENT, CUDNN, MATH = "flash_attention", "efficient_attention", "cudnn_attention", "math"
 HALF = (torch.float16, torch.bfloat16)
-
-
-def cuda_blocks(nbytes: int) -> int:
-    """``nbytes`` as the caching allocator hands it out (512-byte blocks, ``fake_dispatch.CUDA_BLOCK``)."""
-    from .fake_dispatch import (
-        CUDA_BLOCK,  # here: fake_dispatch imports cuda_kernels, which imports this module
-    )
-
-    return -(-nbytes // CUDA_BLOCK) * CUDA_BLOCK if nbytes > 0 else 0
 
 
 def _round(x: int, m: int) -> int:

@@ -111,6 +111,16 @@ def _power_of_two(n: int) -> int:
     return n
 
 
+def cuda_blocks(nbytes: int) -> int:
+    """``nbytes`` as the caching allocator hands it out: up to a multiple of ``kMinBlockSize`` (512 B), 0 for 0.
+
+    Example:
+        >>> cuda_blocks(0), cuda_blocks(1), cuda_blocks(513)
+        (0, 512, 1024)
+    """
+    return -(-nbytes // K_MIN_BLOCK_SIZE) * K_MIN_BLOCK_SIZE if nbytes > 0 else 0
+
+
 def round_size(size: int, divisions: int | AllocatorConfig = 1) -> int:
     """``round_size``: the block size a request of ``size`` bytes gets (``divisions``: those of the
     request's interval, or the settings to read them from).

@@ -61,11 +61,10 @@ from .trainer_replay import (
     TrainerStateGuard,
     held_models,
     is_trainer,
-    longest_allowed_length,
-    worst_case_batch,
 )
 from .trl_replay import TrainerReplay, dataloader_batch_size
 from .user_optimizer import with_user_optimizer
+from .worst_batch import longest_allowed_length, worst_case_batch
 
 # Names other packages import from here (cli/estimate.py); the model builder, request: fake_model, request.
 __all__ = ["CLASS_NAMES", "DEVICES", "PRECISIONS", "SHARDS", "TASKS", "EstimateRequest", "MemoryEstimate",

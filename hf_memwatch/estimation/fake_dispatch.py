@@ -28,6 +28,7 @@ from ..measure.saved_tensors import SavedTensorRegistry
 from ..measure.tracker import StorageTracker
 from .cuda_kernels import CUDA_WORKSPACE_OPS, cuda_workspace
 from .cuda_libs import bnb_gemm_4bit_cuda
+from .cuda_settings import K_MIN_BLOCK_SIZE
 from .kernel_workspaces import (
     CPU_GEMM_OPS,
     CPU_SOFTMAX_OPS,
@@ -38,7 +39,7 @@ from .kernel_workspaces import (
     strided_input_copy,
 )
 
-CUDA_BLOCK = 512  # the CUDA caching allocator rounds every block up to a multiple of 512 bytes
+CUDA_BLOCK = K_MIN_BLOCK_SIZE  # the CUDA caching allocator rounds every block up to a multiple of 512 bytes
 
 LOGITS = "logits"
 LOGITS_FP32 = "logits_fp32_upcast"

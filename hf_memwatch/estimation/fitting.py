@@ -1,18 +1,49 @@
-"""The largest micro-batch that fits a budget, by the estimator (``largest_fitting_batch``).
+"""The largest micro-batch that fits a budget: one search, the estimator's and the planner's.
 
-Activations grow linearly with the batch, so two estimates give a line; the answer is checked (and
-corrected) with one or two more. The planner's own search over plans is
-:meth:`hf_memwatch.planning.chooser.PlanRequest.largest_fitting`; this is the estimator-only API.
+:func:`largest_fitting_index` is the search itself: along a line of candidates whose peak grows with
+the micro-batch (the same setting, sorted), a bisection between the largest known to fit and the
+smallest known to be over, each next candidate guessed by the caller — only the order of the
+predictions depends on the guess, never the answer. Two callers:
+
+* :func:`largest_fitting_batch` (the estimator-only API): micro-batches 1..``max_batch``, the first
+  guess the line through the peaks at 1 and 2 (activations grow linearly with the batch), then the
+  one above it, then halves;
+* the planner (:meth:`hf_memwatch.planning.chooser.PlanRequest.largest_fitting`): one setting's plans,
+  the largest tried first, each next guess the line through the figures in hand.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from ..core.units import parse_bytes
-from .estimate import estimate
 
-__all__ = ["largest_fitting", "largest_fitting_batch"]
+__all__ = ["largest_fitting_batch", "largest_fitting_index"]
+
+
+def largest_fitting_index(over: Callable[[int], bool], low: int, high: int,
+                          guess: Callable[[int, int], int] | None = None) -> int:
+    """The largest index whose ``over(index)`` is False, between ``low`` (known to fit; -1: none known)
+    and ``high`` (known to be over, or one past the last candidate); ``over`` is non-decreasing.
+
+    ``guess(low, high)``: the index strictly between them to try next (the middle by default).
+
+    Example:
+        >>> peaks = [10, 20, 30, 40, 50]
+        >>> largest_fitting_index(lambda i: peaks[i] > 35, -1, len(peaks))
+        2
+        >>> largest_fitting_index(lambda i: peaks[i] > 5, -1, len(peaks))
+        -1
+    """
+    guess = guess or (lambda lo, hi: (lo + hi) // 2)
+    while high - low > 1:
+        middle = guess(low, high)
+        if over(middle):
+            high = middle
+        else:
+            low = middle
+    return low
 
 
 def largest_fitting_batch(
@@ -21,59 +52,35 @@ def largest_fitting_batch(
     """The largest micro-batch whose predicted peak fits ``budget`` (0 when even 1 does not).
 
     Activations grow linearly with the batch, so two estimates give a line; the answer is checked
-    (and corrected) with one or two more.
+    (and corrected) with one or two more (:func:`largest_fitting_index`).
 
     Example:
         >>> largest_fitting_batch(cfg, budget="2GiB", seq_len=512)   # doctest: +SKIP
         23
     """
+    from .estimate import estimate  # the search itself needs no torch (the planner's import)
+
     budget_bytes = parse_bytes(budget)
     kwargs.pop("batch_size", None)
     kwargs.pop("budget", None)
+    peaks: dict[int, int] = {}
 
     def peak(batch: int) -> int:
-        return estimate(model_or_config, batch_size=batch, seq_len=seq_len, **kwargs).peak_bytes
+        if batch not in peaks:
+            peaks[batch] = estimate(model_or_config, batch_size=batch, seq_len=seq_len, **kwargs).peak_bytes
+        return peaks[batch]
 
-    return largest_fitting(peak, budget_bytes, max_batch)
-
-
-def largest_fitting(peak_of: Any, budget: int, max_batch: int) -> int:
-    """Largest ``b`` in [1, max_batch] with ``peak_of(b) <= budget``; 0 when none.
-
-    Extrapolates the line through ``peak_of(1)`` and ``peak_of(2)`` then verifies, falling back to
-    bisection over the verified bracket (``peak_of`` is assumed non-decreasing).
-    """
-    cache: dict[int, int] = {}
-
-    def fits(batch: int) -> bool:
-        if batch not in cache:
-            cache[batch] = peak_of(batch)
-        return cache[batch] <= budget
-
-    if not fits(1):
+    if peak(1) > budget_bytes:
         return 0
     if max_batch == 1:
         return 1
-    slope = max(peak_of_cached(cache, peak_of, 2) - cache[1], 1)
-    guess = max(1, min(max_batch, 1 + (budget - cache[1]) // slope))
-    low, high = 1, max_batch + 1  # fits(low), not fits(high) (high virtual)
-    if fits(guess):
-        low = guess
-        if guess < max_batch and not fits(guess + 1):
-            return guess
-    else:
-        high = guess
-    while high - low > 1:
-        mid = (low + high) // 2
-        if fits(mid):
-            low = mid
-        else:
-            high = mid
-    return low
+    first = max(1, min(max_batch, 1 + (budget_bytes - peak(1)) // max(peak(2) - peak(1), 1)))
 
+    def guess(low: int, high: int) -> int:  # indices are micro-batches - 1
+        if low < first - 1 < high:
+            return first - 1  # the line's answer
+        if low == first - 1 and low + 1 < high:
+            return low + 1  # then the one above it: the line's answer is confirmed in one more
+        return (low + high) // 2
 
-def peak_of_cached(cache: dict[int, int], peak_of: Any, batch: int) -> int:
-    """``peak_of(batch)`` through ``cache``."""
-    if batch not in cache:
-        cache[batch] = peak_of(batch)
-    return cache[batch]
+    return 1 + largest_fitting_index(lambda index: peak(index + 1) > budget_bytes, 0, max_batch, guess)

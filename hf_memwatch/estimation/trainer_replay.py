@@ -12,7 +12,7 @@ batches its own collator forms from its own dataset. Three things make that safe
   :class:`~hf_memwatch.estimation.fake_dispatch.EstimateTracker`);
 * the dataset is read by index only (map-style); a one-pass iterable dataset is never iterated:
   the step is then replayed on synthetic batches at the longest length the run allows, and the
-  estimate says so.
+  estimate says so (:mod:`hf_memwatch.estimation.worst_batch` picks the batch).
 """
 
 from __future__ import annotations
@@ -273,83 +273,6 @@ def distinct_batch_reason(trainer: Any) -> str | None:
     return None
 
 
-def worst_case_batch(trainer: Any, batch_size: int, sample_index: int | None = None
-                     ) -> tuple[dict[str, Any] | list[Any] | None, int | None, str]:
-    """(batch of ``batch_size`` copies of the longest sample — or, where the batches the sampler and
-    collator form say so (:func:`distinct_batch_reason`), the ``batch_size`` longest samples — its
-    sequence length, note).
-
-    The batch is a dict, or a list where the collator returns one (GRPO's and RLOO's hand the
-    samples to the step, which tokenizes and generates). It is None for one-pass datasets (never
-    read); the note says what was used instead.
-    """
-    dataset = training_dataset(trainer)
-    if dataset is None:
-        return None, None, "no training dataset: synthetic batches"
-    if is_one_pass(dataset):
-        from .streaming import fixed_shape_batch, longest_fed_length
-
-        bound = longest_fed_length(trainer)
-        if bound is not None:
-            return None, None, f"one-pass (iterable) dataset, not read: synthetic batches at {bound[1]}"
-        fixed = fixed_shape_batch(trainer, dataset, batch_size)  # no bound: items without a sequence need none
-        if fixed is not None:
-            return fixed[0], None, fixed[1]
-        return None, None, "one-pass (iterable) dataset, not read: synthetic batches at the longest length allowed"
-    if len(dataset) == 0:
-        return None, None, "empty training dataset: synthetic batches"
-    why = distinct_batch_reason(trainer)
-    if why is not None and batch_size > 1:
-        indices = longest_indices(dataset, batch_size)
-        batch = collate(trainer, [copy.deepcopy(dataset[index]) for index in indices])
-        length = max((sequence_length_of_value(k, v) for k, v in batch.items()), default=0) or None
-        tokens = sum(sequence_length(dataset[index]) for index in indices)
-        return dict(batch), length, (f"worst case: the {len(indices)} longest samples {indices} ({tokens} tokens "
-                                     f"before padding) as collated; {why}")
-    if sample_index is None:
-        sample_index, _ = longest_index(dataset)
-    item = dataset[sample_index]
-    batch = collate(trainer, [copy.deepcopy(item) for _ in range(batch_size)])
-    if isinstance(batch, (list, tuple)):  # GRPO's, RLOO's collators: the samples as they are
-        length = max((sequence_length(entry) for entry in batch), default=0) or None
-        return list(batch), length, f"worst case: {batch_size} x sample {sample_index} as collated (a list)"
-    length = max((sequence_length_of_value(k, v) for k, v in batch.items()), default=0) or None
-    shorter = shortest_index(dataset) if batch_size > 1 else None
-    if shorter is not None and shorter[1] < sequence_length(item):
-        padded = collate(trainer, [copy.deepcopy(item) for _ in range(batch_size - 1)]
-                         + [copy.deepcopy(dataset[shorter[0]])])
-        if isinstance(padded, Mapping) and all(_same_shape(batch.get(k), v) for k, v in padded.items()):
-            return dict(padded), length, (f"worst case: {batch_size - 1} x sample {sample_index} and the shortest, "
-                                          f"sample {shorter[0]}, padded to it as collated (the sampler mixes lengths: "
-                                          "a padded batch, whose mask the model materialises)")
-    return dict(batch), length, f"worst case: {batch_size} x sample {sample_index} as collated"
-
-
-def _same_shape(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
-    return True
-
-
-def shortest_index(dataset: Any, limit: int | None = None) -> tuple[int, int] | None:
-    """(index, length) of the shortest of the first ``limit`` (:data:`SCAN_ITEMS`) items (None: empty)."""
-    limit = SCAN_ITEMS if limit is None else limit
-    lengths = [(sequence_length(dataset[index]), index) for index in range(min(len(dataset), limit))]
-    if not lengths:
-        return None
-    length, index = min(lengths)
-    return index, length
-
-
-def longest_allowed_length(trainer: Any) -> int | None:
-    """The longest sequence the run allows: the trainer's ``max_length`` (TRL), the collator's fixed
-    length or the model's positions (:func:`~hf_memwatch.estimation.streaming.longest_fed_length`)."""
-    from .streaming import longest_fed_length
-
-    bound = longest_fed_length(trainer)
-    return None if bound is None else bound[0]
-
-
 def fake_batch(batch: Mapping[str, Any] | list[Any]) -> Any:
     """A copy of ``batch`` whose tensors are created under the active fake mode (counted, no memory).
 
@@ -377,6 +300,6 @@ def plain_counters(trainer: Any) -> dict[str, Any]:
 
 
 __all__ = [
-    "RngStates", "TrainerStateGuard", "batch_tensors", "collate", "fake_batch", "held_models", "is_one_pass", "is_trainer", "longest_allowed_length",
-    "longest_index", "plain_counters", "sequence_length", "training_dataset", "worst_case_batch",
+    "RngStates", "TrainerStateGuard", "batch_tensors", "collate", "fake_batch", "held_models", "is_one_pass", "is_trainer",
+    "longest_index", "plain_counters", "sequence_length", "training_dataset",
 ]

@@ -41,6 +41,7 @@ from typing import Protocol
 
 from ..core.run_config import RunConfig
 from ..core.units import format_bytes
+from ..estimation.fitting import largest_fitting_index
 from .catalogue import REMEDIES, state_bytes_floor, unavailable_remedies
 from .plan import Plan
 
@@ -254,20 +255,15 @@ def _largest_fitting(line: list[Plan], peak: _Exact, limit: float) -> Plan | Non
     """The plan with the largest micro-batch of ``line`` (sorted by micro-batch) under ``limit``.
 
     Along a line (same checkpointing and optimizer) the peak grows with the micro-batch, so a
-    bisection finds it with at most about log2(len(line)) predictions, the largest tried first and
-    the next guessed from the figures already in hand (:func:`_next_to_predict`). The answer's
+    bisection (:func:`~hf_memwatch.estimation.fitting.largest_fitting_index`, the estimator's search
+    too) finds it with at most about log2(len(line)) predictions, the largest tried first and the next guessed from the figures already in hand (:func:`_next_to_predict`). The answer's
     figure is always exact.
     """
     # The largest is tried first and, being the likeliest to be over, by a floor when one rules it out.
     if not peak.over(line[-1], limit, cheap=True):
         return line[-1]
-    low, high = -1, len(line) - 1  # line[high] is over the limit; line[low] fits (-1: none known)
-    while high - low > 1:
-        middle = _next_to_predict(line, low, high, peak, limit)
-        if not peak.over(line[middle], limit):
-            low = middle
-        else:
-            high = middle
+    low = largest_fitting_index(lambda index: peak.over(line[index], limit), -1, len(line) - 1,
+                                lambda low, high: _next_to_predict(line, low, high, peak, limit))
     return line[low] if low >= 0 else None
 
 

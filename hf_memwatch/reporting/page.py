@@ -47,7 +47,7 @@ from typing import Any
 from ..core.categories import LIVE_CLASSES
 from ..core.extras import installed
 from ..core.units import format_bytes
-from .report import (
+from .run_view import (
     COLOURS,
     LABELS,
     SPIKE,

@@ -80,3 +80,29 @@ def test_each_engine_module_and_its_callers_import_first() -> None:
     out = subprocess.run([sys.executable, "-W", "ignore", "-c", _FIRST, json.dumps(names)], capture_output=True,
                          text=True, cwd=ROOT, timeout=600, check=True)
     assert json.loads(out.stdout.strip().splitlines()[-1]) == {}
+
+
+def test_the_table_holds_one_instance_of_each_engines_rules_the_base_last() -> None:
+    """Each engine folder's ``rules`` class has one line in the table; the base (one process) is the
+    fallback, so it must come last and answer no shard name itself."""
+    from hf_memwatch.engines.ddp.rules import DdpRules
+    from hf_memwatch.engines.fsdp2.rules import Fsdp2Rules
+    from hf_memwatch.engines.rules import EngineRules
+    from hf_memwatch.engines.zero.rules import ZeroRules
+
+    kinds = [type(rules) for rules in ENGINES]
+    assert len(set(kinds)) == len(kinds) and {DdpRules, ZeroRules, Fsdp2Rules, EngineRules} <= set(kinds)
+    assert kinds[-1] is EngineRules and all(isinstance(rules, EngineRules) for rules in ENGINES)
+    assert EngineRules.shards == () and not any(EngineRules().answers(shard, 2) for shard in SHARDS)
+    assert type(rules_for("zero2", 4)) is ZeroRules and type(rules_for("none", 8)) is DdpRules
+    assert ZeroRules.shards == ("zero1", "zero2", "zero3") and Fsdp2Rules.shards == ("fsdp",)
+
+
+def test_the_base_rules_are_one_process_holding_nothing_beside_the_model() -> None:
+    """One process: no contributor on a live rank, no advice, no engine remedies to refuse, the step its own."""
+    from hf_memwatch.engines.rules import EngineRules
+
+    base = EngineRules()
+    assert base.name == "single" and base.engine_of_options(_options()) is None
+    assert base.contributor(None, None) is None and base.advice(None, {}, 0, None) == []
+    assert base.no_fit_reasons(None, "forward") is None and base.eight_bit_unavailable(None) is None

@@ -1,0 +1,103 @@
+"""The micro-batch a built Trainer's step is replayed on: its training dataset's worst, as its collator forms it.
+
+A map-style dataset is read by index (:mod:`hf_memwatch.estimation.trainer_replay`'s helpers: the longest
+sample, the longest ``batch_size`` where the sampler groups them, a padded batch where it mixes lengths);
+a one-pass dataset is never iterated (:mod:`hf_memwatch.estimation.streaming`: the longest length the run
+can feed, or its items' fixed shapes). This module sits above both, so neither imports the other's caller.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from .streaming import fixed_shape_batch, longest_fed_length
+from .trainer_replay import (
+    SCAN_ITEMS,
+    collate,
+    distinct_batch_reason,
+    is_one_pass,
+    longest_index,
+    longest_indices,
+    sequence_length,
+    sequence_length_of_value,
+    training_dataset,
+)
+
+__all__ = ["longest_allowed_length", "shortest_index", "worst_case_batch"]
+
+
+def worst_case_batch(trainer: Any, batch_size: int, sample_index: int | None = None
+                     ) -> tuple[dict[str, Any] | list[Any] | None, int | None, str]:
+    """(batch of ``batch_size`` copies of the longest sample — or, where the batches the sampler and
+    collator form say so (:func:`distinct_batch_reason`), the ``batch_size`` longest samples — its
+    sequence length, note).
+
+    The batch is a dict, or a list where the collator returns one (GRPO's and RLOO's hand the
+    samples to the step, which tokenizes and generates). It is None for one-pass datasets (never
+    read); the note says what was used instead.
+    """
+    dataset = training_dataset(trainer)
+    if dataset is None:
+        return None, None, "no training dataset: synthetic batches"
+    if is_one_pass(dataset):
+        bound = longest_fed_length(trainer)
+        if bound is not None:
+            return None, None, f"one-pass (iterable) dataset, not read: synthetic batches at {bound[1]}"
+        fixed = fixed_shape_batch(trainer, dataset, batch_size)  # no bound: items without a sequence need none
+        if fixed is not None:
+            return fixed[0], None, fixed[1]
+        return None, None, "one-pass (iterable) dataset, not read: synthetic batches at the longest length allowed"
+    if len(dataset) == 0:
+        return None, None, "empty training dataset: synthetic batches"
+    why = distinct_batch_reason(trainer)
+    if why is not None and batch_size > 1:
+        indices = longest_indices(dataset, batch_size)
+        batch = collate(trainer, [copy.deepcopy(dataset[index]) for index in indices])
+        length = max((sequence_length_of_value(k, v) for k, v in batch.items()), default=0) or None
+        tokens = sum(sequence_length(dataset[index]) for index in indices)
+        return dict(batch), length, (f"worst case: the {len(indices)} longest samples {indices} ({tokens} tokens "
+                                     f"before padding) as collated; {why}")
+    if sample_index is None:
+        sample_index, _ = longest_index(dataset)
+    item = dataset[sample_index]
+    batch = collate(trainer, [copy.deepcopy(item) for _ in range(batch_size)])
+    if isinstance(batch, (list, tuple)):  # GRPO's, RLOO's collators: the samples as they are
+        length = max((sequence_length(entry) for entry in batch), default=0) or None
+        return list(batch), length, f"worst case: {batch_size} x sample {sample_index} as collated (a list)"
+    length = max((sequence_length_of_value(k, v) for k, v in batch.items()), default=0) or None
+    shorter = shortest_index(dataset) if batch_size > 1 else None
+    if shorter is not None and shorter[1] < sequence_length(item):
+        padded = collate(trainer, [copy.deepcopy(item) for _ in range(batch_size - 1)]
+                         + [copy.deepcopy(dataset[shorter[0]])])
+        if isinstance(padded, Mapping) and all(_same_shape(batch.get(k), v) for k, v in padded.items()):
+            return dict(padded), length, (f"worst case: {batch_size - 1} x sample {sample_index} and the shortest, "
+                                          f"sample {shorter[0]}, padded to it as collated (the sampler mixes lengths: "
+                                          "a padded batch, whose mask the model materialises)")
+    return dict(batch), length, f"worst case: {batch_size} x sample {sample_index} as collated"
+
+
+def _same_shape(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+    return True
+
+
+def shortest_index(dataset: Any, limit: int | None = None) -> tuple[int, int] | None:
+    """(index, length) of the shortest of the first ``limit`` (:data:`SCAN_ITEMS`) items (None: empty)."""
+    limit = SCAN_ITEMS if limit is None else limit
+    lengths = [(sequence_length(dataset[index]), index) for index in range(min(len(dataset), limit))]
+    if not lengths:
+        return None
+    length, index = min(lengths)
+    return index, length
+
+
+def longest_allowed_length(trainer: Any) -> int | None:
+    """The longest sequence the run allows: the trainer's ``max_length`` (TRL), the collator's fixed
+    length or the model's positions (:func:`~hf_memwatch.estimation.streaming.longest_fed_length`)."""
+    bound = longest_fed_length(trainer)
+    return None if bound is None else bound[0]
