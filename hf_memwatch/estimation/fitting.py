@@ -28,11 +28,11 @@ def largest_fitting_batch(
         23
     """
     budget_bytes = parse_bytes(budget)
-    kwargs.pop("batch_size", None)
+    kwargs.pop("micro_batch_size", None), kwargs.pop("batch_size", None)
     kwargs.pop("budget", None)
 
     def peak(batch: int) -> int:
-        return estimate(model_or_config, batch_size=batch, seq_len=seq_len, **kwargs).peak_bytes
+        return estimate(model_or_config, micro_batch_size=batch, seq_len=seq_len, **kwargs).peak_bytes
 
     return largest_fitting(peak, budget_bytes, max_batch)
 
