@@ -118,8 +118,8 @@ TABLE_HEAD = [
 def measure(model: torch.nn.Module, case: dict) -> tuple[str, float, float]:
     """One case: (table row, signed estimate error, signed rule error) against the real Trainer."""
     task = case["task"]
-    kwargs = dict(batch_size=case["batch_size"], seq_len=case["seq_len"], precision=case["precision"],
-                  checkpointing=case["checkpointing"], optim=case["optim"])
+    kwargs = dict(micro_batch_size=case["batch_size"], seq_len=case["seq_len"], precision=case["precision"],
+                  activation_checkpointing=case["checkpointing"], optim=case["optim"])
     start = time.perf_counter()
     predicted = estimate(model, task=task, seq2seq_target_len=case["target_len"], **kwargs)
     elapsed = time.perf_counter() - start
@@ -222,10 +222,10 @@ def run_scale() -> list[str]:
     lines = ["| config | setting | peak | phase | estimate() call | process incl. imports | peak RSS | notes |",
              "|---|---|---:|---|---:|---:|---:|---|"]
     runs = [
-        ("Qwen3-4B shape", "Qwen3Config", QWEN3_4B, dict(batch_size=16, seq_len=256), "batch 16 x 256, fp32, AdamW"),
+        ("Qwen3-4B shape", "Qwen3Config", QWEN3_4B, dict(micro_batch_size=16, seq_len=256), "batch 16 x 256, fp32, AdamW"),
         ("Qwen3-4B shape, full simulation", "Qwen3Config", QWEN3_4B,
-         dict(batch_size=16, seq_len=256, extrapolate_layers=False), "batch 16 x 256, fp32, AdamW, all 36 layers"),
-        ("Llama-3-8B shape", "LlamaConfig", LLAMA3_8B, dict(batch_size=8, seq_len=2048, precision="bf16"),
+         dict(micro_batch_size=16, seq_len=256, extrapolate_layers=False), "batch 16 x 256, fp32, AdamW, all 36 layers"),
+        ("Llama-3-8B shape", "LlamaConfig", LLAMA3_8B, dict(micro_batch_size=8, seq_len=2048, precision="bf16"),
          "batch 8 x 2048, bf16, AdamW"),
     ]
     for label, cls, config, kwargs, setting in runs:
@@ -245,7 +245,7 @@ def run_guide() -> list[str]:
     bf16 = {}
     for precision in ("bf16", "fp32"):
         for seq_len in (128, 256, 512):
-            result = estimate(config, batch_size=16, seq_len=seq_len, precision=precision)
+            result = estimate(config, micro_batch_size=16, seq_len=seq_len, precision=precision)
             c = result.classes
             if precision == "bf16":
                 bf16[seq_len] = result

@@ -49,9 +49,9 @@ def figures(case: dict) -> dict:
         warnings.simplefilter("ignore")
         torch.set_num_threads(THREADS)
         try:
-            e = estimate(model, task=task, seq2seq_target_len=case["target_len"], batch_size=case["batch_size"],
-                         seq_len=case["seq_len"], precision=case["precision"], checkpointing=case["checkpointing"],
-                         optim=case["optim"], device="cpu")
+            e = estimate(model, task=task, seq2seq_target_len=case["target_len"],
+                         micro_batch_size=case["batch_size"], seq_len=case["seq_len"], precision=case["precision"],
+                         activation_checkpointing=case["checkpointing"], optim=case["optim"], device="cpu")
         finally:
             torch.set_num_threads(threads)
     return dict(peak_bytes=e.peak_bytes, peak_phase=e.peak_phase, classes=e.classes, phase_peaks=e.phase_peaks)

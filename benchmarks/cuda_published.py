@@ -317,13 +317,13 @@ def run_estimate(case: Case, extrapolate: bool | None = False) -> Any:
     the depth extrapolation's (every model here takes seconds at full depth); ``None`` is the
     estimate's default (two short depths extrapolated), reported beside as a check of that shortcut.
     """
-    common = dict(task=case.task, batch_size=case.batch, seq_len=case.seq, device="cuda", gpu=case.gpu,
+    common = dict(task=case.task, micro_batch_size=case.batch, seq_len=case.seq, device="cuda", gpu=case.gpu,
                   extrapolate_layers=extrapolate)
     if case.loop == "logits_sum":
         return estimate(logits_sum_model(case), precision=case.precision, optimizer_step=False, **common)
     with torch_1_10() if case.modelling == TRAINER_4_16 else contextlib.nullcontext():
         return estimate(build_config(case), precision=case.precision, optim=case.optim,
-                        checkpointing=case.checkpointing, accum=case.accum, **common)
+                        activation_checkpointing=case.checkpointing, gradient_accumulation_steps=case.accum, **common)
 
 
 @dataclass

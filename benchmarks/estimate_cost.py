@@ -53,9 +53,9 @@ def online_dpo_trainer(out: str) -> Trainer:
 CASES = [
     ("GPT-2 2x128, 4 x 128 tokens, AdamW", gpt2_trainer, {}),
     ("GPT-2 2x128, 8 x 128 tokens, checkpointing, 8-bit AdamW", gpt2_trainer,
-     {"batch_size": 8, "checkpointing": True, "optim": "adamw_bnb_8bit"}),
+     {"micro_batch_size": 8, "activation_checkpointing": True, "optim": "adamw_bnb_8bit"}),
     ("Online DPO, 1-layer Llama, 12 new tokens, checkpointing, 8-bit AdamW", online_dpo_trainer,
-     {"checkpointing": True, "optim": "adamw_bnb_8bit"}),
+     {"activation_checkpointing": True, "optim": "adamw_bnb_8bit"}),
 ]
 
 

@@ -102,8 +102,8 @@ def measure_peak(config: Config, ctx: Context) -> dict[str, Any]:
         model, _, _ = build_qlora_model(config.arch, ctx.quick, probe.device, ctx.workdir)
     else:
         model = build_model(config.arch, ctx.quick, probe.device)
-    est = estimate(model, batch_size=config.batch, seq_len=config.seq_len, precision=config.precision,
-                   optim=config.optim, checkpointing=config.checkpointing, device=probe.kind)
+    est = estimate(model, micro_batch_size=config.batch, seq_len=config.seq_len, precision=config.precision,
+                   optim=config.optim, activation_checkpointing=config.checkpointing, device=probe.kind)
     row.update(params=est.params, trainable_params=est.trainable_params, predicted=est.peak_bytes,
                predicted_reserved=getattr(est, "reserved_bytes", None),
                predicted_device=getattr(est, "device_bytes", None))
@@ -239,9 +239,9 @@ def _plan_prediction(ctx: Context, arch: str, seq_len: int, plan: dict[str, Any]
     """The auto plan's predicted bytes (reserved on CUDA, allocated on the CPU), by the estimator."""
     if not plan or plan.get("micro_batch_size") is None:
         return None
-    est = estimate(build_model(arch, ctx.quick, "cpu"), batch_size=plan["micro_batch_size"],
-                   seq_len=seq_len, accum=plan["gradient_accumulation_steps"],
-                   checkpointing=bool(plan["activation_checkpointing"]), optim=plan["optim"],
+    est = estimate(build_model(arch, ctx.quick, "cpu"), micro_batch_size=plan["micro_batch_size"],
+                   seq_len=seq_len, gradient_accumulation_steps=plan["gradient_accumulation_steps"],
+                   activation_checkpointing=bool(plan["activation_checkpointing"]), optim=plan["optim"],
                    precision="bf16" if ctx.cuda else "fp32", device=ctx.probe.kind)
     reserved = getattr(est, "reserved_bytes", None)
     return reserved if ctx.cuda and reserved is not None else est.peak_bytes
@@ -251,7 +251,7 @@ def check_prevention(ctx: Context) -> CheckResult:
     """A limit at half the configured batch's need: the auto mode must fit it, as its plan predicted."""
     probe = ctx.probe
     arch, batch, seq_len, steps = ("gpt2", 8, 64, 2) if ctx.quick else ("gpt2", 32, 1024, 4)
-    configured = estimate(build_model(arch, ctx.quick, "cpu"), batch_size=batch,
+    configured = estimate(build_model(arch, ctx.quick, "cpu"), micro_batch_size=batch,
                           seq_len=seq_len, precision="bf16" if ctx.cuda else "fp32", device=probe.kind)
     need = getattr(configured, "reserved_bytes", None) or configured.peak_bytes
     allowed = int(0.5 * need)  # half of what the configured batch needs

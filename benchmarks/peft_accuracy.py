@@ -87,8 +87,8 @@ def measure(family: str, case: dict[str, Any]) -> dict[str, Any]:
     task, make_config = FAMILIES[family]
     targets = "all-linear" if case["targets"] == "all-linear" else TARGETS[family]
     spec = LoraSpec(r=case["r"], alpha=2 * case["r"], targets=targets)
-    kwargs = dict(batch_size=case["batch_size"], seq_len=case["seq_len"], precision=case["precision"],
-                  checkpointing=case["checkpointing"])
+    kwargs = dict(micro_batch_size=case["batch_size"], seq_len=case["seq_len"], precision=case["precision"],
+                  activation_checkpointing=case["checkpointing"])
     quant = case.get("quant")
     predicted = estimate(make_config(), task=task, lora=spec, quantization=quant, **kwargs)
     other = estimate(make_config(), task=task, lora=spec if quant else None, **kwargs)

@@ -50,9 +50,9 @@ def clock():
     return time.perf_counter(), usage.ru_utime + usage.ru_stime
 start = clock()
 from hf_memwatch import estimate
-est = estimate(sys.argv[1], batch_size=1, seq_len=512)
+est = estimate(sys.argv[1], micro_batch_size=1, seq_len=512)
 first = clock()
-estimate(sys.argv[1], batch_size=1, seq_len=512)
+estimate(sys.argv[1], micro_batch_size=1, seq_len=512)
 warm = clock()
 from hf_memwatch.estimation import kernel_workspaces
 heavy = [name for name in json.loads(sys.argv[2]) if name in sys.modules]
@@ -99,7 +99,7 @@ def _round(configs: dict[str, str], samples: dict[str, list[float]]) -> dict:
     add("modeling_utils", floors["modeling_utils"], floors["modeling_utils_cpu"])
     for kind, config in configs.items():
         wall, used, _ = _wall([sys.executable, "-m", "hf_memwatch.cli.main", "estimate", config,
-                               "--batch-size", "1", "--seq-len", "512"])
+                               "--micro-batch-size", "1", "--seq-len", "512"])
         add(f"cli {kind}", wall, used)
     _, used, out = _wall([sys.executable, "-c", IN_PROCESS, configs["bf16"], json.dumps(HEAVY)])
     result = json.loads(out.strip().splitlines()[-1])

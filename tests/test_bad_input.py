@@ -40,7 +40,7 @@ def test_unknown_estimate_keyword_is_a_config_error(model_dir):
     from hf_memwatch import estimate
 
     with pytest.raises(MemWatchConfigError, match=r"estimate\(\) got an unknown keyword 'seqlen' \(did you mean 'seq_len'\?\)"):
-        estimate(str(model_dir), batch_size=1, seqlen=8)
+        estimate(str(model_dir), micro_batch_size=1, seqlen=8)
 
 
 def test_budgets_are_parsed_strictly():
@@ -87,23 +87,23 @@ def test_any_text_is_a_budget_or_one_config_error(text):
 
 
 def test_estimate_exits_non_zero_when_nothing_fits(model_dir, capsys):
-    status = main(["estimate", str(model_dir), "--batch-size", "1", "--seq-len", "8", "--budget", "1KiB"])
+    status = main(["estimate", str(model_dir), "--micro-batch-size", "1", "--seq-len", "8", "--budget", "1KiB"])
     err = capsys.readouterr().err.strip().splitlines()
     assert status == 1
     assert len(err) == 1 and err[0].startswith("hf-memwatch estimate: nothing fits the budget 1.00 KiB")
-    assert main(["estimate", str(model_dir), "--batch-size", "1", "--seq-len", "8", "--budget", "1GiB"]) == 0
+    assert main(["estimate", str(model_dir), "--micro-batch-size", "1", "--seq-len", "8", "--budget", "1GiB"]) == 0
 
 
 def test_estimate_warns_when_the_length_exceeds_the_positions(model_dir, capsys):
-    assert main(["estimate", str(model_dir), "--batch-size", "1", "--seq-len", "100", "--json"]) == 0
+    assert main(["estimate", str(model_dir), "--micro-batch-size", "1", "--seq-len", "100", "--json"]) == 0
     captured = capsys.readouterr()
     assert "--seq-len 100 exceeds the model's 64 positions (max_position_embeddings)" in captured.err
     assert json.loads(captured.out)["warnings"] == [captured.err.strip()]
-    assert main(["estimate", str(model_dir), "--batch-size", "1", "--seq-len", "64", "--json"]) == 0
+    assert main(["estimate", str(model_dir), "--micro-batch-size", "1", "--seq-len", "64", "--json"]) == 0
     assert "warning" not in capsys.readouterr().err
 
 
-TOKENS = ["--batch-size", "--seq-len", "--budget", "--accum", "--optim", "--precision", "--world-size",
+TOKENS = ["--micro-batch-size", "--seq-len", "--budget", "--gradient-accumulation-steps", "--optim", "--precision", "--world-size",
           "--shard", "--lora-r", "--json", "0", "-3", "2", "8", "1e30", "0.5", "1KiB", "x", "bf16", "zero2", "", "--"]
 
 
@@ -111,7 +111,7 @@ TOKENS = ["--batch-size", "--seq-len", "--budget", "--accum", "--optim", "--prec
 @given(argv=st.lists(st.sampled_from(TOKENS), max_size=5))
 def test_estimate_arguments_never_traceback(model_dir, capsys, argv):
     try:
-        status = main(["estimate", str(model_dir), "--seq-len", "8", "--batch-size", "1", *argv])
+        status = main(["estimate", str(model_dir), "--seq-len", "8", "--micro-batch-size", "1", *argv])
     except SystemExit as exc:  # argparse's own one-line usage error
         status = exc.code
     assert status in (0, 1, 2)

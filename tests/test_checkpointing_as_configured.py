@@ -73,9 +73,9 @@ def test_a_checkpointed_run_replays_every_layer():
 
     config = BertConfig(num_hidden_layers=8, hidden_size=64, num_attention_heads=4, intermediate_size=128,
                         vocab_size=500, architectures=["BertForSequenceClassification"])
-    kwargs = dict(task="seq-cls", batch_size=4, seq_len=64, checkpointing=True)
+    kwargs = dict(task="seq-cls", micro_batch_size=4, seq_len=64, activation_checkpointing=True)
     asked = estimate(config, extrapolate_layers=True, **kwargs)
     assert not any("depth extrapolated" in note for note in asked.notes)
     assert asked.peak_bytes == estimate(config, extrapolate_layers=False, **kwargs).peak_bytes
-    plain = estimate(config, **{**kwargs, "checkpointing": False})
+    plain = estimate(config, **{**kwargs, "activation_checkpointing": False})
     assert any("depth extrapolated" in note for note in plain.notes)  # without checkpointing: the shortcut

@@ -22,10 +22,10 @@ def model_dir(tmp_path_factory):
 
 
 def test_json_output_matches_the_python_api(model_dir, capsys):
-    status = main(["estimate", str(model_dir), "--batch-size", "2", "--seq-len", "32", "--json"])
+    status = main(["estimate", str(model_dir), "--micro-batch-size", "2", "--seq-len", "32", "--json"])
     assert status == 0
     data = json.loads(capsys.readouterr().out)  # stdout holds the JSON object only
-    expected = estimate(str(model_dir), batch_size=2, seq_len=32)
+    expected = estimate(str(model_dir), micro_batch_size=2, seq_len=32)
     assert data["peak_bytes"] == expected.peak_bytes
     assert data["peak_phase"] == expected.peak_phase
     assert set(data["classes"]) == {"weights", "gradients", "optimizer_states", "activations", "temporaries", "other"}
@@ -43,8 +43,8 @@ def test_json_output_matches_the_python_api(model_dir, capsys):
 
 def test_budget_adds_fit_largest_batch_and_remedies(model_dir, capsys):
     config_json = model_dir / "config.json"
-    tight = estimate(str(config_json), batch_size=8, seq_len=32).peak_bytes - 1
-    status = main(["estimate", str(config_json), "--batch-size", "8", "--seq-len", "32", "--budget", str(tight),
+    tight = estimate(str(config_json), micro_batch_size=8, seq_len=32).peak_bytes - 1
+    status = main(["estimate", str(config_json), "--micro-batch-size", "8", "--seq-len", "32", "--budget", str(tight),
                    "--json"])
     assert status == 0
     data = json.loads(capsys.readouterr().out)
@@ -58,7 +58,7 @@ def test_budget_adds_fit_largest_batch_and_remedies(model_dir, capsys):
 
 
 def test_table_output(model_dir, capsys):
-    status = main(["estimate", str(model_dir), "--batch-size", "2", "--seq-len", "32", "--budget", "1GiB"])
+    status = main(["estimate", str(model_dir), "--micro-batch-size", "2", "--seq-len", "32", "--budget", "1GiB"])
     assert status == 0
     out = capsys.readouterr().out
     for word in ("activations", "optimizer_states", "peak during the", "fits", "remedies", "largest micro-batch"):
@@ -69,7 +69,7 @@ def test_table_output(model_dir, capsys):
     ("argv", "message"),
     [
         (["MISSING"], "no such file"),
-        (["MODEL", "--batch-size", "0"], "--batch-size must be at least 1"),
+        (["MODEL", "--micro-batch-size", "0"], "--micro-batch-size must be at least 1"),
         (["MODEL", "--seq-len", "-5"], "--seq-len must be at least 1"),
         (["MODEL", "--optim", "magic"], "unsupported optim 'magic'"),
         (["MODEL", "--budget", "12 parsecs"], "cannot parse --budget"),
@@ -128,7 +128,7 @@ def llama_dir(tmp_path_factory):
 def test_lora_flags_freeze_the_base_and_train_the_adapters(llama_dir, capsys):
     from hf_memwatch.estimation.peft import LoraSpec
 
-    argv = ["estimate", str(llama_dir), "--batch-size", "2", "--seq-len", "32", "--json", "--lora-r", "4",
+    argv = ["estimate", str(llama_dir), "--micro-batch-size", "2", "--seq-len", "32", "--json", "--lora-r", "4",
             "--lora-targets", "q_proj,v_proj", "--lora-alpha", "8", "--lora-dropout", "0.1"]
     assert main(argv) == 0
     data = json.loads(capsys.readouterr().out)
@@ -137,8 +137,8 @@ def test_lora_flags_freeze_the_base_and_train_the_adapters(llama_dir, capsys):
     assert data["details"]["weights"] == {"frozen": data["classes"]["weights"] - 4 * data["trainable_params"],
                                           "trainable": 4 * data["trainable_params"]}
     spec = LoraSpec(r=4, alpha=8, targets=("q_proj", "v_proj"), dropout=0.1)
-    assert data["peak_bytes"] == estimate(str(llama_dir), batch_size=2, seq_len=32, lora=spec).peak_bytes
-    full = estimate(str(llama_dir), batch_size=2, seq_len=32)
+    assert data["peak_bytes"] == estimate(str(llama_dir), micro_batch_size=2, seq_len=32, lora=spec).peak_bytes
+    full = estimate(str(llama_dir), micro_batch_size=2, seq_len=32)
     assert data["classes"]["optimizer_states"] < full.classes["optimizer_states"] / 10
 
 
@@ -154,10 +154,10 @@ def test_saved_adapter_folder_names_its_base(llama_dir, tmp_path, capsys):
     assert not (adapter / "config.json").exists()
     assert json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"] == str(llama_dir)
     trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
-    expected = estimate(peft_model, batch_size=2, seq_len=32)  # the built PeftModel: the exact path
+    expected = estimate(peft_model, micro_batch_size=2, seq_len=32)  # the built PeftModel: the exact path
 
     for argv in (["--adapter", str(adapter)], [str(llama_dir), "--adapter", str(adapter)], [str(adapter)]):
-        assert main(["estimate", *argv, "--batch-size", "2", "--seq-len", "32", "--json"]) == 0
+        assert main(["estimate", *argv, "--micro-batch-size", "2", "--seq-len", "32", "--json"]) == 0
         data = json.loads(capsys.readouterr().out)
         assert data["trainable_params"] == trainable
         assert data["peak_bytes"] == expected.peak_bytes
@@ -169,7 +169,7 @@ def test_saved_adapter_folder_names_its_base(llama_dir, tmp_path, capsys):
     (["--lora-r", "4", "--lora-targets", "no_such_module"], "cannot apply the adapter"),
 ])
 def test_bad_lora_flags_are_one_line(llama_dir, capsys, argv, message):
-    assert main(["estimate", str(llama_dir), "--batch-size", "2", "--seq-len", "32", *argv]) == 2
+    assert main(["estimate", str(llama_dir), "--micro-batch-size", "2", "--seq-len", "32", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err
     assert "Traceback" not in err
@@ -178,9 +178,9 @@ def test_bad_lora_flags_are_one_line(llama_dir, capsys, argv, message):
 BAD_BEFORE_IMPORTS = [
     (["estimate", "MODEL", "--budget", "0.8"], "--budget 0.8 is a fraction"),
     (["estimate", "MODEL", "--load-in-4bit"], "add --lora-r"),
-    (["estimate", "MODEL", "--batch-size", "0"], "--batch-size must be at least 1"),
+    (["estimate", "MODEL", "--micro-batch-size", "0"], "--micro-batch-size must be at least 1"),
     (["estimate"], "give MODEL"),
-    (["estimate", "MISSING", "--batch-size", "2"], "no such file or directory"),
+    (["estimate", "MISSING", "--micro-batch-size", "2"], "no such file or directory"),
     (["report", "EMPTY"], "give the output_dir of a Trainer run with MemWatch()"),
     (["report", "EMPTY", "-o", "memory.pdf"], "-o must end in .png"),
 ]
@@ -222,6 +222,6 @@ def test_cuda_only_advice_only_for_a_cuda_target(tmp_path, model_dir, capsys):
     big_vocab = tmp_path / "gpt2-32k"
     GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=32000, n_positions=64, bos_token_id=0, eos_token_id=0,
                architectures=["GPT2LMHeadModel"]).save_pretrained(big_vocab)
-    assert main(["estimate", str(big_vocab), "--batch-size", "2", "--seq-len", "32", "--device", "cuda", "--json"]) == 0
+    assert main(["estimate", str(big_vocab), "--micro-batch-size", "2", "--seq-len", "32", "--device", "cuda", "--json"]) == 0
     names = [a["name"].split(" ")[0] for a in json.loads(capsys.readouterr().out)["advice"]]
     assert names == ["use_liger_kernel=True", "trl.SFTTrainer"]

@@ -76,10 +76,10 @@ def test_an_old_transformers_fails_fast_in_one_line_naming_the_range(old_transfo
         MemWatch()
     assert str(error.value).startswith(expected) and "\n" not in str(error.value)
     with pytest.raises(MemWatchConfigError, match=">=4.57"):
-        estimate(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100), batch_size=1, seq_len=8)
+        estimate(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100), micro_batch_size=1, seq_len=8)
     config = tmp_path / "config.json"
     config.write_text(json.dumps(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100).to_dict()))
-    assert main(["estimate", str(config), "--batch-size", "1", "--seq-len", "8"]) == 2
+    assert main(["estimate", str(config), "--micro-batch-size", "1", "--seq-len", "8"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and expected in err
 
@@ -164,8 +164,8 @@ def test_masks_the_estimate_cannot_take_as_real_are_warned_once_and_in_meta(tmp_
         monkeypatch.delattr(masking_utils, "fast_all")
     config = GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100)
     with caplog.at_level(logging.WARNING, logger="hf_memwatch"):
-        estimate(config, batch_size=1, seq_len=8)
-        estimate(config, batch_size=1, seq_len=8)
+        estimate(config, micro_batch_size=1, seq_len=8)
+        estimate(config, micro_batch_size=1, seq_len=8)
     one_warning(caplog, f"transformers {transformers.__version__}", "masking_utils", "masks")
     assert probes.degraded() == [compat_trainer.MASKS.entry()]
 

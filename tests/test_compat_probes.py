@@ -79,7 +79,7 @@ def test_a_storage_identity_not_as_verified_stops_at_first_use_in_one_line(monke
 
     monkeypatch.setattr(torch_internals, "storage_key", gone)
     with pytest.raises(MemWatchConfigError) as raised:
-        estimate(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100), batch_size=1, seq_len=8)
+        estimate(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100), micro_batch_size=1, seq_len=8)
     message = str(raised.value)
     assert "\n" not in message and f"torch {torch.__version__}" in message and "UntypedStorage._cdata" in message
 
@@ -271,7 +271,7 @@ def test_a_bf16_truth_run_leaves_the_next_fp32_run_in_fp32(tmp_path, monkeypatch
 
     monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)  # an earlier test's 4.x Trainer may have set it
     before = os.environ.get("ACCELERATE_MIXED_PRECISION")
-    trainer_peak(build_family_model("albert"), task="seq-cls", batch_size=2, seq_len=16, precision="bf16", steps=1)
+    trainer_peak(build_family_model("albert"), task="seq-cls", micro_batch_size=2, seq_len=16, precision="bf16", steps=1)
     assert os.environ.get("ACCELERATE_MIXED_PRECISION") == before
     args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
     assert Trainer(model=gpt2_model(), args=args).accelerator.mixed_precision == "no"
@@ -309,14 +309,14 @@ def test_a_renamed_aten_operator_drops_only_its_rule_loudly(monkeypatch, caplog)
     """``aten::_grouped_mm`` renamed: warned at the first estimate, its rule off; a GPT-2 (no grouped
     matmul) gives the same figures."""
     config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100)
-    verified = estimate(config, batch_size=2, seq_len=16)
+    verified = estimate(config, micro_batch_size=2, seq_len=16)
     probes.forget()
     versions.check_versions.cache_clear()
     real = torch_ops.aten_default
     monkeypatch.setattr(torch_ops, "aten_default", lambda name: None if name == "_grouped_mm" else real(name))
     with caplog.at_level(logging.WARNING, logger="hf_memwatch"):
-        degraded = estimate(config, batch_size=2, seq_len=16)
-        estimate(config, batch_size=2, seq_len=16)
+        degraded = estimate(config, micro_batch_size=2, seq_len=16)
+        estimate(config, micro_batch_size=2, seq_len=16)
     one_warning(caplog, torch_ops.OPS)
     assert (degraded.peak_bytes, degraded.classes) == (verified.peak_bytes, verified.classes)
     assert torch_ops.present(torch_ops.aten_default("_grouped_mm"), torch_ops.SOFTMAX) == {torch_ops.SOFTMAX}
@@ -325,18 +325,18 @@ def test_a_renamed_aten_operator_drops_only_its_rule_loudly(monkeypatch, caplog)
 # -- the CUDA replay's torch internals (a CUDA target, replayed on the CPU) ------------------------------
 def cuda_estimate(**kwargs):
     config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100)
-    return estimate(config, batch_size=2, seq_len=128, device="cuda", gpu="A100-80GB", **kwargs)
+    return estimate(config, micro_batch_size=2, seq_len=128, device="cuda", gpu="A100-80GB", **kwargs)
 
 
 def test_without_the_dispatcher_internals_a_cuda_target_takes_cpu_autocast_loudly(monkeypatch, caplog) -> None:
     cpu_target = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100)
-    before = estimate(cpu_target, batch_size=2, seq_len=16, precision="bf16")
+    before = estimate(cpu_target, micro_batch_size=2, seq_len=16, precision="bf16")
     verified = cuda_estimate(precision="bf16")
     probes.forget()
     monkeypatch.delattr(torch._C, "_dispatch_get_registrations_for_dispatch_key")
     with caplog.at_level(logging.WARNING, logger="hf_memwatch"):
         degraded = cuda_estimate(precision="bf16")
-        after = estimate(cpu_target, batch_size=2, seq_len=16, precision="bf16")
+        after = estimate(cpu_target, micro_batch_size=2, seq_len=16, precision="bf16")
     one_warning(caplog, torch_dispatcher.AUTOCAST_DISPATCH)
     assert degraded.peak_bytes < verified.peak_bytes  # CUDA's fp32 copies (softmax, layer_norm...) not kept
     assert (after.peak_bytes, after.classes) == (before.peak_bytes, before.classes)  # a CPU target: untouched

@@ -321,7 +321,7 @@ def test_the_estimate_predicts_the_reserve_on_cuda_only(monkeypatch):
 
     monkeypatch.delenv("CUDA_MODULE_LOADING", raising=False)
     config = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=1000, n_positions=128)
-    cuda = estimate(config, task="causal-lm", batch_size=2, seq_len=32, device="cuda")
+    cuda = estimate(config, task="causal-lm", micro_batch_size=2, seq_len=32, device="cuda")
     assert cuda.reserved_bytes >= cuda.peak_bytes and cuda.reserved_bytes % (2 * MiB) == 0
     if not torch.cuda.is_available():  # the context from the published table, the card assumed (H100)
         lazy = published_context(90, lazy=True)
@@ -329,7 +329,7 @@ def test_the_estimate_predicts_the_reserve_on_cuda_only(monkeypatch):
         assert cuda.device_bytes == cuda.reserved_bytes + lazy.context
         assert cuda.device_overheads["device_total_memory"] == gpu_spec("H100").memory
         assert any(note.startswith("CUDA context:") and lazy.source in note for note in cuda.notes)
-    cpu = estimate(config, task="causal-lm", batch_size=2, seq_len=32, device="cpu")
+    cpu = estimate(config, task="causal-lm", micro_batch_size=2, seq_len=32, device="cpu")
     assert cpu.reserved_bytes is None and cpu.device_bytes is None and cpu.device_overheads == {}
     assert not any("CUDA" in note for note in cpu.notes)
 
@@ -361,7 +361,7 @@ def test_device_bytes_are_stated_for_the_named_gpu(monkeypatch):
         pytest.skip("a local card: its context is measured")
     monkeypatch.setenv("CUDA_MODULE_LOADING", "EAGER")
     config = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=1000, n_positions=128)
-    t4 = estimate(config, task="causal-lm", batch_size=2, seq_len=32, device="cuda", gpu="T4")
+    t4 = estimate(config, task="causal-lm", micro_batch_size=2, seq_len=32, device="cuda", gpu="T4")
     eager = published_context(75, lazy=False)
     assert t4.device_overheads == {"cuda_context": eager.context, "nccl_buffers": 0,
                                    "device_total_memory": gpu_spec("T4").memory}
@@ -403,8 +403,8 @@ def test_ddp_buckets_are_torchs_and_held_in_the_replay():
     assert sum(buckets) == trainable and len(buckets) > 1
     assert buckets[0] >= MiB and all(b >= 25 * MiB for b in buckets[1:-1])
     assert [b // MiB for b in ddp_bucket_bytes(model, bucket_cap_mb=100)] == [trainable // MiB]
-    single = estimate(config, task="causal-lm", batch_size=2, seq_len=32, device="cuda")
-    ddp = estimate(config, task="causal-lm", batch_size=2, seq_len=32, device="cuda", world_size=2, shard="none")
+    single = estimate(config, task="causal-lm", micro_batch_size=2, seq_len=32, device="cuda")
+    ddp = estimate(config, task="causal-lm", micro_batch_size=2, seq_len=32, device="cuda", world_size=2, shard="none")
     assert ddp.reserved_bytes >= single.reserved_bytes + trainable
 
 
@@ -427,12 +427,12 @@ def test_fsdp2_gets_its_ranks_reserve_and_zero_says_why_not(monkeypatch):
 
     monkeypatch.setattr(cuda_device, "replay_reserve", keep)
     fsdp = estimate(gpt2_model(), engine=Engine(kind="fsdp", world_size=2, fsdp_version=2, fsdp_strategy="FULL_SHARD"),
-                    shard="fsdp", world_size=2, batch_size=2, seq_len=16, optim="adamw_torch", device="cuda")
+                    shard="fsdp", world_size=2, micro_batch_size=2, seq_len=16, optim="adamw_torch", device="cuda")
     assert any(note.startswith("FSDP2 x 2") for note in fsdp.notes)
     assert fsdp.reserved_bytes is not None and fsdp.reserved_bytes >= fsdp.peak_bytes
     assert fsdp.device_overheads["nccl_buffers"] == nccl_buffer_bytes(2)
     assert replay(replayed[-1]).peak_allocated == fsdp.peak_bytes  # the rank's sequence, not the process's
-    zero = estimate(gpt2_model(), shard="zero2", world_size=2, batch_size=2, seq_len=16, optim="adamw_torch",
+    zero = estimate(gpt2_model(), shard="zero2", world_size=2, micro_batch_size=2, seq_len=16, optim="adamw_torch",
                     device="cuda")
     assert zero.reserved_bytes is None
     assert any("not the rank's" in note for note in zero.notes)
@@ -454,9 +454,9 @@ def test_the_plan_is_made_against_the_predicted_reserve():
     from hf_memwatch.planning.budget import Budget, with_predicted_reserve
 
     config = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=1000, n_positions=128)
-    cuda = estimate(config, task="causal-lm", batch_size=2, seq_len=32, device="cuda")
+    cuda = estimate(config, task="causal-lm", micro_batch_size=2, seq_len=32, device="cuda")
     budget = Budget(total=cuda.reserved_bytes, margin=0, source="user budget")
     planned = with_predicted_reserve(budget, cuda)
     assert planned.usable == pytest.approx(cuda.peak_bytes, rel=1e-6)  # the step's allocated peak just fits
-    cpu = estimate(config, task="causal-lm", batch_size=2, seq_len=32, device="cpu")
+    cpu = estimate(config, task="causal-lm", micro_batch_size=2, seq_len=32, device="cpu")
     assert with_predicted_reserve(budget, cpu) == budget

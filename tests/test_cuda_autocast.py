@@ -283,7 +283,7 @@ def test_a_cuda_target_holds_gpt2s_gelu_new_in_fp32() -> None:
     config = GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=1000)
 
     def act_dtypes(device: str) -> set[str]:
-        result = estimate(config, batch_size=4, seq_len=64, device=device, precision="bf16", top_tensors=60,
+        result = estimate(config, micro_batch_size=4, seq_len=64, device=device, precision="bf16", top_tensors=60,
                           extrapolate_layers=False)
         return {t.dtype for t in result.peak_tensors.tensors if t.module.endswith("mlp.act") and t.operator == "aten.tanh"}
 

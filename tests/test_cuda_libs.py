@@ -37,20 +37,20 @@ def test_workspace_size_by_architecture_and_environment():
 
 def test_a_step_holds_two_workspaces_of_its_card_cpu_none():
     for name in ("T4", "H100"):
-        result = estimate(CONFIG, batch_size=1, seq_len=16, device="cuda", gpu=name)
+        result = estimate(CONFIG, micro_batch_size=1, seq_len=16, device="cuda", gpu=name)
         assert result.details["other"][CUBLAS_WORKSPACE] == 2 * cublas_workspace_size(gpu_spec(name))
         assert result.config["gpu"]["name"] == gpu_spec(name).name
-    cpu = estimate(CONFIG, batch_size=1, seq_len=16)
+    cpu = estimate(CONFIG, micro_batch_size=1, seq_len=16)
     assert CUBLAS_WORKSPACE not in cpu.details.get("other", {}) and "gpu" not in cpu.config
 
 
 def test_fits_without_a_budget_is_the_cards_memory():
-    small = estimate(CONFIG, batch_size=1, seq_len=16, device="cuda", gpu="T4")
+    small = estimate(CONFIG, micro_batch_size=1, seq_len=16, device="cuda", gpu="T4")
     assert small.budget is None and small.fits is True
     if small.device_bytes is None:
         assert small.reserved_bytes <= gpu_spec("T4").memory
         assert any(note.startswith("fits: the predicted reserve against the T4") for note in small.notes)
-    assert estimate(CONFIG, batch_size=1, seq_len=16).fits is None  # a CPU target: no card
+    assert estimate(CONFIG, micro_batch_size=1, seq_len=16).fits is None  # a CPU target: no card
 
 
 # -- bitsandbytes' 4-bit GEMM ------------------------------------------------------------------
@@ -114,14 +114,14 @@ def model_dir(tmp_path_factory):
 def test_cli_gpu_changes_the_architecture_dependent_workspace(model_dir, capsys):
     found = {}
     for name in ("T4", "H100"):
-        assert main(["estimate", str(model_dir), "--batch-size", "1", "--seq-len", "16", "--device", "cuda",
+        assert main(["estimate", str(model_dir), "--micro-batch-size", "1", "--seq-len", "16", "--device", "cuda",
                      "--gpu", name, "--json"]) == 0
         data = json.loads(capsys.readouterr().out)
         found[name] = data["details"]["other"][CUBLAS_WORKSPACE]
         assert data["config"]["gpu"]["name"] == gpu_spec(name).name and data["fits"] is True
         assert data["config"]["optim"] == "adamw_torch_fused"  # the Trainer's default on CUDA
     assert found == {"T4": 2 * DEFAULT, "H100": 2 * (32 << 20)}
-    assert main(["estimate", str(model_dir), "--batch-size", "1", "--seq-len", "16", "--device", "cuda",
+    assert main(["estimate", str(model_dir), "--micro-batch-size", "1", "--seq-len", "16", "--device", "cuda",
                  "--gpu", "T4"]) == 0
     assert "GPU T4 (sm_75" in capsys.readouterr().out
 
@@ -131,6 +131,6 @@ def test_cli_gpu_changes_the_architecture_dependent_workspace(model_dir, capsys)
     (["--gpu", "T4"], "--gpu T4 is for a CUDA target: add --device cuda"),
 ])
 def test_cli_gpu_errors_are_one_line(model_dir, capsys, argv, message):
-    assert main(["estimate", str(model_dir), "--batch-size", "1", "--seq-len", "16", *argv]) == 2
+    assert main(["estimate", str(model_dir), "--micro-batch-size", "1", "--seq-len", "16", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1

@@ -15,7 +15,7 @@ from hf_memwatch.estimation.optim import param_groups
 
 BLOCK = 512
 CONFIG = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=64, bos_token_id=0, eos_token_id=0)
-KW = dict(batch_size=1, seq_len=16, device="cuda", gpu="A100")
+KW = dict(micro_batch_size=1, seq_len=16, device="cuda", gpu="A100")
 
 
 def rounded(nbytes: int) -> int:
@@ -43,7 +43,7 @@ def test_the_default_is_the_trainers_own_for_a_cuda_target_only():
     assert trainer_default_optim() == TrainingArguments.__dataclass_fields__["optim"].default
     assert default_optim("cuda") == trainer_default_optim() and default_optim("cpu") == "adamw_torch"
     assert estimate(CONFIG, **KW).config["optim"] == "adamw_torch_fused"
-    assert estimate(CONFIG, batch_size=1, seq_len=16).config["optim"] == "adamw_torch"  # CPU: unchanged
+    assert estimate(CONFIG, micro_batch_size=1, seq_len=16).config["optim"] == "adamw_torch"  # CPU: unchanged
 
 
 def test_foreach_steps_on_a_copy_of_the_group_fused_in_place(params):
@@ -79,7 +79,7 @@ def test_fp16_runs_accelerates_grad_scaler(runs):
 
 def test_no_scaler_for_bf16_or_a_cpu_target():
     assert GRAD_SCALER not in estimate(CONFIG, precision="bf16", **KW).details.get("other", {})
-    assert GRAD_SCALER not in estimate(CONFIG, batch_size=1, seq_len=16, precision="bf16").details.get("other", {})
+    assert GRAD_SCALER not in estimate(CONFIG, micro_batch_size=1, seq_len=16, precision="bf16").details.get("other", {})
 
 
 def test_host_counters_only_inside_the_optimizer_step():
@@ -127,6 +127,6 @@ def test_a_cuda_target_takes_the_local_card_when_none_is_named(monkeypatch):
 
     local = gpus.gpu_spec("L4")
     monkeypatch.setattr(gpus, "local_gpu", lambda index=None: local)  # this machine's card, as torch reports it
-    result = estimate(CONFIG, batch_size=1, seq_len=16, device="cuda")
+    result = estimate(CONFIG, micro_batch_size=1, seq_len=16, device="cuda")
     assert result.config["gpu"]["name"] == "L4" and not any("assumed" in note for note in result.notes)
     assert result.details["other"][CUBLAS_WORKSPACE] == 2 * cublas_workspace_size(local)

@@ -59,7 +59,7 @@ def assert_same_training(auto: Trainer, hand: Trainer, steps: int) -> None:
 
 def budget_for_accumulation(optim: str, accumulation: int) -> tuple[int, Plan]:
     """A budget whose plan (chosen by the planner API on the same model) has ``accumulation`` steps."""
-    run = RunConfig(8, 1, checkpointing=True, optim=optim, seq_len=SEQ, max_grad_norm=GIVEN["max_grad_norm"])
+    run = RunConfig(8, 1, activation_checkpointing=True, optim=optim, seq_len=SEQ, max_grad_norm=GIVEN["max_grad_norm"])
     model = gpt2_model(n_layer=2, n_embd=64)
     predictor = EstimatorPredictor(model, run)
     for candidate_optim in (optim, "adamw_bnb_8bit"):
@@ -77,7 +77,7 @@ def cli_plan(tmp_path: Path, capsys: Any, optim: str, budget: int) -> Plan:
     from hf_memwatch.cli.main import main
 
     gpt2_model(n_layer=2, n_embd=64).config.save_pretrained(tmp_path / "model")
-    status = main(["estimate", str(tmp_path / "model"), "--batch-size", "8", "--seq-len", str(SEQ), "--checkpointing",
+    status = main(["estimate", str(tmp_path / "model"), "--micro-batch-size", "8", "--seq-len", str(SEQ), "--activation-checkpointing",
                    "--optim", optim, "--budget", str(budget), "--json"])
     assert status == 0
     return Plan.from_dict(json.loads(capsys.readouterr().out)["plan"])

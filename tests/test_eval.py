@@ -187,26 +187,26 @@ def test_estimate_gains_eval_fields_and_the_cli_flags(tmp_path, capsys):
 
     config = GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=1000, n_positions=256,
                         architectures=["GPT2LMHeadModel"], bos_token_id=0, eos_token_id=0)
-    plain = estimate(config, batch_size=4, seq_len=32)
+    plain = estimate(config, micro_batch_size=4, seq_len=32)
     assert plain.eval_peak_bytes is None and plain.eval_classes is None and plain.eval_peak_phase is None
-    both = estimate(config, batch_size=4, seq_len=32, eval_batch_size=64, eval_samples=256)
+    both = estimate(config, micro_batch_size=4, seq_len=32, eval_batch_size=64, eval_samples=256)
     assert both.peak_bytes == plain.peak_bytes
     assert both.eval_peak_bytes > 10 * both.peak_bytes and both.eval_peak_phase == "eval_accumulate"
     assert sum(both.eval_classes.values()) == both.eval_peak_bytes
     # Inside train() the optimizer state is live beside the loop.
     assert both.eval_classes["optimizer_states"] == plain.classes["optimizer_states"] > 0
-    standalone = estimate(config, batch_size=4, seq_len=32, eval_batch_size=64, eval_samples=256,
+    standalone = estimate(config, micro_batch_size=4, seq_len=32, eval_batch_size=64, eval_samples=256,
                           eval_in_training=False)
     assert standalone.eval_peak_bytes == both.eval_peak_bytes - plain.classes["optimizer_states"]
 
     config.save_pretrained(tmp_path)
     capsys.readouterr()
-    status = main(["estimate", str(tmp_path), "--batch-size", "4", "--seq-len", "32", "--eval-batch-size", "64",
+    status = main(["estimate", str(tmp_path), "--micro-batch-size", "4", "--seq-len", "32", "--eval-batch-size", "64",
                    "--eval-samples", "256", "--eval-accumulation-steps", "2", "--json"])
     out = capsys.readouterr()
     assert status == 0, out.err[-2000:]
     payload = json.loads(out.out)
-    with_steps = estimate(config, batch_size=4, seq_len=32, eval_batch_size=64, eval_samples=256,
+    with_steps = estimate(config, micro_batch_size=4, seq_len=32, eval_batch_size=64, eval_samples=256,
                           eval_accumulation_steps=2)
     assert payload["eval_peak_bytes"] == with_steps.eval_peak_bytes
     assert payload["eval_classes"] == with_steps.eval_classes and payload["eval_peak_phase"]

@@ -52,13 +52,13 @@ def test_generation_settings_come_from_the_trainer_and_the_cli_and_the_watch_see
         dataloader_num_workers=0)
     watch = MemWatch(detail="full", report=False, summary=False)
     trainer = Seq2SeqTrainer(model=model, args=args, train_dataset=token_dataset(8, 8, 500), callbacks=[watch])
-    loop = dict(batch_size=2, seq_len=8, eval_batch_size=4, eval_samples=8)
+    loop = dict(micro_batch_size=2, seq_len=8, eval_batch_size=4, eval_samples=8)
     from_trainer = estimate(trainer, **loop)
     given = estimate(model, **loop, predict_with_generate=True, generation_max_length=24)
     assert from_trainer.config["generation"] == {"max_length": 24, "num_beams": 1}  # read from the arguments
     assert from_trainer.eval_peak_bytes == given.eval_peak_bytes
 
-    assert main(["estimate", str(tmp_path / "model"), "--batch-size", "2", "--seq-len", "8", "--eval-batch-size", "4",
+    assert main(["estimate", str(tmp_path / "model"), "--micro-batch-size", "2", "--seq-len", "8", "--eval-batch-size", "4",
                  "--eval-samples", "8", "--predict-with-generate", "--generation-max-length", "24", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["eval_peak_bytes"] == given.eval_peak_bytes
 

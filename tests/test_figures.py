@@ -45,10 +45,10 @@ def outputs(argv: list[str], capsys, monkeypatch) -> tuple[dict, str]:
 
 
 CASES = [
-    ["gpt2", "--batch-size", "4", "--seq-len", "32", "--budget", "8MiB", "--top", "5"],
-    ["gpt2", "--batch-size", "4", "--seq-len", "32", "--budget", "1GiB"],
-    ["llama", "--batch-size", "2", "--seq-len", "48", "--budget", "2MiB", "--device", "cuda", "--top", "3"],
-    ["llama", "--batch-size", "2", "--seq-len", "48", "--precision", "bf16", "--budget", "64MiB"],
+    ["gpt2", "--micro-batch-size", "4", "--seq-len", "32", "--budget", "8MiB", "--top", "5"],
+    ["gpt2", "--micro-batch-size", "4", "--seq-len", "32", "--budget", "1GiB"],
+    ["llama", "--micro-batch-size", "2", "--seq-len", "48", "--budget", "2MiB", "--device", "cuda", "--top", "3"],
+    ["llama", "--micro-batch-size", "2", "--seq-len", "48", "--precision", "bf16", "--budget", "64MiB"],
 ]
 
 
@@ -78,8 +78,8 @@ def test_every_output_reads_the_same_figures(models, capsys, monkeypatch, argv):
     assert f"{'fits' if payload['fits'] else 'does not fit'} (planned {format_bytes(rows[0]['predicted_peak'])}" in table
     plan = payload["plan"]
     if plan is not None:
-        same = [r for r in rows if (r["checkpointing"], r["optim"]) == (plan["activation_checkpointing"], plan["optim"])]
-        if plan["micro_batch_size"] == int(argv[argv.index("--batch-size") + 1]):
+        same = [r for r in rows if (r["activation_checkpointing"], r["optim"]) == (plan["activation_checkpointing"], plan["optim"])]
+        if plan["micro_batch_size"] == int(argv[argv.index("--micro-batch-size") + 1]):
             assert plan["predicted_peak"] == same[0]["predicted_peak"]
         assert f"predicted peak {format_bytes(plan['predicted_peak'])}" in table
     # --top: the tensors' peak is the table's, or the line says whose it is
@@ -90,7 +90,7 @@ def test_every_output_reads_the_same_figures(models, capsys, monkeypatch, argv):
 
 
 def test_a_cuda_target_shows_allocated_reserved_and_device_total(models, capsys, monkeypatch):
-    payload, table = outputs([str(models / "llama"), "--batch-size", "2", "--seq-len", "48", "--device", "cuda"],
+    payload, table = outputs([str(models / "llama"), "--micro-batch-size", "2", "--seq-len", "48", "--device", "cuda"],
                              capsys, monkeypatch)
     reserved = payload["reserved_bytes"]
     assert reserved >= payload["peak_bytes"]
@@ -98,12 +98,12 @@ def test_a_cuda_target_shows_allocated_reserved_and_device_total(models, capsys,
     device = payload["device_bytes"]  # reserved + the published context for the assumed card (cuda_device.py)
     assert device > reserved and f"device total {device:,} {format_bytes(device)}" in table
     assert "max_memory_reserved: the figure an out-of-memory is decided on" in table
-    cpu, cpu_table = outputs([str(models / "llama"), "--batch-size", "2", "--seq-len", "48"], capsys, monkeypatch)
+    cpu, cpu_table = outputs([str(models / "llama"), "--micro-batch-size", "2", "--seq-len", "48"], capsys, monkeypatch)
     assert "reserved" not in cpu_table and "device total" not in cpu_table  # the CPU target's table as before
 
 
 def test_the_weights_dtype_is_printed_with_its_source_and_overridden(models, capsys, monkeypatch):
-    argv = [str(models / "llama"), "--batch-size", "2", "--seq-len", "48"]
+    argv = [str(models / "llama"), "--micro-batch-size", "2", "--seq-len", "48"]
     config, table = outputs(argv, capsys, monkeypatch)
     assert config["weights"] == {"dtype": "bf16",
                                  "source": "the config's torch_dtype, as from_pretrained loads the weights by default"}
@@ -112,5 +112,5 @@ def test_the_weights_dtype_is_printed_with_its_source_and_overridden(models, cap
     assert fp32["weights"] == {"dtype": "fp32", "source": "--weights-dtype"}
     # 4 bytes a parameter instead of 2 (the buffers, rotary's inv_freq, stay fp32 in both)
     assert fp32["classes"]["weights"] - config["classes"]["weights"] == 2 * config["params"]
-    gpt2, table = outputs([str(models / "gpt2"), "--batch-size", "2", "--seq-len", "32"], capsys, monkeypatch)
+    gpt2, table = outputs([str(models / "gpt2"), "--micro-batch-size", "2", "--seq-len", "32"], capsys, monkeypatch)
     assert gpt2["weights"]["dtype"] == "fp32" and "weights fp32" in table

@@ -63,7 +63,7 @@ def test_gkd_estimate_predicts_teacher_and_on_policy_generation(tmp_path: Path) 
     assert "teacher_model" in predicted.frozen_models and "generation" in predicted.phase_peaks
     # TRL's fused-LM-head forward patch kept the live model in its closure: the replay ran the live modules
     # and left fake gradients on the live parameters (two micro-steps replayed here, as a plan's are).
-    estimate(trainer, batch_size=2, accum=2)
+    estimate(trainer, micro_batch_size=2, gradient_accumulation_steps=2)
     assert all(p.grad is None for p in trainer.model.parameters())
     with cpu_memory_profile() as prof:
         trainer.train()

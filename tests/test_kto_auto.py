@@ -61,7 +61,7 @@ def test_kto_micro_batch_is_fixed_and_the_planned_run_is_the_hand_configured_one
     assert run.micro_batch_fixed and "KL" in run.micro_batch_fixed
     assert ACCUMULATION.options(run) == [4]
     given = estimate(probe).peak_bytes
-    checkpointed = estimate(probe, checkpointing=True).peak_bytes
+    checkpointed = estimate(probe, activation_checkpointing=True).peak_bytes
     assert checkpointed < given
     budget = (given + checkpointed) // 2
     del probe
@@ -87,7 +87,7 @@ def test_kto_micro_batch_is_fixed_and_the_planned_run_is_the_hand_configured_one
 
 def test_kto_below_the_checkpointed_peak_stops_and_says_why(tmp_path: Path) -> None:
     probe = kto(tmp_path / "probe", [])
-    budget = int(0.97 * estimate(probe, checkpointing=True).peak_bytes)  # only a smaller micro-batch would fit
+    budget = int(0.97 * estimate(probe, activation_checkpointing=True).peak_bytes)  # only a smaller micro-batch would fit
     del probe
     trainer = kto(tmp_path / "auto", [MemWatch(auto=True, budget=budget, **FULL)])
     with pytest.raises(PlanError, match="paired its KL completions"):

@@ -54,9 +54,9 @@ def test_one_shared_fake_model_gives_the_golden_bytes_of_every_zoo_case(name):
     try:
         with memo.sharing() as cache:
             for case in cases:
-                e = estimate(module, task=task, seq2seq_target_len=case["target_len"], batch_size=case["batch_size"],
+                e = estimate(module, task=task, seq2seq_target_len=case["target_len"], micro_batch_size=case["batch_size"],
                              seq_len=case["seq_len"], precision=case["precision"],
-                             checkpointing=case["checkpointing"], optim=case["optim"], device="cpu")
+                             activation_checkpointing=case["checkpointing"], optim=case["optim"], device="cpu")
                 got = dict(peak_bytes=e.peak_bytes, peak_phase=e.peak_phase, classes=e.classes,
                            phase_peaks=e.phase_peaks)
                 assert got == GOLDEN[cpu_golden.case_key(case)], cpu_golden.case_key(case)
@@ -100,7 +100,7 @@ def test_a_plan_is_byte_identical_with_the_shortcuts_on_and_off(fields):
 
 
 def test_an_estimate_reports_what_it_cost():
-    e = estimate(deep_llama(), batch_size=2, seq_len=64)
+    e = estimate(deep_llama(), micro_batch_size=2, seq_len=64)
     assert e.seconds > 0 and e.cpu_seconds > 0
     assert e.to_dict()["seconds"] == e.seconds
 

@@ -39,7 +39,7 @@ def test_cli_table_and_plan_are_the_choosers(config_json, capsys):
     configured = RunConfig(micro_batch_size=MICRO, seq_len=SEQ_LEN)
     given = estimate(config_json, **configured.estimate_kwargs())
     budget = given.peak_bytes - 1  # the run as given does not fit: the chooser must change it
-    assert main(["estimate", config_json, "--batch-size", str(MICRO), "--seq-len", str(SEQ_LEN),
+    assert main(["estimate", config_json, "--micro-batch-size", str(MICRO), "--seq-len", str(SEQ_LEN),
                  "--budget", str(budget), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
 
@@ -53,10 +53,10 @@ def test_cli_table_and_plan_are_the_choosers(config_json, capsys):
     # The table: every setting of the chooser's candidates, no other, the run's own first.
     plans = candidates(run)
     settings = list(dict.fromkeys(setting_of(p) for p in plans))
-    assert [(row["checkpointing"], row["optim"]) for row in data["remedies"]] == settings
+    assert [(row["activation_checkpointing"], row["optim"]) for row in data["remedies"]] == settings
     assert len(settings) > 1 and data["remedies"][0]["remedy"] == "as given"
     for row in data["remedies"]:
-        line = [p for p in plans if setting_of(p) == (row["checkpointing"], row["optim"])]
+        line = [p for p in plans if setting_of(p) == (row["activation_checkpointing"], row["optim"])]
         (at_micro,) = [p for p in line if p.micro_batch_size == MICRO]
         # the chooser's figures of these very candidates
         assert row["predicted_peak"] == predictor.peak(at_micro)

@@ -61,9 +61,9 @@ def test_auto_mode_plans_online_dpo_and_is_the_hand_configured_run(tmp_path: Pat
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         probe = online_dpo(tmp_path / "probe", **SHALLOW, **LONG)
-        smallest = dict(checkpointing=True, optim="adamw_bnb_8bit")
+        smallest = dict(activation_checkpointing=True, optim="adamw_bnb_8bit")
         at_given = estimate(probe, **smallest).peak_bytes
-        at_one = estimate(probe, batch_size=1, accum=GIVEN, **smallest).peak_bytes
+        at_one = estimate(probe, micro_batch_size=1, gradient_accumulation_steps=GIVEN, **smallest).peak_bytes
         assert at_one < at_given
         budget = int((at_one + 0.4 * (at_given - at_one)) * (1 + ESTIMATE_MARGIN))
         del probe

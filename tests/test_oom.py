@@ -158,7 +158,7 @@ def test_real_cpu_oom_writes_the_post_mortem_and_the_error_reaches_the_user_unch
     # the figures it gives are checked below, where memory allows.
     section = report.split("## What would have saved how much", 1)[1].split("## Plan in force", 1)[0]
     assert "CPU memory was exhausted" in section
-    assert "hf-memwatch estimate" in section and "--batch-size 32 --seq-len 256" in section, section
+    assert "hf-memwatch estimate" in section and "--micro-batch-size 32 --seq-len 256" in section, section
 
 
 def test_a_real_cpu_oom_in_evaluate_names_the_loop_the_batch_the_outputs_and_the_remedies(ooms):

@@ -52,7 +52,7 @@ def test_live_top_tensors_are_torchs_own_and_the_prediction_names_the_same(out_d
     watch = AttentionWeights(model)
     trainer = Trainer(model=model, args=args, train_dataset=token_dataset(8, SEQ, VOCAB),
                       callbacks=[MemWatch(detail="full", report=False, summary=False), StepMarker()])
-    predicted = estimate(trainer, batch_size=BATCH, top_tensors=10)
+    predicted = estimate(trainer, micro_batch_size=BATCH, top_tensors=10)
     baseline = sum({p.untyped_storage()._cdata: p.untyped_storage().nbytes()
                     for p in list(model.parameters()) + list(model.buffers())}.values())
     with cpu_memory_profile() as prof:

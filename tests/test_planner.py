@@ -25,12 +25,13 @@ SEQ_LEN = 32
 
 @functools.cache
 def _estimate(batch_size: int, optim: str, checkpointing: bool, accum: int):
-    return estimate(CONFIG, batch_size=batch_size, seq_len=SEQ_LEN, optim=optim, checkpointing=checkpointing,
-                    accum=accum)
+    return estimate(CONFIG, micro_batch_size=batch_size, seq_len=SEQ_LEN, optim=optim,
+                    activation_checkpointing=checkpointing, gradient_accumulation_steps=accum)
 
 
-def memoised_estimate(_model, *, batch_size, optim, checkpointing, accum, **_ignored):
-    return _estimate(batch_size, optim, checkpointing, accum)
+def memoised_estimate(_model, *, micro_batch_size, optim, activation_checkpointing, gradient_accumulation_steps,
+                      **_ignored):
+    return _estimate(micro_batch_size, optim, activation_checkpointing, gradient_accumulation_steps)
 
 
 def plan(micro: int, accum: int, budget, optim: str = "adamw_torch"):

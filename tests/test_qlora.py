@@ -59,9 +59,9 @@ def test_qlora_estimate_matches_the_profiler(llama_checkpoint: Path, capsys: Any
     from peft import get_peft_model
 
     quant = QuantSpec(bits=4, quant_type="nf4", double_quant=True)
-    argv = ["estimate", str(llama_checkpoint), "--batch-size", "2", "--seq-len", "16", "--precision", "bf16",
+    argv = ["estimate", str(llama_checkpoint), "--micro-batch-size", "2", "--seq-len", "16", "--precision", "bf16",
             "--lora-r", "8", "--lora-alpha", "16", "--lora-targets", "all-linear", "--json", "--load-in-4bit",
-            "--double-quant", "--no-checkpointing"]  # the base below is prepared without checkpointing
+            "--double-quant", "--no-activation-checkpointing"]  # the base below is prepared without checkpointing
     assert main(argv) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["config"]["quantization"] == {"bits": 4, "quant_type": "nf4", "double_quant": True,
@@ -69,7 +69,7 @@ def test_qlora_estimate_matches_the_profiler(llama_checkpoint: Path, capsys: Any
 
     base = load_quantized(llama_checkpoint, quant)
     # A built quantized base with a LoRA spec: the same estimate (its quantization state kept).
-    assert estimate(base, batch_size=2, seq_len=16, precision="bf16", lora=LORA).peak_bytes == data["peak_bytes"]
+    assert estimate(base, micro_batch_size=2, seq_len=16, precision="bf16", lora=LORA).peak_bytes == data["peak_bytes"]
     model = get_peft_model(base, LORA.peft_config("causal-lm"))
     # The quantized weights as loaded: packed data, absmax (nested statistics), code tables, scales.
     assert data["classes"]["weights"] == sum(weight_storages(model, None).values())
@@ -86,31 +86,31 @@ def test_qlora_estimate_matches_the_profiler(llama_checkpoint: Path, capsys: Any
     assert data["trainable_params"] == trainable
     assert data["details"]["weights"]["trainable"] == 4 * trainable
     assert data["details"]["weights"]["frozen"] == data["classes"]["weights"] - 4 * trainable
-    truth = trainer_peak(model, task="causal-lm", batch_size=2, seq_len=16, precision="bf16")
+    truth = trainer_peak(model, task="causal-lm", micro_batch_size=2, seq_len=16, precision="bf16")
     assert abs(data["peak_bytes"] - truth) <= 0.005 * truth, (data["peak_bytes"], truth)
 
 
 def test_the_cli_quantized_path_checkpoints_as_prepare_model_for_kbit_training(llama_checkpoint: Path,
                                                                                capsys: Any) -> None:
-    """Without --checkpointing/--no-checkpointing, ``--load-in-4bit`` estimates the base as PEFT prepares
+    """Without --activation-checkpointing/--no-activation-checkpointing, ``--load-in-4bit`` estimates the base as PEFT prepares
     it by default (checkpointing on), against the profiler's peak of that run."""
     from peft import get_peft_model, prepare_model_for_kbit_training
     from transformers import AutoModelForCausalLM
 
-    argv = ["estimate", str(llama_checkpoint), "--batch-size", "2", "--seq-len", "64", "--precision", "bf16",
+    argv = ["estimate", str(llama_checkpoint), "--micro-batch-size", "2", "--seq-len", "64", "--precision", "bf16",
             "--lora-r", "8", "--lora-alpha", "16", "--lora-targets", "all-linear", "--json", "--load-in-4bit"]
     peaks = {}
-    for extra in ([], ["--checkpointing"], ["--no-checkpointing"]):
+    for extra in ([], ["--activation-checkpointing"], ["--no-activation-checkpointing"]):
         assert main([*argv, *extra]) == 0
         data = json.loads(capsys.readouterr().out)
         peaks[" ".join(extra)] = data["peak_bytes"]
-        assert data["config"]["checkpointing"] is (extra != ["--no-checkpointing"])
-    assert peaks[""] == peaks["--checkpointing"] < peaks["--no-checkpointing"]
+        assert data["config"]["activation_checkpointing"] is (extra != ["--no-activation-checkpointing"])
+    assert peaks[""] == peaks["--activation-checkpointing"] < peaks["--no-activation-checkpointing"]
     quant = QuantSpec(bits=4)
     base = AutoModelForCausalLM.from_pretrained(llama_checkpoint, quantization_config=quant.bnb_config(),
                                                 device_map="cpu")
     model = get_peft_model(prepare_model_for_kbit_training(base), LORA.peft_config("causal-lm"))
-    truth = trainer_peak(model, task="causal-lm", batch_size=2, seq_len=64, precision="bf16")
+    truth = trainer_peak(model, task="causal-lm", micro_batch_size=2, seq_len=64, precision="bf16")
     assert 0.99 * truth <= peaks[""] <= 1.03 * truth, (peaks, truth)
 
 
@@ -121,7 +121,7 @@ def test_the_cli_quantized_path_checkpoints_as_prepare_model_for_kbit_training(l
 ])
 def test_bad_quantization_flags_are_one_line(llama_checkpoint: Path, capsys: Any, flags: list[str],
                                              message: str) -> None:
-    assert main(["estimate", str(llama_checkpoint), "--batch-size", "2", "--seq-len", "16", *flags]) == 2
+    assert main(["estimate", str(llama_checkpoint), "--micro-batch-size", "2", "--seq-len", "16", *flags]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
 
@@ -134,7 +134,7 @@ def test_quantization_without_bitsandbytes_fails_fast(monkeypatch: pytest.Monkey
 
 def test_quantization_of_a_built_model_is_refused() -> None:
     with pytest.raises(MemWatchConfigError, match="a built model is estimated as it was loaded"):
-        estimate(llama(), batch_size=2, seq_len=16, lora=LORA, quantization=QuantSpec(bits=4))
+        estimate(llama(), micro_batch_size=2, seq_len=16, lora=LORA, quantization=QuantSpec(bits=4))
 
 
 def sft_qlora(out: Path, base: Any, callbacks: list[Any], **overrides: Any) -> Any:
@@ -190,5 +190,5 @@ def test_oom_post_mortem_estimates_what_is_trained_and_skips_8bit_adamw(llama_ch
     run = RunConfig(micro_batch_size=1, seq_len=16, precision="bf16", task="causal-lm")
     baseline, remedies, note = estimate_remedies(model, run)
     assert note == ""
-    assert baseline == estimate(model, batch_size=1, seq_len=16, precision="bf16").peak_bytes
+    assert baseline == estimate(model, micro_batch_size=1, seq_len=16, precision="bf16").peak_bytes
     assert [name for name, peak, _ in remedies if peak is not None] == ["activation checkpointing on"]

@@ -8,8 +8,8 @@ from hf_memwatch.core.errors import MemWatchConfigError
 from hf_memwatch.core.run_config import RunConfig
 from hf_memwatch.estimation.request import EstimateRequest
 
-RUN_SECTION = ("micro_batch_size", "gradient_accumulation_steps", "checkpointing", "optim", "precision", "device",
-               "world_size", "shard", "max_grad_norm", "seq_len", "task", "seq2seq_target_len", "eval_batch_size",
+RUN_SECTION = ("micro_batch_size", "gradient_accumulation_steps", "activation_checkpointing", "optim", "precision",
+               "device", "world_size", "shard", "max_grad_norm", "seq_len", "task", "seq2seq_target_len", "eval_batch_size",
                "eval_accumulation_steps", "prediction_loss_only", "predict_with_generate", "generation_max_length",
                "generation_num_beams", "engine")
 
@@ -20,8 +20,8 @@ def test_the_run_settings_carry_run_configs_names_and_defaults():
     assert request_fields[:len(RUN_SECTION)] == list(RUN_SECTION)
     assert set(RUN_SECTION) <= set(run_fields)  # no renaming: every run setting is RunConfig's own name
     resolved = EstimateRequest(micro_batch_size=4, seq_len=64).resolved(None)
-    for name in ("gradient_accumulation_steps", "checkpointing", "optim", "precision", "device", "world_size",
-                 "shard", "max_grad_norm"):
+    for name in ("gradient_accumulation_steps", "activation_checkpointing", "optim", "precision", "device",
+                 "world_size", "shard", "max_grad_norm"):
         assert getattr(resolved, name) == run_fields[name], name
     run = resolved.run_config()
     assert (run.micro_batch_size, run.seq_len, run.effective_batch) == (4, 64, 4)
@@ -37,8 +37,8 @@ def test_a_request_is_frozen_and_given_values_win():
 
 
 @pytest.mark.parametrize("changes, message", [
-    (dict(micro_batch_size=0), "batch_size must be a positive integer; got 0"),
-    (dict(gradient_accumulation_steps=-1), "accum must be a positive integer; got -1"),
+    (dict(micro_batch_size=0), "micro_batch_size must be a positive integer; got 0"),
+    (dict(gradient_accumulation_steps=-1), "gradient_accumulation_steps must be a positive integer; got -1"),
     (dict(precision="fp8"), "unknown precision 'fp8'"),
     (dict(shard="zero2"), "shard='zero2' needs world_size >= 2"),
     (dict(eval_batch_size=4), "eval_batch_size and eval_samples go together"),

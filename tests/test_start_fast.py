@@ -28,8 +28,8 @@ import torch
 from transformers import GPT2Config
 from hf_memwatch import estimate
 with contextlib.redirect_stdout(io.StringIO()):
-    status = main(["estimate", sys.argv[1], "--batch-size", "2", "--seq-len", "64"])
-estimate(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100), batch_size=1, seq_len=8)  # the Python API
+    status = main(["estimate", sys.argv[1], "--micro-batch-size", "2", "--seq-len", "64"])
+estimate(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100), micro_batch_size=1, seq_len=8)  # the Python API
 print(json.dumps({"status": status, "heavy": [m for m in json.loads(sys.argv[2]) if m in sys.modules],
                   "probes": len(kw._GEMM_WORKSPACES), "onednn": kw.onednn_gemm(torch.bfloat16)}))
 """

@@ -19,7 +19,7 @@ def _setup(**changes):
 
 
 def test_a_replay_restores_forward_kv_cache_and_checkpointing_so_a_second_replay_is_the_same():
-    model, fake_mode, request, inputs = _setup(precision="bf16", checkpointing=True)
+    model, fake_mode, request, inputs = _setup(precision="bf16", activation_checkpointing=True)
     use_cache = model.config.use_cache
     first = simulate_step(model, fake_mode, request, inputs)
     assert "forward" not in model.__dict__  # accelerate's autocast wrapper removed

@@ -59,9 +59,9 @@ def test_auto_mode_plans_the_trainer_and_is_the_hand_configured_run(kind: str, t
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         probe = build(kind, tmp_path / "probe", **SHORT.get(kind, {}))
-        smallest = dict(checkpointing=True, optim="adamw_bnb_8bit")  # every remedy but the micro-batch
+        smallest = dict(activation_checkpointing=True, optim="adamw_bnb_8bit")  # every remedy but the micro-batch
         at_given = estimate(probe, **smallest).peak_bytes
-        at_one = estimate(probe, batch_size=1, accum=GIVEN, **smallest).peak_bytes
+        at_one = estimate(probe, micro_batch_size=1, gradient_accumulation_steps=GIVEN, **smallest).peak_bytes
         assert at_one < at_given
         # Between the two as the planner predicts them (x its margin): only a smaller micro-batch fits.
         budget = int((at_one + 0.4 * (at_given - at_one)) * (1 + ESTIMATE_MARGIN))  # the truth is measured below

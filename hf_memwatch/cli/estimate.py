@@ -8,9 +8,9 @@ predicted peak of each remedy setting (checkpointing, 8-bit AdamW, both) with th
 micro-batch of the same effective batch that fits. ``--json`` prints one object instead.
 
 Usage:
-    hf-memwatch estimate ./my-model --batch-size 16 --seq-len 512 --precision bf16 --budget 24GiB
+    hf-memwatch estimate ./my-model --micro-batch-size 16 --seq-len 512 --precision bf16 --budget 24GiB
     hf-memwatch estimate ./my-model --lora-r 16 --lora-targets all-linear --precision bf16
-    hf-memwatch estimate --adapter ./my-adapter --batch-size 8 --json
+    hf-memwatch estimate --adapter ./my-adapter --micro-batch-size 8 --json
     hf-memwatch estimate ./my-model --load-in-4bit --double-quant --lora-r 16 --lora-targets all-linear
 """
 
@@ -29,6 +29,7 @@ from ..core.errors import MemWatchConfigError
 from ..core.extras import require
 from ..core.gpus import DEFAULT_GPU, GPUS, gpu_spec
 from ..core.optimizers import SUPPORTED_OPTIMS
+from ..core.renamed import RenamedFlag, RenamedSwitch
 from ..core.units import format_bytes, parse_bytes
 from .figures import (
     CUDA_MEANINGS,
@@ -60,7 +61,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="local model directory or config.json (or a hub id); with --adapter, the base "
                              "(default: the adapter's base_model_name_or_path)")
     parser.add_argument("--task", choices=TASKS, default=None, help="default: from the config's architectures")
-    parser.add_argument("--batch-size", type=int, default=8, help="per-device micro-batch (default 8)")
+    parser.add_argument("--micro-batch-size", type=int, default=8,
+                        help="per-device micro-batch, per_device_train_batch_size (default 8)")
+    parser.add_argument("--batch-size", dest="micro_batch_size", type=int, action=RenamedFlag,
+                        new="--micro-batch-size")
     parser.add_argument("--seq-len", type=int, default=512, help="tokens per sample (default 512)")
     parser.add_argument("--target-len", type=int, default=None, help="seq2seq label length (default: --seq-len)")
     parser.add_argument("--precision", choices=PRECISIONS, default="fp32",
@@ -68,10 +72,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--optim", default=None,
                         help=f"TrainingArguments.optim name: {', '.join(SUPPORTED_OPTIMS)} (default adamw_torch; "
                              "with --device cuda the Trainer's own default, adamw_torch_fused on torch >= 2.8)")
-    parser.add_argument("--checkpointing", action=argparse.BooleanOptionalAction, default=None,
+    parser.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction, default=None,
                         help="activation (gradient) checkpointing (default: off; on with --load-in-4bit/--load-in-8bit, "
-                             "as prepare_model_for_kbit_training turns it on: --no-checkpointing for without)")
-    parser.add_argument("--accum", type=int, default=1, help="gradient accumulation steps (default 1)")
+                             "as prepare_model_for_kbit_training turns it on: --no-activation-checkpointing for "
+                             "without)")
+    parser.add_argument("--checkpointing", dest="activation_checkpointing", action=RenamedSwitch,
+                        new="--activation-checkpointing")
+    parser.add_argument("--gradient-accumulation-steps", type=int, default=1,
+                        help="gradient accumulation steps (default 1)")
+    parser.add_argument("--accum", dest="gradient_accumulation_steps", type=int, action=RenamedFlag,
+                        new="--gradient-accumulation-steps")
     parser.add_argument("--device", choices=DEVICES, default="cpu", help="the target device (default cpu)")
     parser.add_argument("--gpu", default=None, metavar="NAME",
                         help=f"the CUDA target's card (with --device cuda): {', '.join(s.name for s in GPUS)} "
@@ -119,7 +129,7 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
 def check_arguments(args: argparse.Namespace) -> None:
     """Reject bad arguments before anything heavy is imported (torch, transformers: seconds), each with
     one actionable line (:class:`MemWatchConfigError`); the estimate's own checks follow."""
-    for flag in ("batch_size", "seq_len", "accum", "world_size"):
+    for flag in ("micro_batch_size", "seq_len", "gradient_accumulation_steps", "world_size"):
         if getattr(args, flag) < 1:
             raise MemWatchConfigError(f"--{flag.replace('_', '-')} must be at least 1; got {getattr(args, flag)}")
     if args.top < 0:
@@ -231,12 +241,12 @@ def quantization(args: argparse.Namespace) -> Any:
 
 
 def checkpointing_of(args: argparse.Namespace) -> bool:
-    """``--checkpointing``/``--no-checkpointing`` when given; otherwise on for a quantized base, as
+    """``--activation-checkpointing``/``--no-activation-checkpointing`` when given; otherwise on for a quantized base, as
     PEFT's ``prepare_model_for_kbit_training`` (``use_gradient_checkpointing=True`` by default) leaves it
     (measured, tiny 4-bit Llama + LoRA, bf16, 2 x 64 tokens, tests/test_qlora.py: the prepared run peaks at
     2,540,492 B; estimated -0.32% with checkpointing, +33.14% without)."""
-    if args.checkpointing is not None:
-        return bool(args.checkpointing)
+    if args.activation_checkpointing is not None:
+        return bool(args.activation_checkpointing)
     return bool(getattr(args, "load_in_4bit", False) or getattr(args, "load_in_8bit", False))
 
 
@@ -246,7 +256,8 @@ def _run_config(args: argparse.Namespace) -> RunConfig:
     from ..engines.registry import engine_of_options
 
     return RunConfig(
-        micro_batch_size=args.batch_size, gradient_accumulation_steps=args.accum, checkpointing=checkpointing_of(args),
+        micro_batch_size=args.micro_batch_size, gradient_accumulation_steps=args.gradient_accumulation_steps,
+        activation_checkpointing=checkpointing_of(args),
         optim=args.optim or _default_optim(args.device), precision=args.precision, device=args.device,
         world_size=args.world_size,
         shard=args.shard, seq_len=args.seq_len, task=args.task, seq2seq_target_len=args.target_len,
@@ -287,7 +298,7 @@ def remedies(request: PlanRequest, args: argparse.Namespace, given: Any) -> list
         if args.top > 0 and given.peak_tensors is not None and row.changes and estimated.peak_tensors is not None:
             removes = removed_by(given.peak_tensors, estimated.peak_tensors)
         rows.append({
-            "remedy": row.label, "checkpointing": row.plan.activation_checkpointing, "optim": row.plan.optim,
+            "remedy": row.label, "activation_checkpointing": row.plan.activation_checkpointing, "optim": row.plan.optim,
             "peak_bytes": int(estimated.peak_bytes), "predicted_peak": row.predicted_peak, "fits": row.fits,
             "largest_fitting_batch": row.largest_fitting.micro_batch_size if row.largest_fitting else 0,
             "removes": removes,
@@ -357,9 +368,9 @@ def run(args: argparse.Namespace) -> int:
                           **eval_kwargs(args), top_tensors=max(args.top, 0), **card)
         payload = result.to_dict()
         payload["weights"] = weights_dtype(args, args.model)
-        if args.checkpointing is None and checkpointing_of(args):
+        if args.activation_checkpointing is None and checkpointing_of(args):
             payload["notes"] = [*payload.get("notes", []), "activation checkpointing on, as "
-                                "prepare_model_for_kbit_training turns it on for a quantized base (--no-checkpointing: off)"]
+                                "prepare_model_for_kbit_training turns it on for a quantized base (--no-activation-checkpointing: off)"]
         # Savings that change what is computed (a fused loss, no reference model): shown, never planned.
         payload["advice"] = [item.as_dict() for item in advice(
             _run_config(args), result.frozen_models, logits_bytes(result), result.peak_bytes, classes=result.classes,
@@ -381,7 +392,7 @@ def run(args: argparse.Namespace) -> int:
     if budget is not None and not payload["fits"] and payload.get("plan") is None:
         smallest = min((row["peak_bytes"] for row in payload["remedies"]), default=payload["peak_bytes"])
         print(f"hf-memwatch estimate: nothing fits the budget {format_bytes(budget)}: the smallest remedy "
-              f"needs {format_bytes(smallest)} at micro-batch {args.batch_size}", file=sys.stderr)
+              f"needs {format_bytes(smallest)} at micro-batch {args.micro_batch_size}", file=sys.stderr)
         return NOTHING_FITS
     return 0
 
@@ -394,10 +405,10 @@ def _print_table(payload: dict[str, Any]) -> None:
     cfg = payload["config"]
     peak = payload["peak_bytes"]
     quant = cfg.get("quantization")
-    extras = (" · checkpointing" if cfg["checkpointing"] else "") + (
+    extras = (" · checkpointing" if cfg["activation_checkpointing"] else "") + (
         f" · {quant['bits']}-bit base" + (f" {quant['quant_type']}" if quant["bits"] == 4 else "") if quant else "") + (
-        f" · accum {cfg['accum']}" if cfg["accum"] > 1 else "")
-    title = (f"{cfg['model']} · {cfg['task']} · batch {cfg['batch_size']} x {cfg['seq_len']} tokens · "
+        f" · accum {cfg['gradient_accumulation_steps']}" if cfg["gradient_accumulation_steps"] > 1 else "")
+    title = (f"{cfg['model']} · {cfg['task']} · batch {cfg['micro_batch_size']} x {cfg['seq_len']} tokens · "
              f"{cfg['precision']} · {cfg['optim']}{extras}")
     table = Table(title=title)
     table.add_column("class")

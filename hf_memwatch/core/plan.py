@@ -53,7 +53,7 @@ class Plan:
     @classmethod
     def of(cls, run: RunConfig) -> Plan:
         """The run as configured, as a plan."""
-        return cls(run.micro_batch_size, run.gradient_accumulation_steps, run.checkpointing, run.optim)
+        return cls(run.micro_batch_size, run.gradient_accumulation_steps, run.activation_checkpointing, run.optim)
 
     @property
     def effective_batch(self) -> int:
@@ -66,7 +66,7 @@ class Plan:
         """``run`` with this plan applied."""
         return run.replace(micro_batch_size=self.micro_batch_size,
                            gradient_accumulation_steps=self.gradient_accumulation_steps,
-                           checkpointing=self.activation_checkpointing, optim=self.optim)
+                           activation_checkpointing=self.activation_checkpointing, optim=self.optim)
 
     def changes_from(self, run: RunConfig) -> list[str]:
         """What this plan changes in ``run``, in words (empty: the run as configured)."""
@@ -74,7 +74,7 @@ class Plan:
         if self.micro_batch_size != run.micro_batch_size:
             changes.append(f"micro-batch {run.micro_batch_size} -> {self.micro_batch_size} x accumulation "
                            f"{self.gradient_accumulation_steps}")
-        if self.activation_checkpointing != run.checkpointing:
+        if self.activation_checkpointing != run.activation_checkpointing:
             changes.append("activation checkpointing")
         if self.optim != run.optim:
             changes.append(f"optim {run.optim} -> {self.optim}")

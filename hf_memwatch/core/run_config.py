@@ -23,13 +23,15 @@ import torch
 
 from ..engines.engine import Engine, engine_of, own_checkpointing
 from .errors import MemWatchConfigError
+from .renamed import accepts_renamed, renamed_keywords
 
 
+@accepts_renamed({"checkpointing": "activation_checkpointing"})
 @dataclass(frozen=True)
 class RunConfig:
     """One run's memory-relevant configuration (per device).
 
-    ``checkpointing`` is whether the run trains with activation checkpointing, from the arguments
+    ``activation_checkpointing`` is whether the run trains with activation checkpointing, from the arguments
     *or* the model (a model whose checkpointing was switched on directly counts). ``device`` is a
     device type (``cpu``, ``cuda``, ...). ``custom_optimizer`` marks an optimizer handed to the
     Trainer (no optimizer remedy may replace it); ``checkpointing_unavailable`` says why the model
@@ -38,7 +40,7 @@ class RunConfig:
 
     micro_batch_size: int
     gradient_accumulation_steps: int = 1
-    checkpointing: bool = False
+    activation_checkpointing: bool = False
     optim: str = "adamw_torch"
     precision: str = "fp32"
     device: str = "cpu"
@@ -88,14 +90,15 @@ class RunConfig:
 
     def replace(self, **changes: Any) -> RunConfig:
         """A copy with ``changes`` applied."""
-        return dataclasses.replace(self, **changes)
+        return dataclasses.replace(self, **renamed_keywords("RunConfig.replace", changes,
+                                                            {"checkpointing": "activation_checkpointing"}))
 
     def estimate_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of :func:`hf_memwatch.estimate` for this configuration (no ``seq_len``
         when unknown)."""
         kwargs: dict[str, Any] = dict(
-            batch_size=self.micro_batch_size, accum=self.gradient_accumulation_steps,
-            checkpointing=self.checkpointing, optim=self.optim, precision=self.precision,
+            micro_batch_size=self.micro_batch_size, gradient_accumulation_steps=self.gradient_accumulation_steps,
+            activation_checkpointing=self.activation_checkpointing, optim=self.optim, precision=self.precision,
             device="cuda" if self.device == "cuda" else "cpu", world_size=self.world_size, shard=self.shard,
             max_grad_norm=self.max_grad_norm, task=self.task, seq2seq_target_len=self.seq2seq_target_len,
         )
@@ -114,7 +117,7 @@ class RunConfig:
         return cls(
             micro_batch_size=int(args.per_device_train_batch_size),
             gradient_accumulation_steps=int(args.gradient_accumulation_steps),
-            checkpointing=checkpointing_requested(args) or model_is_checkpointing(model)
+            activation_checkpointing=checkpointing_requested(args) or model_is_checkpointing(model)
             or own_checkpointing(args, engine),
             optim=optim_name(args),
             precision=precision_of(args),

@@ -11,7 +11,7 @@ records the class split at the peak.
 
 Usage:
     >>> from transformers import GPT2Config                                  # doctest: +SKIP
-    >>> est = estimate(GPT2Config(n_layer=2), batch_size=8, seq_len=256)    # doctest: +SKIP
+    >>> est = estimate(GPT2Config(n_layer=2), micro_batch_size=8, seq_len=256)    # doctest: +SKIP
     >>> est.peak_bytes, est.peak_phase, est.classes["activations"]           # doctest: +SKIP
 """
 
@@ -30,6 +30,7 @@ from ..compat.stack import check_stack
 from ..core.categories import STEP_END
 from ..core.errors import MemWatchConfigError, unknown_keywords
 from ..core.gpus import card_fits, gpu_record, target_gpu
+from ..core.renamed import renamed_keywords
 from ..core.run_config import RunConfig
 from ..core.units import format_bytes
 from ..engines.registry import rules_for
@@ -135,9 +136,10 @@ def logits_bytes(estimate: MemoryEstimate) -> int:
 
 # -- the facade ------------------------------------------------------------------------------
 def estimate(
-    model_or_config: Any, *, batch_size: int | None = None, seq_len: int | None = None, task: str | None = None,
-    precision: str | None = None, optim: str | None = None, checkpointing: bool | None = None,
-    accum: int | None = None, device: str | None = None, budget: int | str | None = None,
+    model_or_config: Any, *, micro_batch_size: int | None = None, seq_len: int | None = None,
+    task: str | None = None, precision: str | None = None, optim: str | None = None,
+    activation_checkpointing: bool | None = None, gradient_accumulation_steps: int | None = None,
+    device: str | None = None, budget: int | str | None = None,
     max_grad_norm: float | None = None, world_size: int | None = None, shard: str | None = None,
     seq2seq_target_len: int | None = None, extrapolate_layers: bool | None = None, sample_index: int | None = None,
     lora: LoraSpec | None = None, adapter: str | os.PathLike | None = None, quantization: QuantSpec | None = None,
@@ -152,22 +154,29 @@ def estimate(
     ``model_or_config``: a ``PretrainedConfig``, a model directory / ``config.json`` path, a built
     ``nn.Module`` (never copied: a fake twin is made) or a built ``Trainer`` (its own ``training_step``
     replayed on batches its collator forms from its longest sample, or ``sample_index``; every setting
-    left ``None`` is the Trainer's own, and the Trainer is left as it was). ``batch_size`` is the
-    per-device micro-batch (``RunConfig.micro_batch_size``), ``accum`` the gradient accumulation steps
-    (``RunConfig.gradient_accumulation_steps``); every other keyword is the
-    :class:`~hf_memwatch.estimation.request.EstimateRequest` field of that name, documented there.
+    left ``None`` is the Trainer's own, and the Trainer is left as it was). Every keyword is the
+    :class:`~hf_memwatch.estimation.request.EstimateRequest` field of that name, documented there
+    (``micro_batch_size``: the per-device micro-batch); the old ``batch_size``, ``accum`` and
+    ``checkpointing`` are accepted for one release with a ``FutureWarning`` (:mod:`~hf_memwatch.core.renamed`).
 
     Example:
         >>> from transformers import GPT2Config                                   # doctest: +SKIP
         >>> cfg = GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=1000)    # doctest: +SKIP
-        >>> estimate(cfg, batch_size=8, seq_len=256, budget="1GiB").fits         # doctest: +SKIP
+        >>> estimate(cfg, micro_batch_size=8, seq_len=256, budget="1GiB").fits         # doctest: +SKIP
         True
     """
     if unknown:
-        raise MemWatchConfigError(unknown_keywords("estimate", unknown, estimate))
+        unknown = renamed_keywords("estimate", unknown)  # the old names, warned
+        micro_batch_size, gradient_accumulation_steps, activation_checkpointing = (
+            _one_of(name, given, unknown) for name, given in (
+                ("micro_batch_size", micro_batch_size), ("gradient_accumulation_steps", gradient_accumulation_steps),
+                ("activation_checkpointing", activation_checkpointing)))
+        if unknown:
+            raise MemWatchConfigError(unknown_keywords("estimate", unknown, estimate))
     request = EstimateRequest(
-        micro_batch_size=batch_size, gradient_accumulation_steps=accum, seq_len=seq_len, task=task,
-        precision=precision, optim=optim, checkpointing=checkpointing, device=device, budget=budget,
+        micro_batch_size=micro_batch_size, gradient_accumulation_steps=gradient_accumulation_steps, seq_len=seq_len,
+        task=task, precision=precision, optim=optim, activation_checkpointing=activation_checkpointing,
+        device=device, budget=budget,
         max_grad_norm=max_grad_norm, world_size=world_size, shard=shard, seq2seq_target_len=seq2seq_target_len,
         extrapolate_layers=extrapolate_layers, sample_index=sample_index, lora=lora, adapter=adapter,
         quantization=quantization, eval_batch_size=eval_batch_size, eval_samples=eval_samples,
@@ -177,6 +186,15 @@ def estimate(
         generation_num_beams=generation_num_beams, optimizer_step=optimizer_step, engine=engine,
         top_tensors=top_tensors, gpu=gpu)
     return estimate_request(model_or_config, request)
+
+
+def _one_of(name: str, given: Any, renamed: dict[str, Any]) -> Any:
+    """A keyword given under its new name or (popped from ``renamed``) its old one, not both."""
+    if name not in renamed:
+        return given
+    if given is not None:
+        raise MemWatchConfigError(f"estimate: pass {name}= only (its deprecated name was given too)")
+    return renamed.pop(name)
 
 
 # -- the engine ------------------------------------------------------------------------------
@@ -237,7 +255,7 @@ def _estimate_request(model_or_config: Any, request: EstimateRequest) -> MemoryE
 
 def _trainer_batch(trainer: Any, request: EstimateRequest, notes: list[str]) -> tuple[EstimateRequest, Any]:
     """The Trainer's worst-case collated batch (None: synthetic batches) and the request at its length."""
-    check_positive("batch_size", request.micro_batch_size)
+    check_positive("micro_batch_size", request.micro_batch_size)
     loaded = dataloader_batch_size(trainer, request.micro_batch_size, request.gradient_accumulation_steps)
     sample, sample_len, note = worst_case_batch(trainer, loaded, request.sample_index)
     if sample is None:
@@ -372,9 +390,10 @@ def _config_record(model: torch.nn.Module, request: EstimateRequest) -> dict[str
     generation = request.generation
     card = {"gpu": gpu_record(request.gpu)} if request.device == "cuda" and request.gpu is not None else {}
     return {
-        "model": type(model).__name__, "task": request.task, "batch_size": request.micro_batch_size,
+        "model": type(model).__name__, "task": request.task, "micro_batch_size": request.micro_batch_size,
         "seq_len": request.seq_len, "precision": request.precision, "optim": request.optim,
-        "checkpointing": request.checkpointing, "accum": request.gradient_accumulation_steps,
+        "activation_checkpointing": request.activation_checkpointing,
+        "gradient_accumulation_steps": request.gradient_accumulation_steps,
         "device": request.device, "world_size": request.world_size, "shard": request.shard,
         "seq2seq_target_len": request.seq2seq_target_len,
         "lora": None if request.lora is None else asdict(request.lora),
@@ -462,7 +481,7 @@ def _simulate(model: torch.nn.Module, fake_mode: Any, request: EstimateRequest, 
     config = inputs.config
     # checkpointing: a layer's forward replayed inside the backward moves each phase's high between
     # moments of the step as depth grows (layers.py's module doc): every layer replayed
-    stack = homogeneous_layers(model, config) if request.extrapolate_layers is not False and not request.checkpointing \
+    stack = homogeneous_layers(model, config) if request.extrapolate_layers is not False and not request.activation_checkpointing \
         else None
     depth = getattr(config, "num_hidden_layers", 0) or 0
     if stack is not None and (request.extrapolate_layers or depth >= AUTO_MIN_LAYERS):

@@ -61,13 +61,13 @@ def largest_fitting_batch(
     from .estimate import estimate  # the search itself needs no torch (the planner's import)
 
     budget_bytes = parse_bytes(budget)
-    kwargs.pop("batch_size", None)
+    kwargs.pop("micro_batch_size", None), kwargs.pop("batch_size", None)
     kwargs.pop("budget", None)
     peaks: dict[int, int] = {}
 
     def peak(batch: int) -> int:
         if batch not in peaks:
-            peaks[batch] = estimate(model_or_config, batch_size=batch, seq_len=seq_len, **kwargs).peak_bytes
+            peaks[batch] = estimate(model_or_config, micro_batch_size=batch, seq_len=seq_len, **kwargs).peak_bytes
         return peaks[batch]
 
     if peak(1) > budget_bytes:

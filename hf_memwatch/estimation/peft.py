@@ -7,8 +7,8 @@ takes. The adapter layers, the frozen base, ``modules_to_save`` and PEFT's forwa
 exactly what a real run builds; nothing is allocated.
 
 Usage:
-    >>> estimate(config, batch_size=8, seq_len=512, lora=LoraSpec(r=16, targets="all-linear"))  # doctest: +SKIP
-    >>> estimate(None, adapter="./my-adapter", batch_size=8, seq_len=512)                          # doctest: +SKIP
+    >>> estimate(config, micro_batch_size=8, seq_len=512, lora=LoraSpec(r=16, targets="all-linear"))  # doctest: +SKIP
+    >>> estimate(None, adapter="./my-adapter", micro_batch_size=8, seq_len=512)                    # doctest: +SKIP
 """
 
 from __future__ import annotations

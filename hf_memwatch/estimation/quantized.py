@@ -17,7 +17,7 @@ plus an fp32 absmax per 64 values (with double quantization a uint8 per block pl
 blocks), an 8-bit weight ``numel`` bytes plus an fp32 scale per row.
 
 Usage:
-    >>> estimate(config, batch_size=4, seq_len=512, quantization=QuantSpec(bits=4),    # doctest: +SKIP
+    >>> estimate(config, micro_batch_size=4, seq_len=512, quantization=QuantSpec(bits=4),  # doctest: +SKIP
     ...          lora=LoraSpec(r=16, targets="all-linear"))
 """
 

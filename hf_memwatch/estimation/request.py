@@ -1,7 +1,7 @@
 """What an estimate is asked: one frozen :class:`EstimateRequest`, named as :class:`RunConfig` names things.
 
-:func:`hf_memwatch.estimate` maps its keywords onto a request once (``batch_size`` is
-``micro_batch_size``, ``accum`` is ``gradient_accumulation_steps``); from there on the request travels
+:func:`hf_memwatch.estimate`'s keywords are the request's fields (the old ``batch_size``, ``accum``,
+``checkpointing`` accepted for one release with a warning: :mod:`~hf_memwatch.core.renamed`); the request travels
 whole — resolved against a Trainer's own configuration (:meth:`EstimateRequest.resolved`), validated
 (:meth:`EstimateRequest.validate`), then read by the step and eval replays. A setting left ``None`` is
 the Trainer's own, else :class:`RunConfig`'s default (``optim`` for a CUDA target: the Trainer's
@@ -26,6 +26,7 @@ from typing import Any
 from ..core.categories import ESTIMATE_CLASSES
 from ..core.choices import DEVICES, PRECISIONS, SHARDS, TASKS  # noqa: F401 - estimation's names for them
 from ..core.errors import MemWatchConfigError
+from ..core.renamed import accepts_renamed, renamed_keywords
 from ..core.run_config import RunConfig
 from ..core.units import parse_bytes
 from .generation import GenerationSettings
@@ -33,12 +34,13 @@ from .generation import GenerationSettings
 CLASS_NAMES = ESTIMATE_CLASSES  # core's one list, under the name estimation's API has exported
 
 # RunConfig's fields a request takes (None: the Trainer's own, else RunConfig's default)
-_RUN_FIELDS = ("micro_batch_size", "gradient_accumulation_steps", "checkpointing", "optim", "precision",
+_RUN_FIELDS = ("micro_batch_size", "gradient_accumulation_steps", "activation_checkpointing", "optim", "precision",
                "device", "world_size", "shard", "max_grad_norm")
-# the keyword each RunConfig field is given by in estimate()'s public signature (where it differs)
-PUBLIC_NAMES = {"micro_batch_size": "batch_size", "gradient_accumulation_steps": "accum"}
+# the old keywords of the run's fields (accepted for one release, warned: core/renamed.py)
+_OLD_FIELDS = {"checkpointing": "activation_checkpointing"}
 
 
+@accepts_renamed(_OLD_FIELDS)
 @dataclass(frozen=True)
 class EstimateRequest:
     """One estimate's settings: :class:`RunConfig`'s names for the run, the estimate's own beside them."""
@@ -46,7 +48,7 @@ class EstimateRequest:
     # -- the run (RunConfig's names) --
     micro_batch_size: int | None = None
     gradient_accumulation_steps: int | None = None
-    checkpointing: bool | None = None
+    activation_checkpointing: bool | None = None
     optim: str | None = None
     precision: str | None = None
     device: str | None = None
@@ -79,7 +81,7 @@ class EstimateRequest:
 
     def replace(self, **changes: Any) -> EstimateRequest:
         """A copy with ``changes`` applied."""
-        return dataclasses.replace(self, **changes)
+        return dataclasses.replace(self, **renamed_keywords("EstimateRequest.replace", changes, _OLD_FIELDS))
 
     def resolved(self, trainer: Any) -> EstimateRequest:
         """Every run setting left None filled: from ``trainer``'s :class:`RunConfig` (its ``seq_len``
@@ -146,7 +148,7 @@ class EstimateRequest:
     def validate(self) -> None:
         """Fail fast, with one line naming the public keyword, on settings that cannot work."""
         for name in ("micro_batch_size", "seq_len", "gradient_accumulation_steps", "world_size"):
-            check_positive(PUBLIC_NAMES.get(name, name), getattr(self, name))
+            check_positive(name, getattr(self, name))
         if self.seq2seq_target_len is not None:
             check_positive("seq2seq_target_len", self.seq2seq_target_len)
         if self.task is not None:

@@ -128,7 +128,7 @@ def simulate_step(model: torch.nn.Module, fake_mode: Any, request: Any, inputs: 
     """
     sample = inputs.sample
     with model_in_mode(model, request, TRAINING):
-        enabled = bool(request.checkpointing) and enable_checkpointing(model, getattr(inputs.trainer, "args", None))
+        enabled = bool(request.activation_checkpointing) and enable_checkpointing(model, getattr(inputs.trainer, "args", None))
         run = _StepRun(model, request, inputs, optimizer_for(model, request, inputs.trainer))
         try:
             with tracked(fake_mode, run.tracker, packed_rows(sample), padded_rows(sample)):

@@ -450,7 +450,7 @@ def plan_by_measuring(trainer: Any, run: RunConfig, budget: int, why: BaseExcept
     index, length, items = sample_items(trainer)
     predictor = MeasuredPredictor(trainer, run, items, budget=budget)
     # The catalogue's most conservative micro-step first: its figure bounds what is measured next.
-    predictor.measured(1, run.checkpointing or not run.checkpointing_unavailable, run.effective_batch > 1)
+    predictor.measured(1, run.activation_checkpointing or not run.checkpointing_unavailable, run.effective_batch > 1)
     text = str(why).splitlines()[0] if str(why) else ""
     cause = text.removeprefix("the estimator cannot replay this run: ")[:200] or type(why).__name__
     result = choose_measured(run.replace(seq_len=int(length or 1)), predictor, budget)

@@ -127,11 +127,11 @@ def _accumulation_says(run: RunConfig, plan: Any) -> str:
 
 
 def _checkpointing_unavailable(run: RunConfig) -> str | None:
-    return None if run.checkpointing else run.checkpointing_unavailable
+    return None if run.activation_checkpointing else run.checkpointing_unavailable
 
 
 def _checkpointing_options(run: RunConfig) -> list[bool]:
-    return [run.checkpointing] if run.checkpointing or run.checkpointing_unavailable else [False, True]
+    return [run.activation_checkpointing] if run.activation_checkpointing or run.checkpointing_unavailable else [False, True]
 
 
 def _checkpointing_step(run: RunConfig, on: bool, options: list[bool]) -> bool | None:

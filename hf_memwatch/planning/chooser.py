@@ -105,7 +105,7 @@ def relative_throughput(plan: Plan, run: RunConfig) -> float:
         tokens = micro * seq_len
         return tokens / (tokens + T_HALF) / (CHECKPOINTING_COST if checkpointing else 1.0)
 
-    return speed(plan.micro_batch_size, plan.activation_checkpointing) / speed(run.micro_batch_size, run.checkpointing)
+    return speed(plan.micro_batch_size, plan.activation_checkpointing) / speed(run.micro_batch_size, run.activation_checkpointing)
 
 
 def candidates(run: RunConfig, *, larger_micro_batches: bool = True) -> list[Plan]:

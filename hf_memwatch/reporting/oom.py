@@ -80,18 +80,18 @@ def estimate_command(model: Any, config: RunConfig) -> str:
     """The ``hf-memwatch estimate`` command line for ``config``.
 
     Example:
-        >>> run = RunConfig(8, 2, checkpointing=True, precision="bf16", seq_len=128)
+        >>> run = RunConfig(8, 2, activation_checkpointing=True, precision="bf16", seq_len=128)
         >>> estimate_command(None, run)
-        'hf-memwatch estimate <model dir or config.json> --batch-size 8 --seq-len 128 --precision bf16 --optim adamw_torch --accum 2 --device cpu --checkpointing'
+        'hf-memwatch estimate <model dir or config.json> --micro-batch-size 8 --seq-len 128 --precision bf16 --optim adamw_torch --gradient-accumulation-steps 2 --device cpu --activation-checkpointing'
     """
     source = getattr(getattr(model, "config", None), "name_or_path", "") or "<model dir or config.json>"
     parts = [
-        "hf-memwatch estimate", source, f"--batch-size {config.micro_batch_size}",
+        "hf-memwatch estimate", source, f"--micro-batch-size {config.micro_batch_size}",
         f"--seq-len {config.seq_len or '<tokens>'}", f"--precision {config.precision}", f"--optim {config.optim}",
-        f"--accum {config.gradient_accumulation_steps}", f"--device {config.device}",
+        f"--gradient-accumulation-steps {config.gradient_accumulation_steps}", f"--device {config.device}",
     ]
-    if config.checkpointing:
-        parts.append("--checkpointing")
+    if config.activation_checkpointing:
+        parts.append("--activation-checkpointing")
     return " ".join(parts)
 
 
@@ -339,7 +339,7 @@ def render_oom_report(failure: PostMortem, baseline: int | None, remedies: list[
         f"- **Run:** {model_text}batch {config.micro_batch_size} per device × gradient accumulation "
         f"{config.gradient_accumulation_steps}, "
         f"sequence length {config.seq_len or '?'}, {config.precision}, optim {config.optim}, "
-        f"gradient checkpointing {'on' if config.checkpointing else 'off'}, device {config.device}",
+        f"gradient checkpointing {'on' if config.activation_checkpointing else 'off'}, device {config.device}",
     ]
     if last is not None:
         lines.append(

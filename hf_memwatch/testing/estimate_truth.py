@@ -5,7 +5,7 @@ before ``train()`` are the baseline; the profiler's CPU allocator events inside 
 the rest (:func:`hf_memwatch.testing.truth.window_peak`).
 
 Usage:
-    >>> peak = trainer_peak(model, task="causal-lm", batch_size=8, seq_len=64)   # doctest: +SKIP
+    >>> peak = trainer_peak(model, task="causal-lm", micro_batch_size=8, seq_len=64)   # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import torch
 
 from ..compat.accelerate import accelerate_environment_kept
 from ..compat.trainer import checkpointing_argument
+from ..core.renamed import renamed_keywords
 from ..estimation.generation import GenerationSettings
 from ..estimation.trainer_mirror import make_batch
 from ..measure.attribution import weight_storages
@@ -58,13 +59,21 @@ def _fresh_bitsandbytes_overrides() -> None:
 
 
 def trainer_peak(
-    model: torch.nn.Module, *, task: str, batch_size: int, seq_len: int, target_len: int | None = None,
-    precision: str = "fp32", optim: str = "adamw_torch", checkpointing: bool = False, accum: int = 1,
-    max_grad_norm: float = 1.0, steps: int = 2,
+    model: torch.nn.Module, *, task: str, seq_len: int, micro_batch_size: int | None = None,
+    target_len: int | None = None, precision: str = "fp32", optim: str = "adamw_torch",
+    activation_checkpointing: bool = False, gradient_accumulation_steps: int = 1, max_grad_norm: float = 1.0,
+    steps: int = 2, **renamed: Any,
 ) -> int:
-    """Peak live CPU bytes of ``steps`` real Trainer optimizer steps, from the profiler's memory events."""
+    """Peak live CPU bytes of ``steps`` real Trainer optimizer steps, from the profiler's memory events
+    (named as :func:`hf_memwatch.estimate`: the old ``batch_size``/``accum``/``checkpointing`` warned)."""
     from transformers import Trainer, TrainingArguments
 
+    old = renamed_keywords("trainer_peak", renamed)  # the old batch_size/accum/checkpointing, warned
+    batch_size = old.pop("micro_batch_size", micro_batch_size)
+    accum = old.pop("gradient_accumulation_steps", gradient_accumulation_steps)
+    checkpointing = old.pop("activation_checkpointing", activation_checkpointing)
+    if old or batch_size is None:
+        raise TypeError(f"trainer_peak() needs micro_batch_size; unexpected keywords {sorted(old)}")
     config = model.config
     target_len = target_len or seq_len
     dataset = synthetic_dataset(config, task, batch_size * accum * steps, seq_len, target_len)

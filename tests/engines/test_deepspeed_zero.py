@@ -263,7 +263,7 @@ def test_cli_estimate_agrees_with_the_auto_modes_prediction(zero_runs, tmp_path,
 
     out, facts = zero_runs
     gpt2_model().config.save_pretrained(tmp_path)
-    argv = ["estimate", str(tmp_path), "--batch-size", "4", "--accum", "2", "--seq-len", str(facts[0][name]["seq_len"]), "--world-size", "2",
+    argv = ["estimate", str(tmp_path), "--micro-batch-size", "4", "--gradient-accumulation-steps", "2", "--seq-len", str(facts[0][name]["seq_len"]), "--world-size", "2",
             "--shard", shard, "--offload", offload, "--reduce-bucket-size", "1e5", "--json"]
     if shard == "zero3":
         argv += ["--prefetch-bucket-size", "1e5"]

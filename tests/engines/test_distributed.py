@@ -187,7 +187,7 @@ def test_scalars_figure_is_the_maximum_over_ranks(ddp_runs):
 def test_ddp_estimate_matches_the_measured_rank_peak(ddp_runs):
     """``estimate(world_size=2)`` (DDP, no sharding) against the peak each rank measured."""
     out, facts = ddp_runs
-    predicted = estimate(gpt2_model().config, batch_size=8, seq_len=32, world_size=2, shard="none",
+    predicted = estimate(gpt2_model().config, micro_batch_size=8, seq_len=32, world_size=2, shard="none",
                          optim="adamw_torch_fused").peak_bytes
     for rank in (0, 1):
         measured = max(step_peaks(out / "watch", rank))
@@ -309,9 +309,9 @@ def test_zero_sharding_of_model_states_by_hand(world_size):
 def test_estimate_divides_the_model_states_per_rank():
     """End to end through ``estimate``: the peak-phase classes, single process vs 4 ranks."""
     config = gpt2_model().config
-    single = estimate(config, batch_size=8, seq_len=32, optim="adamw_torch")
-    zero1 = estimate(config, batch_size=8, seq_len=32, optim="adamw_torch", world_size=4, shard="zero1")
-    zero3 = estimate(config, batch_size=8, seq_len=32, optim="adamw_torch", world_size=4, shard="zero3")
+    single = estimate(config, micro_batch_size=8, seq_len=32, optim="adamw_torch")
+    zero1 = estimate(config, micro_batch_size=8, seq_len=32, optim="adamw_torch", world_size=4, shard="zero1")
+    zero3 = estimate(config, micro_batch_size=8, seq_len=32, optim="adamw_torch", world_size=4, shard="zero3")
     assert single.classes["weights"] == 4 * P
     assert single.classes["optimizer_states"] == 8 * P + 4 * TENSORS
     assert zero1.classes["optimizer_states"] == -(-(8 * P + 4 * TENSORS) // 4)
@@ -333,7 +333,7 @@ def test_model_states_against_deepspeed_estimators():
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
     model = gpt2_model()
-    single = estimate(model.config, batch_size=1, seq_len=8, precision="bf16")
+    single = estimate(model.config, micro_batch_size=1, seq_len=8, precision="bf16")
     full = dict.fromkeys(single.classes, 0)
     full.update(weights=single.classes["weights"], gradients=4 * P,
                 optimizer_states=single.classes["optimizer_states"])

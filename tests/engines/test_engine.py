@@ -129,7 +129,7 @@ def test_engine_remedies_join_the_catalogue_as_advice_with_their_per_rank_saving
     model = gpt2_model()
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     ddp = RunConfig(micro_batch_size=8, world_size=2, engine=Engine(kind="ddp", world_size=2))
-    predicted = estimate(model, batch_size=8, seq_len=32, world_size=2, shard="none")
+    predicted = estimate(model, micro_batch_size=8, seq_len=32, world_size=2, shard="none")
     found = {a.name.split(" ")[0] + " " + a.name.split(" ")[1]: a for a in advice(
         ddp, predicted.frozen_models, 0, predicted.peak_bytes, classes=predicted.classes)}
     states = predicted.classes["optimizer_states"]
@@ -137,7 +137,7 @@ def test_engine_remedies_join_the_catalogue_as_advice_with_their_per_rank_saving
     assert zero1.saving == weights + states - states // 2 - weights // 2 > 0  # buckets + half the states
     # Without the split (a caller that has none) nothing is invented; a single process has no engine remedy.
     assert not advice(ddp, {}, 0, predicted.peak_bytes)
-    single = estimate(model, batch_size=8, seq_len=32)
+    single = estimate(model, micro_batch_size=8, seq_len=32)
     assert not advice(RunConfig(micro_batch_size=8), {}, 0, single.peak_bytes, classes=single.classes)
     # ZeRO-1 on an accelerator: ZeRO-2 and the optimizer offload; on CPU ranks no offload (host RAM is the device).
     split = {"weights": 4000, "gradients": 4000, "optimizer_states": 12000}

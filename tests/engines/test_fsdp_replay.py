@@ -70,7 +70,7 @@ def _sharded_step_peak(reshard: bool) -> int:
 def _predicted(reshard: bool) -> int:
     engine = Engine(kind="fsdp", world_size=2, fsdp_version=2,
                     fsdp_strategy="FULL_SHARD" if reshard else "SHARD_GRAD_OP")
-    return estimate(llama_model(), engine=engine, shard="fsdp", world_size=2, batch_size=BATCH, seq_len=SEQ,
+    return estimate(llama_model(), engine=engine, shard="fsdp", world_size=2, micro_batch_size=BATCH, seq_len=SEQ,
                     optim="adamw_torch").peak_bytes
 
 
@@ -106,11 +106,11 @@ def test_cli_shard_fsdp_is_the_replay(tmp_path, capsys):
     from hf_memwatch.cli.main import main
 
     gpt2_model().config.save_pretrained(tmp_path)
-    assert main(["estimate", str(tmp_path), "--batch-size", str(BATCH), "--seq-len", str(SEQ), "--world-size", "2",
+    assert main(["estimate", str(tmp_path), "--micro-batch-size", str(BATCH), "--seq-len", str(SEQ), "--world-size", "2",
                  "--shard", "fsdp", "--optim", "adamw_torch", "--json"]) == 0
     printed = json.loads(capsys.readouterr().out)
     engine = Engine(kind="fsdp", world_size=2, fsdp_version=2, fsdp_strategy="FULL_SHARD")
-    replayed = estimate(str(tmp_path), engine=engine, shard="fsdp", world_size=2, batch_size=BATCH, seq_len=SEQ,
+    replayed = estimate(str(tmp_path), engine=engine, shard="fsdp", world_size=2, micro_batch_size=BATCH, seq_len=SEQ,
                         optim="adamw_torch")
     assert printed["peak_bytes"] == replayed.peak_bytes
     assert any(note.startswith("FSDP2 x 2") for note in replayed.notes)

@@ -41,7 +41,7 @@ def test_second_micro_step_backward_holds_two_gradient_partitions_and_the_bucket
     the replay held the single-process ``.grad`` divided by 2 and no such buffer."""
     model = gpt2_model()
     engine = Engine(kind="deepspeed", world_size=2, zero_stage=2, reduce_bucket_size=BUCKET)
-    result = estimate(model.config, batch_size=4, accum=2, seq_len=32, checkpointing=True, optim="adamw_torch",
+    result = estimate(model.config, micro_batch_size=4, gradient_accumulation_steps=2, seq_len=32, activation_checkpointing=True, optim="adamw_torch",
                       world_size=2, shard="zero2", engine=engine, top_tensors=12)
     kept = widest_partition(model, 2).numel
     assert result.peak_phase == "after_backward"
@@ -50,7 +50,7 @@ def test_second_micro_step_backward_holds_two_gradient_partitions_and_the_bucket
     # ... counted as gradients (the engine holds them outside .grad), never divided again by the ranks
     assert result.classes["gradients"] == 4 * (2 * kept + BUCKET), result.classes
     # ZeRO-1 keeps the whole .grad between micro-steps: no partition before the boundary's reduction.
-    zero1 = estimate(model.config, batch_size=4, accum=2, seq_len=32, checkpointing=True, optim="adamw_torch",
+    zero1 = estimate(model.config, micro_batch_size=4, gradient_accumulation_steps=2, seq_len=32, activation_checkpointing=True, optim="adamw_torch",
                      world_size=2, shard="zero1", engine=engine.replace(zero_stage=1), top_tensors=12)
     assert zero1.peak_phase == "after_backward"
     assert [kept] not in [t.shape for t in zero1.peak_tensors.tensors], [t.shape for t in zero1.peak_tensors.tensors]

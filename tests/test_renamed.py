@@ -1,0 +1,121 @@
+"""One name per concept (hf_memwatch/core/renamed.py): the old keywords and flags still work for one
+release, each with one FutureWarning naming the new one; the library's own code uses the new names."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+from transformers import GPT2Config
+
+from hf_memwatch.cli.main import build_parser
+from hf_memwatch.core.errors import MemWatchConfigError
+from hf_memwatch.core.plan import Plan
+from hf_memwatch.core.renamed import RENAMED
+from hf_memwatch.core.run_config import RunConfig
+from hf_memwatch.estimation.estimate import estimate
+from hf_memwatch.estimation.request import EstimateRequest
+
+TINY = GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=128, n_positions=64)
+
+
+def _warned(caught: list[warnings.WarningMessage], old: str, new: str) -> None:
+    """Exactly one FutureWarning, naming the old and the new name, pointed at this file."""
+    ours = [w for w in caught if issubclass(w.category, FutureWarning)]
+    assert len(ours) == 1, [str(w.message) for w in caught]
+    assert old in str(ours[0].message) and new in str(ours[0].message)
+    assert ours[0].filename == __file__  # the caller's line, not the library's
+
+
+@pytest.mark.parametrize(("old", "new", "value"), [("batch_size", "micro_batch_size", 2),
+                                                   ("accum", "gradient_accumulation_steps", 2),
+                                                   ("checkpointing", "activation_checkpointing", True)])
+def test_estimate_old_keyword_warns_and_means_the_new_one(old, new, value):
+    kwargs = dict(micro_batch_size=2, seq_len=16)
+    kwargs.pop(new, None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        by_old = estimate(TINY, **kwargs, **{old: value})
+    _warned(caught, f"{old}=", f"{new}=")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # the new name: silent
+        by_new = estimate(TINY, **kwargs, **{new: value})
+    assert by_old.peak_bytes == by_new.peak_bytes and by_old.config == by_new.config
+    assert by_new.config[new] == value  # the config record names it as the keyword
+
+
+def test_estimate_both_names_is_one_error():
+    with pytest.raises(MemWatchConfigError, match="pass micro_batch_size= only"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        estimate(TINY, micro_batch_size=2, batch_size=2, seq_len=16)
+
+
+def test_estimate_unknown_keyword_still_refused():
+    with pytest.raises(MemWatchConfigError, match="batch_sise"):
+        estimate(TINY, batch_sise=2, seq_len=16)
+
+
+@pytest.mark.parametrize("cls", [RunConfig, EstimateRequest])
+def test_run_and_request_old_field_name(cls):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        made = cls(micro_batch_size=4, checkpointing=True)
+    _warned(caught, "checkpointing=", "activation_checkpointing=")
+    assert made == cls(micro_batch_size=4, activation_checkpointing=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert made.checkpointing is True  # the old attribute reads the new field
+    _warned(caught, ".checkpointing", ".activation_checkpointing")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert made.replace(checkpointing=False).activation_checkpointing is False
+    _warned(caught, "checkpointing=", "activation_checkpointing=")
+    with pytest.raises(MemWatchConfigError, match="pass activation_checkpointing= only"), \
+            warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        cls(micro_batch_size=4, checkpointing=True, activation_checkpointing=True)
+
+
+def test_one_name_across_run_request_plan_and_estimate():
+    """Plan, RunConfig, EstimateRequest and estimate() name the run's settings alike (the records' names)."""
+    import dataclasses
+    import inspect
+
+    keywords = set(inspect.signature(estimate).parameters)
+    for cls in (RunConfig, EstimateRequest, Plan):
+        fields = {f.name for f in dataclasses.fields(cls)}
+        assert set(RENAMED.values()) <= fields, cls
+        assert not set(RENAMED) & fields, cls
+    assert set(RENAMED.values()) <= keywords and not set(RENAMED) & keywords
+    run = RunConfig(micro_batch_size=4, gradient_accumulation_steps=2, activation_checkpointing=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # the library's own calls use the new names
+        assert set(RENAMED.values()) <= set(run.estimate_kwargs())
+        assert Plan.of(run).configure(run) == run
+
+
+@pytest.mark.parametrize(("argv", "dest", "value", "new"), [
+    (["--batch-size", "3"], "micro_batch_size", 3, "--micro-batch-size"),
+    (["--accum", "4"], "gradient_accumulation_steps", 4, "--gradient-accumulation-steps"),
+    (["--checkpointing"], "activation_checkpointing", True, "--activation-checkpointing"),
+    (["--no-checkpointing"], "activation_checkpointing", False, "--no-activation-checkpointing"),
+])
+def test_cli_old_flag_is_a_hidden_alias_that_warns(argv, dest, value, new):
+    parser = build_parser()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        args = parser.parse_args(["estimate", "m", *argv])
+    ours = [w for w in caught if issubclass(w.category, FutureWarning)]
+    assert len(ours) == 1 and argv[0] in str(ours[0].message) and new in str(ours[0].message)
+    assert getattr(args, dest) == value
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        default = parser.parse_args(["estimate", "m"])
+        given = parser.parse_args(["estimate", "m", new, *argv[1:]])
+    assert getattr(given, dest) == value
+    assert getattr(default, dest) == {"micro_batch_size": 8, "gradient_accumulation_steps": 1,
+                                      "activation_checkpointing": None}[dest]
+    estimate_parser = next(a for a in parser._subparsers._group_actions[0].choices.values()
+                           if a.prog.endswith("estimate"))
+    assert argv[0] not in estimate_parser.format_help()  # hidden
+    assert new in estimate_parser.format_help()
