@@ -105,7 +105,12 @@ def no_fit_note(run: RunConfig, classes: Mapping[str, int], peak: int, peak_phas
     if found:
         return text + " Engine remedies (not applied: they change the engine or its JSON): " + "; ".join(
             f"{item.name} would save {format_bytes(item.saving)} per rank" for item in found) + "."
-    why = next((reasons for rules in ENGINES if (reasons := rules.no_fit_reasons(run, peak_phase)) is not None), None)
+    why = no_fit_reasons(run, peak_phase)
     if why is None:
         return text
     return text + " No engine remedy applies: " + "; ".join(why) + "."
+
+
+def no_fit_reasons(run: RunConfig, peak_phase: str | None) -> list[str] | None:
+    """Why no remedy of ``run``'s engine applies when no plan fits (None: the engine has none to say)."""
+    return next((reasons for rules in ENGINES if (reasons := rules.no_fit_reasons(run, peak_phase)) is not None), None)
