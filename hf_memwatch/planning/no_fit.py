@@ -102,7 +102,8 @@ def smallest_plan(result: PlanResult, predictor: Any) -> Plan:
     line = [p for p in plans if p.micro_batch_size == micro and p.activation_checkpointing == checkpointing]
     for plan in line:
         plan.predicted_peak = predictor.peak(plan)
-    return min(line, key=lambda p: int(p.predicted_peak or 0))
+    # checkpointing a short sequence can cost more than it saves: the least of every figure in hand
+    return min((p for p in plans if p.predicted_peak is not None), key=lambda p: int(p.predicted_peak or 0))
 
 
 def length_advice(predictor: Any, plan: Plan, length: int, limit: int) -> Tried | None:
@@ -138,9 +139,11 @@ def _guess(figures: dict[int, int], low: int, high: int, limit: int) -> int:
     return (low + high) // 2
 
 
-def lora_advice(predictor: Any, plan: Plan, limit: int) -> Tried | None:
-    """LoRA (PEFT's default targets for the architecture, r=8) on ``plan``, re-estimated. None where the
-    run trains a PEFT model already, peft is missing, or the estimator cannot replay it."""
+def lora_advice(predictor: Any, plan: Plan, estimate: Any) -> Tried | None:
+    """LoRA (PEFT's default targets for the architecture, r=8) on ``plan``, re-estimated. Where the
+    estimator cannot replay it (an optimizer instance handed to the Trainer holds the base's parameters),
+    the full model's gradients and optimizer states at ``estimate``'s peak, "up to". None where the run
+    trains a PEFT model already or peft is missing."""
     from ..core.extras import installed
 
     if predictor.run.peft_model or not installed("peft"):
@@ -149,8 +152,10 @@ def lora_advice(predictor: Any, plan: Plan, limit: int) -> Tried | None:
 
     try:
         peak = predictor._with_margin(_estimate(predictor, plan, lora=LoraSpec()).peak_bytes)
-    except Exception:  # noqa: BLE001 - the stop goes out without this advice
-        return None
+    except Exception:  # noqa: BLE001 - the split's figure instead
+        held = int(estimate.classes.get("gradients", 0) + estimate.classes.get("optimizer_states", 0))
+        return Tried("LoRA (peft_config=LoraConfig(r=8))", held, "the full model's gradients and optimizer "
+                     "states at the peak; not replayed: a new optimizer is needed") if held > 0 else None
     saving = int(plan.predicted_peak or 0) - peak
     if saving <= 0:
         return None
@@ -222,7 +227,7 @@ def no_fit_report(result: PlanResult, predictor: Any, limit: int, budget_text: s
     estimate = predictor.estimate(best)
     fused = fused_head_of(predictor.subject)
     tried = [item for item in (length_advice(predictor, best, int(estimate.config.get("seq_len") or 0), limit),
-                               lora_advice(predictor, best, limit)) if item is not None]
+                               lora_advice(predictor, best, estimate)) if item is not None]
     tried += split_advice(predictor, best, estimate, fused)
     held = ", ".join(f"{name.replace('_', ' ')} {format_bytes(value)}"
                      for name, value in estimate.classes.items() if value > 0)
