@@ -97,3 +97,28 @@ def test_truncating_cuts_only_batch_by_sequence_tensors() -> None:
                                       "label": torch.zeros(2)}, 5)([{}, {}])
     assert (batch["input_ids"].shape, batch["pixel_values"].shape, batch["label"].shape) == (
         (2, 5), (2, 3, 4, 4), (2,))
+
+
+def test_cli_budget_stop_gives_the_length_that_fits(tmp_path: Path, capsys: Any) -> None:
+    """``hf-memwatch estimate --budget``: the same lines after its one-line verdict; the advised length,
+    estimated again from the config, fits."""
+    from hf_memwatch.cli.main import main
+
+    gpt2_model().config.save_pretrained(tmp_path)
+    budget = 8 << 20
+    assert main(["estimate", str(tmp_path), "--batch-size", "8", "--seq-len", "256", "--optim", "sgd",
+                 "--budget", "8MiB"]) == 1
+    err = capsys.readouterr().err
+    assert "- 8-bit AdamW: optim='sgd' is not AdamW" in " ".join(err.split())
+    length, longest, figure = advised_length(err)
+    assert longest == 256
+    peak = with_margin(estimate(str(tmp_path), batch_size=1, accum=8, checkpointing=True, seq_len=length,
+                                optim="sgd").peak_bytes)
+    assert format_bytes(peak) == figure and peak <= budget
+
+
+def test_a_figure_is_never_split_from_its_unit() -> None:
+    from hf_memwatch.planning.no_fit import WIDTH, _wrap
+
+    line = "x " * (WIDTH // 2 - 3) + "13.48 MiB"  # the unit alone would pass the width
+    assert "13.48 MiB" in _wrap(line) and all(len(part) <= WIDTH for part in _wrap(line).splitlines())
