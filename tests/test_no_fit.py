@@ -122,3 +122,22 @@ def test_a_figure_is_never_split_from_its_unit() -> None:
 
     line = "x " * (WIDTH // 2 - 3) + "13.48 MiB"  # the unit alone would pass the width
     assert "13.48 MiB" in _wrap(line) and all(len(part) <= WIDTH for part in _wrap(line).splitlines())
+
+
+def test_logits_dominated_stop_advises_trl_fused_head_and_no_liger_on_cpu(tmp_path: Path) -> None:
+    """A 16k vocabulary at 128 tokens: the logit-shaped tensors (logits, upcast, gradients) fill the
+    backward peak of the smallest plan; the fused LM head of TRL's SFTTrainer is advised with them as its
+    saving, Liger (Triton, CUDA only) is not, on a CPU target."""
+    def run(out: Path, callbacks: list[Any]) -> Trainer:
+        return Trainer(model=gpt2_model(n_embd=64, vocab=16000), train_dataset=token_dataset(16, 128, 16000),
+                       args=training_args(out, per_device_train_batch_size=4, max_steps=1, optim="sgd"),
+                       callbacks=callbacks)
+
+    smallest = estimate(run(tmp_path / "probe", []), batch_size=1, accum=4, checkpointing=True)
+    budget = int(0.85 * with_margin(smallest.peak_bytes))
+    flat = " ".join(stop_message(run(tmp_path / "auto", [MemWatch(auto=True, budget=budget, **FULL)])).split())
+    found = re.search(r"- trl\.SFTTrainer \(its fused LM head\): saves up to ([\d.]+) MiB", flat)
+    assert found, flat
+    held = smallest.classes["temporaries"] + smallest.classes["activations"]
+    assert 0.5 * held < float(found[1]) * 2**20 <= held  # most of the peak's transient bytes, never more
+    assert "use_liger_kernel" not in flat
