@@ -202,7 +202,7 @@ def split_advice(predictor: Any, plan: Plan, estimate: Any, fused: str | None) -
     logits = 0 if fused else max(logits_bytes(estimate), logit_shaped_bytes(predictor, plan))
     found = advice(predictor.run, estimate.frozen_models, logits, int(estimate.peak_bytes),
                    classes=estimate.classes, peak_phase=estimate.peak_phase)
-    return [Tried(item.name, int(item.saving), "read from the tensors at the peak") for item in found]
+    return [Tried(item.name, int(item.saving), "read from the estimate at the peak") for item in found]
 
 
 def unavailable(result: PlanResult, run: Any, estimate: Any, fused: str | None) -> dict[str, str]:
