@@ -90,7 +90,8 @@ def test_estimate_exits_non_zero_when_nothing_fits(model_dir, capsys):
     status = main(["estimate", str(model_dir), "--micro-batch-size", "1", "--seq-len", "8", "--budget", "1KiB"])
     err = capsys.readouterr().err.strip().splitlines()
     assert status == 1
-    assert len(err) == 1 and err[0].startswith("hf-memwatch estimate: nothing fits the budget 1.00 KiB")
+    assert err[0].startswith("hf-memwatch estimate: nothing fits the budget 1.00 KiB")
+    assert err[2].startswith("smallest plan (micro-batch 1") and "- LoRA (peft_config=" in "\n".join(err)  # what to try
     assert main(["estimate", str(model_dir), "--micro-batch-size", "1", "--seq-len", "8", "--budget", "1GiB"]) == 0
 
 

@@ -393,8 +393,18 @@ def run(args: argparse.Namespace) -> int:
         smallest = min((row["peak_bytes"] for row in payload["remedies"]), default=payload["peak_bytes"])
         print(f"hf-memwatch estimate: nothing fits the budget {format_bytes(budget)}: the smallest remedy "
               f"needs {format_bytes(smallest)} at micro-batch {args.micro_batch_size}", file=sys.stderr)
+        print(what_to_try(request, budget), file=sys.stderr)
         return NOTHING_FITS
     return 0
+
+
+def what_to_try(request: PlanRequest, budget: int) -> str:
+    """The lines of a stop that say what to try (:mod:`hf_memwatch.planning.no_fit`), after the first."""
+    from ..planning.no_fit import no_fit_report
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        text, _ = no_fit_report(request.choose(), request.predictor, budget, format_bytes(budget))
+    return text.split("\n", 1)[1]
 
 
 def _print_table(payload: dict[str, Any]) -> None:

@@ -7,7 +7,7 @@ Layout (each engine owns its live measurement, its replay rules, its advice; ``t
                     last, the base, is one process); what the estimator (:func:`~.registry.rules_for`),
                     the monitor (:func:`~.registry.make_monitor`), the planner
                     (:func:`~.registry.engine_advice`, :func:`~.registry.eight_bit_unavailable`,
-                    :func:`~.registry.no_fit_note`) and the CLI (:func:`~.registry.engine_of_options`) ask
+                    :func:`~.registry.no_fit_reasons`) and the CLI (:func:`~.registry.engine_of_options`) ask
 ``rules``           ``EngineRules``: an engine's methods at each floor, defaults for one process
 ``engine``          ``Engine``, the engine as accelerate builds it, read from the Trainer's accelerator,
                     its arguments or the launcher's environment; ``SHARDS``

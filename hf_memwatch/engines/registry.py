@@ -20,7 +20,6 @@ from typing import Any
 
 from ..core.advice import Advice
 from ..core.run_config import RunConfig
-from ..core.units import format_bytes
 from ..measure.held_models import HeldModels, held_models
 from ..measure.monitor import StepMonitor
 from .ddp.rules import DdpRules
@@ -81,31 +80,6 @@ def eight_bit_unavailable(run: RunConfig) -> str | None:
     return next((why for rules in ENGINES if (why := rules.eight_bit_unavailable(run)) is not None), None)
 
 
-def no_fit_note(run: RunConfig, classes: Mapping[str, int], peak: int, peak_phase: str) -> str:
-    """For the message of a run no plan fits: what the smallest plan holds at its ``peak`` (its
-    predicted split ``classes`` at ``peak_phase``), and the engine remedies that apply — or, on a
-    distributed engine, why none does.
-
-    Example:
-        >>> from hf_memwatch.engines.engine import Engine
-        >>> run = RunConfig(micro_batch_size=1, world_size=2, device="cpu", engine=Engine(
-        ...     kind="deepspeed", world_size=2, zero_stage=2, reduce_bucket_size=100))
-        >>> no_fit_note(run, {"weights": 4096, "gradients": 2048, "activations": 0}, 6144, "after_optimizer")
-        ... # doctest: +NORMALIZE_WHITESPACE
-        ' At its peak (the optimizer step) it holds weights 4.00 KiB, gradients 2.00 KiB. No engine remedy applies:
-        optimizer offload saves nothing on CPU ranks (host RAM is the device); the reduce bucket is released at the
-        end of the backward, before this peak; ZeRO-3 is not predicted here (a model under its live-parameter
-        limits stays gathered whole: try hf-memwatch estimate --shard zero3).'
-    """
-    held = ", ".join(f"{name.replace('_', ' ')} {format_bytes(value)}" for name, value in classes.items() if value > 0)
-    where = {"after_forward": "the forward", "after_backward": "the backward",
-             "after_optimizer": "the optimizer step"}.get(peak_phase, peak_phase)
-    text = f" At its peak ({where}) it holds {held}."
-    found = engine_advice(run, classes, peak, peak_phase)
-    if found:
-        return text + " Engine remedies (not applied: they change the engine or its JSON): " + "; ".join(
-            f"{item.name} would save {format_bytes(item.saving)} per rank" for item in found) + "."
-    why = next((reasons for rules in ENGINES if (reasons := rules.no_fit_reasons(run, peak_phase)) is not None), None)
-    if why is None:
-        return text
-    return text + " No engine remedy applies: " + "; ".join(why) + "."
+def no_fit_reasons(run: RunConfig, peak_phase: str | None) -> list[str] | None:
+    """Why no remedy of ``run``'s engine applies when no plan fits (None: the engine has none to say)."""
+    return next((reasons for rules in ENGINES if (reasons := rules.no_fit_reasons(run, peak_phase)) is not None), None)

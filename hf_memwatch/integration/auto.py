@@ -58,7 +58,7 @@ from ..planning.budget import (
     resolve_budget,
     with_predicted_reserve,
 )
-from ..planning.catalogue import advice, no_fit_advice, with_state_share
+from ..planning.catalogue import advice, with_state_share
 from ..planning.chooser import no_fit_message, plan_run
 from ..planning.eval_plan import eval_request, plan_eval
 from ..planning.lengths import worst_batch
@@ -344,17 +344,14 @@ class AutoMode(BetweenSteps):
             raise EstimatorUnavailable(f"the estimator cannot replay this run: {exc}") from exc
         self.planning_seconds = time.perf_counter() - started
         self.plan_changed_the_run = result.chosen is not None and result.chosen.key() != result.given.key()
-        if result.chosen is None:
-            from ..engines.registry import no_fit_note
+        if result.chosen is None:  # what was unavailable and why, and the advice with re-estimated figures
+            from ..planning.no_fit import no_fit_report
 
-            try:  # what bounds the smallest plan, and the engine's remedies
-                best = predictor.estimate(result.best_effort())
-                note = no_fit_note(run, best.classes, best.peak_bytes, best.peak_phase)
-                note += no_fit_advice(run, best, budget.usable)  # what changes to the run would reach it
-            except Exception:  # noqa: BLE001 - the message goes out without it
-                note = ""
-            raise over_budget_error(no_fit_message(result, budget.describe()) + note,
-                                    result.best_effort().predicted_peak, budget.usable)
+            try:
+                message, need = no_fit_report(result, predictor, budget.usable, budget.describe())
+            except Exception:  # noqa: BLE001 - the message goes out without the advice
+                message, need = no_fit_message(result, budget.describe()), result.best_effort().predicted_peak
+            raise over_budget_error(message, need, budget.usable)
         # the remedies unavailable are named once, in the plan line (chooser.explain)
         sample = planned_batch(trainer, result.chosen.micro_batch_size, worst, run.seq_len, list(given_estimate.notes))
         record = plan_record(result, run, budget, sample).replace(

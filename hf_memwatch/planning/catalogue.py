@@ -326,36 +326,3 @@ def fused_loss_advice(logits: int, peak: int, device: str = "cuda") -> list[Advi
             "TRL's SFTTrainer computes the per-token log-probabilities in chunks without materialising the "
             "logits (any device); the run's data must suit SFT"))
     return found
-
-
-def no_fit_advice(run: RunConfig, estimate: Any, limit: int) -> str:
-    """For the message of a run no plan fits: the advice for its smallest plan (``estimate``, a
-    ``MemoryEstimate`` of it) with each saving, and which of them alone would reach ``limit`` (usable
-    bytes) — or that none applies. The engine's remedies are :func:`~hf_memwatch.engines.advice.no_fit_note`'s.
-
-    Beside :func:`advice` (the fused / chunked loss where logits dominate, a preference trainer's
-    reference model): LoRA where the model is not a PEFT model already — the full model's gradients
-    and optimizer states at the peak are no longer held (the adapters' are, a few percent of them).
-
-    Example:
-        >>> from types import SimpleNamespace
-        >>> est = SimpleNamespace(peak_bytes=1000, frozen_models={}, details={},
-        ...                       classes={"weights": 300, "gradients": 300, "optimizer_states": 200, "activations": 200})
-        >>> no_fit_advice(RunConfig(micro_batch_size=1), est, 600)
-        ' Advice (it changes what is trained or computed; not applied): LoRA (peft_config=...) would save up to 500 B, enough alone.'
-    """
-    from ..core.units import format_bytes
-    from ..estimation.estimate import logits_bytes
-
-    peak = int(estimate.peak_bytes)
-    found = advice(run, estimate.frozen_models, logits_bytes(estimate), peak)
-    classes = estimate.classes
-    if not run.peft_model and classes.get("gradients", 0) + classes.get("optimizer_states", 0) > 0:
-        found.append(Advice("LoRA (peft_config=...)", int(classes.get("gradients", 0) + classes.get("optimizer_states", 0)),
-                            "train low-rank adapters: the full model's gradients and optimizer states are not held"))
-    if not found:
-        return " No advice applies: raise the budget, or use a smaller model or shorter sequences."
-    missing = peak - limit
-    return " Advice (it changes what is trained or computed; not applied): " + "; ".join(
-        f"{item.name} would save up to {format_bytes(item.saving)}" + (", enough alone" if item.saving >= missing else "")
-        for item in found) + "."

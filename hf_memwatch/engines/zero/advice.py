@@ -34,7 +34,7 @@ not applied: it could be written into the DeepSpeed JSON before ``train()`` (the
 ``accelerator.state.deepspeed_plugin.hf_ds_config.config`` into the engine it builds there), but on
 more than 2 ranks the reductions' grouping, hence their float sums, may change with it.
 
-When no plan fits, :func:`~hf_memwatch.engines.registry.no_fit_note` says what the smallest plan holds at its peak and which of
+When no plan fits, :mod:`hf_memwatch.planning.no_fit` says what the smallest plan holds at its peak and which of
 these remedies apply (or why none does: :func:`no_fit_reasons`), for the ``PlanError``'s message.
 
 ZeRO-2 -> ZeRO-3 is not advised by default: with ``stage3_max_reuse_distance`` and
