@@ -58,11 +58,7 @@ from .request import (
     check_positive,
 )
 from .step import CUDA_BLOCK, LOGITS, LOGITS_FP32, StepInputs, StepSimulation, simulate_step
-from .trainer_replay import (
-    TrainerStateGuard,
-    held_models,
-    is_trainer,
-)
+from .trainer_replay import TrainerStateGuard, held_models, is_trainer
 from .trl_replay import TrainerReplay, dataloader_batch_size
 from .user_optimizer import with_user_optimizer
 from .worst_batch import longest_allowed_length, worst_case_batch
