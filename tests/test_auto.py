@@ -152,6 +152,15 @@ def stopped(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+
+def without_clock(value):
+    """``value`` without the plan's ``planning_seconds`` (each run's own planning time, a clock figure)."""
+    if isinstance(value, dict):
+        return {k: without_clock(v) for k, v in value.items() if k != "planning_seconds"}
+    if isinstance(value, list):
+        return [without_clock(v) for v in value]
+    return value
+
 @pytest.mark.parametrize("restore_callback", [False, True])
 def test_resume_keeps_the_plan_and_the_trainer_state(tmp_path: Path, caplog: Any, restore_callback: bool,
                                                      uninterrupted: Path, stopped: Path) -> None:
@@ -177,11 +186,11 @@ def test_resume_keeps_the_plan_and_the_trainer_state(tmp_path: Path, caplog: Any
     assert {k: v for k, v in resumed.items() if k not in clock} == {k: v for k, v in plan.items() if k not in clock}
     assert trainer.args.per_device_train_batch_size == plan["micro_batch_size"]
     assert trainer.args.auto_find_batch_size is True  # kept as the last resort
-    assert trainer_state(out / "checkpoint-2") == trainer_state(whole / "checkpoint-2")
+    assert without_clock(trainer_state(out / "checkpoint-2")) == without_clock(trainer_state(whole / "checkpoint-2"))
     # With restore_callback_states_from_checkpoint the Trainer rebuilt the callback from its state.
     [rebuilt] = [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, MemWatch)]
     assert (rebuilt is not watch) == restore_callback
-    assert rebuilt.auto_plan == plan and rebuilt.auto is True
+    assert without_clock(rebuilt.auto_plan) == without_clock(plan) and rebuilt.auto is True
 
 
 def test_resume_with_another_batch_configuration_plans_anew(tmp_path: Path, caplog: Any) -> None:
