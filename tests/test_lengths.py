@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from hf_memwatch.planning.lengths import item_length, worst_batch
+from hf_memwatch.core.sequence_length import has_image_inputs, sequence_length
+from hf_memwatch.planning.lengths import worst_batch
 from hf_memwatch.testing.estimate_truth import ListDataset
 
 LONG_INDEX, LONG = 12_345, 300
@@ -103,7 +104,7 @@ def test_an_iterable_dataset_is_never_read():
     ],
 )
 def test_item_shapes(item, expected):
-    assert item_length(item) == expected
+    assert (sequence_length(item), has_image_inputs(item)) == expected
 
 
 def test_image_dataset_is_reported_as_such_without_a_sequence_length():

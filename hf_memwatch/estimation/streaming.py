@@ -40,7 +40,8 @@ from typing import Any
 
 import torch
 
-from .trainer_replay import RngStates, _is_plain, _restore_in_place, collate, sequence_length
+from ..core.sequence_length import sequence_length
+from .trainer_replay import RngStates, _is_plain, _restore_in_place, collate
 
 
 def longest_fed_length(trainer: Any) -> tuple[int, str] | None:
@@ -92,7 +93,7 @@ def fixed_shape_batch(trainer: Any, dataset: Any, batch_size: int) -> tuple[Any,
     """(the first micro-batch as collated, a note) where the dataset's items carry no sequence; None
     where they do (the length bound applies) or they cannot be read without consuming the dataset."""
     items = first_items(dataset, batch_size)
-    if not items or any(sequence_length(item) > 0 for item in items):
+    if not items or any(sequence_length(item) for item in items):
         return None
     while len(items) < batch_size:  # a dataset shorter than one micro-batch: the copies' shapes
         items.append(copy.deepcopy(items[len(items) % len(items)]))

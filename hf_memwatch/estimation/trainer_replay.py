@@ -31,6 +31,7 @@ from ..compat.trainer_methods import (
     replace_prepare_input,
     without_unused_columns,
 )
+from ..core.sequence_length import sequence_length
 from ..engines.engine import engine_backward_detached
 from ..measure.held_models import held_models
 
@@ -182,34 +183,6 @@ class TrainerStateGuard:
 
 
 # -- the worst-case batch ------------------------------------------------------------------------
-def sequence_length(item: Any) -> int:
-    """Length of a sample's longest sequence field (0 for samples without one).
-
-    Handles lists, tensors (0-d ones such as scalar labels have no length), numpy arrays and nested
-    dicts; images (``pixel_values``) are not sequences.
-
-    Example:
-        >>> sequence_length({"input_ids": [1, 2, 3], "label": torch.tensor(1)})
-        3
-    """
-    if isinstance(item, Mapping):
-        return max((sequence_length_of_value(k, v) for k, v in item.items()), default=0)
-    return 0
-
-
-def sequence_length_of_value(name: Any, value: Any) -> int:
-    if name == "pixel_values" or isinstance(value, (str, bytes)):
-        return 0
-    if isinstance(value, Mapping):
-        return sequence_length(value)
-    shape = getattr(value, "shape", None)
-    if shape is not None:
-        return int(shape[-1]) if len(shape) >= 1 else 0
-    if isinstance(value, (list, tuple)):
-        return len(value)
-    return 0
-
-
 def training_dataset(trainer: Any) -> Any:
     """The dataset as the Trainer's dataloader sees it (unused columns removed, as it removes them)."""
     dataset = trainer.train_dataset
@@ -234,7 +207,7 @@ def longest_index(dataset: Any, limit: int | None = None) -> tuple[int, int]:
     limit = SCAN_ITEMS if limit is None else limit
     best, best_len = 0, -1
     for index in range(min(len(dataset), limit)):
-        length = sequence_length(dataset[index])
+        length = sequence_length(dataset[index]) or 0
         if length > best_len:
             best, best_len = index, length
     return best, max(best_len, 0)
@@ -252,7 +225,7 @@ def collate(trainer: Any, items: list[Any]) -> dict[str, Any]:
 def longest_indices(dataset: Any, k: int, limit: int | None = None) -> list[int]:
     """Indices of the ``k`` longest of the first ``limit`` (:data:`SCAN_ITEMS`) items, longest first."""
     limit = SCAN_ITEMS if limit is None else limit
-    lengths = [(sequence_length(dataset[index]), -index) for index in range(min(len(dataset), limit))]
+    lengths = [(sequence_length(dataset[index]) or 0, -index) for index in range(min(len(dataset), limit))]
     return [-negative for _, negative in sorted(lengths, reverse=True)[:k]]
 
 
@@ -301,5 +274,5 @@ def plain_counters(trainer: Any) -> dict[str, Any]:
 
 __all__ = [
     "RngStates", "TrainerStateGuard", "batch_tensors", "collate", "fake_batch", "held_models", "is_one_pass", "is_trainer",
-    "longest_index", "plain_counters", "sequence_length", "training_dataset",
+    "longest_index", "plain_counters", "training_dataset",
 ]

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ..core.sequence_length import sequence_length
 from .streaming import fixed_shape_batch, longest_fed_length
 from .trainer_replay import (
     SCAN_ITEMS,
@@ -22,8 +23,6 @@ from .trainer_replay import (
     is_one_pass,
     longest_index,
     longest_indices,
-    sequence_length,
-    sequence_length_of_value,
     training_dataset,
 )
 
@@ -57,8 +56,8 @@ def worst_case_batch(trainer: Any, batch_size: int, sample_index: int | None = N
     if why is not None and batch_size > 1:
         indices = longest_indices(dataset, batch_size)
         batch = collate(trainer, [copy.deepcopy(dataset[index]) for index in indices])
-        length = max((sequence_length_of_value(k, v) for k, v in batch.items()), default=0) or None
-        tokens = sum(sequence_length(dataset[index]) for index in indices)
+        length = sequence_length(batch) or None
+        tokens = sum(sequence_length(dataset[index]) or 0 for index in indices)
         return dict(batch), length, (f"worst case: the {len(indices)} longest samples {indices} ({tokens} tokens "
                                      f"before padding) as collated; {why}")
     if sample_index is None:
@@ -66,11 +65,11 @@ def worst_case_batch(trainer: Any, batch_size: int, sample_index: int | None = N
     item = dataset[sample_index]
     batch = collate(trainer, [copy.deepcopy(item) for _ in range(batch_size)])
     if isinstance(batch, (list, tuple)):  # GRPO's, RLOO's collators: the samples as they are
-        length = max((sequence_length(entry) for entry in batch), default=0) or None
+        length = max((sequence_length(entry) or 0 for entry in batch), default=0) or None
         return list(batch), length, f"worst case: {batch_size} x sample {sample_index} as collated (a list)"
-    length = max((sequence_length_of_value(k, v) for k, v in batch.items()), default=0) or None
+    length = sequence_length(batch) or None
     shorter = shortest_index(dataset) if batch_size > 1 else None
-    if shorter is not None and shorter[1] < sequence_length(item):
+    if shorter is not None and shorter[1] < (sequence_length(item) or 0):
         padded = collate(trainer, [copy.deepcopy(item) for _ in range(batch_size - 1)]
                          + [copy.deepcopy(dataset[shorter[0]])])
         if isinstance(padded, Mapping) and all(_same_shape(batch.get(k), v) for k, v in padded.items()):
@@ -89,7 +88,7 @@ def _same_shape(a: Any, b: Any) -> bool:
 def shortest_index(dataset: Any, limit: int | None = None) -> tuple[int, int] | None:
     """(index, length) of the shortest of the first ``limit`` (:data:`SCAN_ITEMS`) items (None: empty)."""
     limit = SCAN_ITEMS if limit is None else limit
-    lengths = [(sequence_length(dataset[index]), index) for index in range(min(len(dataset), limit))]
+    lengths = [(sequence_length(dataset[index]) or 0, index) for index in range(min(len(dataset), limit))]
     if not lengths:
         return None
     length, index = min(lengths)

@@ -19,12 +19,12 @@ from typing import Any
 
 from ..core.records import PlannedBatch, PlanRecord
 from ..core.run_config import RunConfig
+from ..core.sequence_length import sequence_length
 from ..core.units import format_bytes
 from ..estimation.trainer_replay import (
     distinct_batch_reason,
     is_one_pass,
     longest_indices,
-    sequence_length,
     training_dataset,
 )
 from ..planning.budget import Budget
@@ -125,7 +125,7 @@ def planned_batch(trainer: Any, micro_batch_size: int, worst: WorstBatch | None,
             indices = [int(batch.index)] * micro_batch_size
         else:
             return batch
-        tokens = sum(sequence_length(dataset[index]) for index in indices)
+        tokens = sum(sequence_length(dataset[index]) or 0 for index in indices)
     except Exception as exc:  # noqa: BLE001 - the plan stands; only the list of its samples is missing
         logger.info("hf-memwatch: the planned batch's samples were not listed (%s: %s)", type(exc).__name__, exc)
         return batch

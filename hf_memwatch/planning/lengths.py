@@ -3,7 +3,10 @@
 Runs die at step N when the one long sample arrives, so a plan made from the first batches is not
 enough. :func:`worst_batch` looks at every sample's length without training on it:
 
-* ``datasets.Dataset``: the lengths of the token column straight from Arrow
+A sample's length is :func:`~hf_memwatch.core.sequence_length.sequence_length`'s (the one rule: its
+longest token field, labels included):
+
+* ``datasets.Dataset``: the lengths of the token columns straight from Arrow
   (``pyarrow.compute.list_value_length``), no Python rows are built: ~1M rows in milliseconds
   (``benchmarks/results/lengths.md``);
 * a map-style dataset (``__len__`` + ``__getitem__``): every item is read and measured, until a
@@ -23,7 +26,6 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,10 +33,9 @@ import numpy as np
 import torch
 
 from ..compat.datasets import reads_row_mapping, row_mapping
+from ..core.sequence_length import IMAGE_KEYS, has_image_inputs, sequence_length
 
 TOKEN_COLUMN = "input_ids"
-# Keys whose values are image tensors: they have sizes, not sequence lengths.
-IMAGE_KEYS = frozenset({"pixel_values", "pixel_values_videos", "image", "images", "pixel_mask", "image_grid_thw"})
 DEFAULT_SCAN_SECONDS = 5.0
 
 
@@ -80,65 +81,6 @@ class _Lengths:
     complete: bool = True
 
 
-# -- lengths of one item -------------------------------------------------------------------------
-def value_length(value: Any) -> int | None:
-    """Sequence length of one field value: the last dimension; ``None`` for scalars and text.
-
-    Example:
-        >>> value_length([1, 2, 3]), value_length(torch.tensor(1)), value_length(np.zeros((1, 7)))
-        (3, None, 7)
-    """
-    if isinstance(value, torch.Tensor):
-        return int(value.shape[-1]) if value.dim() > 0 else None  # len() of a 0-d tensor raises
-    if isinstance(value, np.ndarray):
-        return int(value.shape[-1]) if value.ndim > 0 else None
-    if isinstance(value, (list, tuple)):
-        if not value:
-            return 0
-        if all(isinstance(v, (int, float, np.integer, np.floating, bool)) for v in value[:8]):
-            return len(value)
-        inner = [value_length(v) for v in value]
-        known = [n for n in inner if n is not None]
-        return max(known) if known else None
-    return None  # str, int, float, None, ...
-
-
-def item_length(item: Any) -> tuple[int | None, bool]:
-    """(sequence length, has image inputs) of one dataset item.
-
-    Dicts (nested too): ``input_ids`` where present, else the longest sequence-valued field;
-    image fields (``pixel_values``, ...) are reported, not measured. Tuples/lists of fields: the
-    longest field. A bare tensor/array/list: its last dimension.
-
-    Example:
-        >>> item_length({"input_ids": [1, 2, 3], "labels": torch.tensor(0)})
-        (3, False)
-        >>> item_length({"pixel_values": torch.zeros(3, 224, 224), "text": {"input_ids": np.arange(9)}})
-        (9, True)
-    """
-    if isinstance(item, Mapping):
-        pixel = any(key in IMAGE_KEYS for key in item)
-        if TOKEN_COLUMN in item:
-            return value_length(item[TOKEN_COLUMN]), pixel
-        lengths = []
-        for key, value in item.items():
-            if key in IMAGE_KEYS:
-                continue
-            if isinstance(value, Mapping):
-                length, inner_pixel = item_length(value)
-                pixel = pixel or inner_pixel
-            else:
-                length = value_length(value)
-            if length is not None:
-                lengths.append(length)
-        return (max(lengths) if lengths else None), pixel
-    if isinstance(item, tuple) and item and not isinstance(item[0], (int, float)):
-        results = [item_length(part) for part in item]
-        known = [n for n, _ in results if n is not None]
-        return (max(known) if known else None), any(p for _, p in results)
-    return value_length(item), False
-
-
 # -- readers -------------------------------------------------------------------------------------
 def is_hf_dataset(dataset: Any) -> bool:
     try:
@@ -163,7 +105,8 @@ def is_iterable_only(dataset: Any) -> bool:
 
 
 def arrow_lengths(dataset: Any, k: int) -> _Lengths | None:
-    """Lengths of a ``datasets.Dataset``'s token column from Arrow.
+    """Lengths of a ``datasets.Dataset``'s rows from Arrow: per row the longest token column (lists of
+    numbers, ``input_ids`` and ``labels`` among them; image columns skipped), as the one rule measures a sample.
 
     ``None`` when the items must be read one by one instead: no ``input_ids`` column but other
     list columns, a transform that builds the items on access, or a ``datasets`` whose row mapping is
@@ -172,7 +115,6 @@ def arrow_lengths(dataset: Any, k: int) -> _Lengths | None:
     """
     if not reads_row_mapping():
         return None
-    import pyarrow as pa
     import pyarrow.compute as pc
 
     found = _Lengths()
@@ -194,11 +136,12 @@ def arrow_lengths(dataset: Any, k: int) -> _Lengths | None:
     if not _is_list_type(chunked.type):
         found.notes.append(f"column '{column}' is {chunked.type}, not token lists")
         return None
-    if pa.types.is_list(chunked.type.value_type) or pa.types.is_large_list(chunked.type.value_type):
-        chunked = pc.list_flatten(chunked)  # [[ids]] rows (a tokenizer's batch of one): one level down
-        if len(chunked) != table.num_rows:
-            return None
-    lengths = pc.list_value_length(chunked)
+    # The one sequence-length rule (core.sequence_length): the longest token column of each row, labels included.
+    token_columns = [name for name in columns if name not in IMAGE_KEYS and _is_token_list(table.column(name).type)]
+    per_column = [_column_lengths(table.column(name), table.num_rows) for name in token_columns or [column]]
+    if any(part is None for part in per_column):
+        return None
+    lengths = per_column[0] if len(per_column) == 1 else pc.max_element_wise(*per_column)
     # A shuffled/selected/filtered dataset keeps its row order in an index mapping over the table
     # (compat.datasets: no public accessor).
     indices = row_mapping(dataset)
@@ -217,6 +160,31 @@ def arrow_lengths(dataset: Any, k: int) -> _Lengths | None:
     return found
 
 
+def _column_lengths(chunked: Any, rows: int) -> Any:
+    """Each row's length of a list column (``[[ids]]`` rows, a tokenizer's batch of one: one level down);
+    None where that does not give one length per row."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if pa.types.is_list(chunked.type.value_type) or pa.types.is_large_list(chunked.type.value_type):
+        chunked = pc.list_flatten(chunked)
+        if len(chunked) != rows:
+            return None
+    return pc.list_value_length(chunked)
+
+
+def _is_token_list(arrow_type: Any) -> bool:
+    """A list (or list of lists) of numbers: a token column; lists of strings have no sequence length."""
+    import pyarrow as pa
+
+    if not _is_list_type(arrow_type):
+        return False
+    inner = arrow_type.value_type
+    if _is_list_type(inner):
+        inner = inner.value_type
+    return bool(pa.types.is_integer(inner) or pa.types.is_floating(inner) or pa.types.is_boolean(inner))
+
+
 def _is_list_type(arrow_type: Any) -> bool:
     import pyarrow as pa
 
@@ -231,8 +199,9 @@ def scan_lengths(dataset: Any, k: int, seconds: float) -> _Lengths:
     top: list[int] = []
     start = time.perf_counter()
     for index in range(size):
-        length, pixel = item_length(dataset[index])
-        found.pixel_values = found.pixel_values or pixel
+        item = dataset[index]
+        length = sequence_length(item)
+        found.pixel_values = found.pixel_values or has_image_inputs(item)
         found.scanned = index + 1
         if length is not None:
             if found.length is None or length > found.length:
