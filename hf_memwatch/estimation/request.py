@@ -1,4 +1,4 @@
-"""What an estimate is asked: one frozen :class:`EstimateRequest`, named as :class:`RunConfig` names things.
+"""What an estimate is asked: one frozen :class:`EstimateRequest`: a :class:`RunConfig`, the estimate's own settings, the card.
 
 :func:`hf_memwatch.estimate`'s keywords are the request's fields (the old ``batch_size``, ``accum``,
 ``checkpointing`` accepted for one release with a warning: :mod:`~hf_memwatch.core.renamed`); the request travels
@@ -12,8 +12,8 @@ Example:
     >>> request.gradient_accumulation_steps, request.optim, request.target_len
     (1, 'adamw_torch', 128)
     >>> request.validate()
-    >>> request.run_config().effective_batch
-    8
+    >>> request.run.effective_batch, request.replace(micro_batch_size=4).run.micro_batch_size
+    (8, 4)
 """
 
 from __future__ import annotations
@@ -33,40 +33,24 @@ from .generation import GenerationSettings
 
 CLASS_NAMES = ESTIMATE_CLASSES  # core's one list, under the name estimation's API has exported
 
-# RunConfig's fields a request takes (None: the Trainer's own, else RunConfig's default)
-_RUN_FIELDS = ("micro_batch_size", "gradient_accumulation_steps", "activation_checkpointing", "optim", "precision",
-               "device", "world_size", "shard", "max_grad_norm")
+# The keywords that go to the request's RunConfig (RunConfig's own names; estimate()'s keywords of those names)
+RUN_SETTINGS = ("micro_batch_size", "gradient_accumulation_steps", "activation_checkpointing", "optim", "precision",
+                "device", "world_size", "shard", "max_grad_norm", "seq_len", "task", "seq2seq_target_len",
+                "eval_batch_size", "eval_accumulation_steps", "prediction_loss_only", "predict_with_generate",
+                "generation_max_length", "generation_num_beams", "engine")
+# the run settings resolution fills when not given (the Trainer's own, else RunConfig's default)
+_RESOLVED = ("micro_batch_size", "gradient_accumulation_steps", "activation_checkpointing", "optim", "precision",
+             "device", "world_size", "shard", "max_grad_norm")
+_GIVEN_DEFAULTS = {"prediction_loss_only": False}  # a run setting not given reads None, these read their default
 # the old keywords of the run's fields (accepted for one release, warned: core/renamed.py)
 _OLD_FIELDS = {"checkpointing": "activation_checkpointing"}
 
 
-@accepts_renamed(_OLD_FIELDS)
 @dataclass(frozen=True)
-class EstimateRequest:
-    """One estimate's settings: :class:`RunConfig`'s names for the run, the estimate's own beside them."""
+class EstimateSettings:
+    """The estimate's own settings (not the run's): budget, depth extrapolation, the sample, adapters,
+    quantization, the eval loop's length, what is replayed and reported."""
 
-    # -- the run (RunConfig's names) --
-    micro_batch_size: int | None = None
-    gradient_accumulation_steps: int | None = None
-    activation_checkpointing: bool | None = None
-    optim: str | None = None
-    precision: str | None = None
-    device: str | None = None
-    world_size: int | None = None
-    shard: str | None = None
-    max_grad_norm: float | None = None
-    seq_len: int | None = None
-    task: str | None = None
-    seq2seq_target_len: int | None = None
-    eval_batch_size: int | None = None
-    eval_accumulation_steps: int | None = None
-    prediction_loss_only: bool = False
-    predict_with_generate: bool | None = None
-    generation_max_length: int | None = None
-    generation_num_beams: int | None = None
-    engine: Any = None
-    gpu: Any = None  # a CUDA target's card: a name of core.gpus.GPUS or a GpuSpec (None: the local one, else assumed)
-    # -- the estimate's own --
     budget: int | str | None = None
     extrapolate_layers: bool | None = None
     sample_index: int | None = None
@@ -79,33 +63,92 @@ class EstimateRequest:
     optimizer_step: bool = True
     top_tensors: int = 0
 
+
+_SETTINGS = tuple(f.name for f in dataclasses.fields(EstimateSettings))
+_PARTS = ("settings", "run", "given", "gpu")
+
+
+@accepts_renamed(_OLD_FIELDS)
+@dataclass(frozen=True, init=False)
+class EstimateRequest:
+    """One estimate: the run (a :class:`RunConfig`, ``run``), the estimate's own ``settings`` and the CUDA card.
+
+    Built from :func:`hf_memwatch.estimate`'s keywords: those of :data:`RUN_SETTINGS` go to the run, the
+    others to :class:`EstimateSettings`, ``gpu`` (a name of ``core.gpus.GPUS`` or a ``GpuSpec``; None: the
+    local card, else assumed) stays beside them. Before :meth:`resolved` the run settings are only the
+    ones ``given`` (None: the Trainer's own, else RunConfig's default) and ``run`` is None; after it,
+    ``run`` is the whole :class:`RunConfig` (its counts checked as RunConfig checks them) — unless no
+    micro-batch is known (an eval loop's request, :meth:`EvalRequest.estimate_request`): then the
+    resolved settings stay ``given`` and ``run`` None (:meth:`validate` names the missing micro-batch). Each keyword reads back as an attribute of its name
+    (``request.precision``: the run's, ``request.budget``: the settings').
+    """
+
+    settings: EstimateSettings
+    run: RunConfig | None  # None until resolved
+    given: tuple[tuple[str, Any], ...]  # the run settings given before resolution (name, value)
+    gpu: Any
+
+    def __init__(self, *, settings: EstimateSettings | None = None, run: RunConfig | None = None,
+                 gpu: Any = None, **keywords: Any) -> None:
+        unknown = set(keywords) - set(RUN_SETTINGS) - set(_SETTINGS)
+        if unknown:
+            raise TypeError(f"EstimateRequest() got unexpected keyword arguments: {', '.join(sorted(unknown))}")
+        own = {name: value for name, value in keywords.items() if name in _SETTINGS}
+        settings = dataclasses.replace(settings or EstimateSettings(), **own)
+        given = {name: value for name, value in keywords.items() if name in RUN_SETTINGS}
+        if run is not None and given:
+            run, given = run.replace(**given), {}
+        object.__setattr__(self, "settings", settings)
+        object.__setattr__(self, "run", run)
+        object.__setattr__(self, "given", tuple((name, given[name]) for name in RUN_SETTINGS if name in given))
+        object.__setattr__(self, "gpu", gpu)
+
+    def __getattr__(self, name: str) -> Any:
+        """A keyword's value: the run's (given, before resolution) or the settings'."""
+        if name in RUN_SETTINGS:
+            if self.run is not None:
+                return getattr(self.run, name)
+            return dict(self.given).get(name, _GIVEN_DEFAULTS.get(name))
+        if name in _SETTINGS:
+            return getattr(self.settings, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     def replace(self, **changes: Any) -> EstimateRequest:
-        """A copy with ``changes`` applied."""
-        return dataclasses.replace(self, **renamed_keywords("EstimateRequest.replace", changes, _OLD_FIELDS))
+        """A copy with ``changes`` applied, each keyword routed to its part (the run, the settings, ``gpu``)."""
+        changes = renamed_keywords("EstimateRequest.replace", changes, _OLD_FIELDS)
+        gpu = changes.pop("gpu", self.gpu)
+        if self.run is None:
+            return EstimateRequest(settings=self.settings, gpu=gpu, **{**dict(self.given), **changes})
+        return EstimateRequest(settings=self.settings, run=self.run, gpu=gpu, **changes)
 
     def resolved(self, trainer: Any) -> EstimateRequest:
-        """Every run setting left None filled: from ``trainer``'s :class:`RunConfig` (its ``seq_len``
-        stays the request's: the Trainer's comes from its dataset), else RunConfig's defaults."""
+        """The request with its :class:`RunConfig`: every run setting not given filled from ``trainer``'s
+        (its ``seq_len`` stays the request's: the Trainer's comes from its dataset), else RunConfig's defaults."""
+        if self.run is not None:
+            return self
+        given = dict(self.given)
         if trainer is not None:
             own = RunConfig.from_trainer(trainer)
-            defaults = {name: getattr(own, name) for name in _RUN_FIELDS}
+            defaults = {name: getattr(own, name) for name in _RESOLVED}
             defaults["device"] = "cuda" if own.device == "cuda" else "cpu"
             defaults["predict_with_generate"] = own.predict_with_generate
         else:
-            defaults = {f.name: f.default for f in dataclasses.fields(RunConfig) if f.name in _RUN_FIELDS}
+            defaults = {f.name: f.default for f in dataclasses.fields(RunConfig) if f.name in _RESOLVED}
             defaults["micro_batch_size"] = None
             defaults["predict_with_generate"] = False
-        changes = {name: default for name, default in defaults.items() if getattr(self, name) is None}
-        if trainer is None and "optim" in changes:  # a CUDA target: the Trainer's own default (cuda_optim)
+        values = {name: given.get(name, _GIVEN_DEFAULTS.get(name)) for name in RUN_SETTINGS}
+        values.update({name: default for name, default in defaults.items() if values[name] is None})
+        if trainer is None and given.get("optim") is None:  # a CUDA target: the Trainer's own default (cuda_optim)
             from .cuda_optim import default_optim
 
-            changes["optim"] = default_optim(changes.get("device", self.device))
-        if trainer is not None and changes.get("predict_with_generate", self.predict_with_generate):
-            if self.generation_max_length is None:
-                changes["generation_max_length"] = own.generation_max_length
-            if self.generation_num_beams is None:
-                changes["generation_num_beams"] = own.generation_num_beams
-        return self.replace(**changes)
+            values["optim"] = default_optim(values["device"])
+        if trainer is not None and values["predict_with_generate"]:
+            for name in ("generation_max_length", "generation_num_beams"):
+                if values[name] is None:
+                    values[name] = getattr(own, name)
+        if values["micro_batch_size"] is None:  # no training step to configure (an eval loop's request): no run
+            return EstimateRequest(settings=self.settings, gpu=self.gpu, **values)
+        return EstimateRequest(settings=self.settings, run=RunConfig(**values), gpu=self.gpu)
 
     # -- derived values --------------------------------------------------------------------
     @property
@@ -133,16 +176,6 @@ class EstimateRequest:
         """The generation the eval loop runs (None: no ``predict_with_generate``)."""
         return generation_settings(bool(self.predict_with_generate), self.generation_max_length,
                                    self.generation_num_beams)
-
-    def run_config(self) -> RunConfig:
-        """The run this request describes (call on a resolved, validated request)."""
-        return RunConfig(**{name: getattr(self, name) for name in _RUN_FIELDS}, seq_len=self.seq_len,
-                         task=self.task, seq2seq_target_len=self.seq2seq_target_len,
-                         eval_batch_size=self.eval_batch_size, eval_accumulation_steps=self.eval_accumulation_steps,
-                         prediction_loss_only=self.prediction_loss_only,
-                         predict_with_generate=bool(self.predict_with_generate),
-                         generation_max_length=self.generation_max_length,
-                         generation_num_beams=self.generation_num_beams)
 
     # -- validation ------------------------------------------------------------------------
     def validate(self) -> None:
