@@ -122,3 +122,57 @@ def test_cli_old_flag_is_a_hidden_alias_that_warns(argv, dest, value, new):
     assert argv[0] not in estimate_parser.format_help()  # hidden
     assert new in estimate_parser.format_help()
 
+
+def test_an_older_timeline_meta_with_batch_size_reads_as_micro_batch_size():
+    from hf_memwatch.core.records import MetaRecord, parse_record, validate_record
+
+    old = {"event": "meta", "model": "M", "params": 1, "trainable_params": 1, "batch_size": 6,
+           "gradient_accumulation_steps": 2, "precision": "fp32", "optim": "adamw_torch", "world_size": 1}
+    assert validate_record(old) == []
+    meta = parse_record(old)
+    assert isinstance(meta, MetaRecord) and meta.micro_batch_size == 6 and meta.extra == {}
+    written = meta.to_dict()
+    assert written["micro_batch_size"] == 6 and "batch_size" not in written  # written under the one name
+    assert list(written)[:5] == ["event", "model", "params", "trainable_params", "micro_batch_size"]
+    both = parse_record({**old, "micro_batch_size": 3})
+    assert both.micro_batch_size == 3 and "batch_size" not in both.to_dict()  # the new key wins
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert MetaRecord(**{k: v for k, v in old.items() if k != "event"}) == meta
+    _warned(caught, "batch_size=", "micro_batch_size=")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert meta.batch_size == 6
+    _warned(caught, ".batch_size", ".micro_batch_size")
+
+
+def test_the_estimate_config_reads_old_keys_with_one_warning():
+    from hf_memwatch.core.renamed import RenamedKeys
+
+    config = RenamedKeys({"micro_batch_size": 4, "gradient_accumulation_steps": 2, "activation_checkpointing": True})
+    for old, new in RENAMED.items():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert config[old] == config[new] and config.get(old) == config[new]
+        assert len(caught) == 2 and all(c.category is FutureWarning for c in caught)
+        assert f"config[{new!r}]" in str(caught[0].message)
+    with pytest.raises(KeyError):
+        config["nope"]  # noqa: B018
+    assert RenamedKeys({"seq_len": 8}).get("batch_size", "absent") == "absent"  # the new key is not there either
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        assert config["micro_batch_size"] == 4 and list(config) == list(RENAMED.values())
+
+
+def test_the_cli_json_writes_the_old_config_keys_beside_the_new():
+    from hf_memwatch.cli.estimate import with_deprecated_keys
+
+    payload = with_deprecated_keys({"peak_bytes": 1, "config": {"micro_batch_size": 4, "seq_len": 8,
+                                                                "gradient_accumulation_steps": 1,
+                                                                "activation_checkpointing": False}})
+    assert payload["config"]["batch_size"] == payload["config"]["micro_batch_size"] == 4
+    assert payload["config"]["accum"] == 1 and payload["config"]["checkpointing"] is False
+    assert payload["deprecated_keys"] == ["config.batch_size", "config.accum", "config.checkpointing"]
+    import json
+
+    json.dumps(payload)

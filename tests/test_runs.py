@@ -54,7 +54,7 @@ def test_hyperparameter_search_keeps_every_trial_and_names_the_highest(tmp_path,
         records = [json.loads(line) for line in (tmp_path / "memwatch" / trial / "timeline.jsonl").read_text().splitlines()]
         (step,) = [r for r in records if r["event"] == "step"]
         peaks[trial] = step["peak"]
-        batches[next(r for r in records if r["event"] == "meta")["batch_size"]] = trial
+        batches[next(r for r in records if r["event"] == "meta")["micro_batch_size"]] = trial
     assert sorted(batches) == [2, 8]  # each trial's own timeline, its own configuration
     summary = json.loads((tmp_path / "memwatch" / "trials.json").read_text())
     assert summary["trials"] == peaks

@@ -27,7 +27,7 @@ PLAN = PlanRecord(plan=Plan(2, 4, True, "adamw_torch", predicted_peak=300, reaso
 
 
 def test_the_timeline_opens_with_its_typed_records_and_refuses_a_dict(tmp_path: Path) -> None:
-    meta = MetaRecord(model="M", params=1, trainable_params=1, batch_size=2, gradient_accumulation_steps=4,
+    meta = MetaRecord(model="M", params=1, trainable_params=1, micro_batch_size=2, gradient_accumulation_steps=4,
                       precision="fp32", optim="adamw_torch", world_size=1)
     writer = open_timeline(tmp_path, rank=1, fresh=True, records=[PLAN, meta])
     with pytest.raises(TypeError, match="typed record"):

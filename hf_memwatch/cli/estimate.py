@@ -29,7 +29,7 @@ from ..core.errors import MemWatchConfigError
 from ..core.extras import require
 from ..core.gpus import DEFAULT_GPU, GPUS, gpu_spec
 from ..core.optimizers import SUPPORTED_OPTIMS
-from ..core.renamed import RenamedFlag, RenamedSwitch
+from ..core.renamed import RenamedFlag, RenamedKeys, RenamedSwitch
 from ..core.units import format_bytes, parse_bytes
 from .figures import (
     CUDA_MEANINGS,
@@ -352,6 +352,16 @@ def _default_optim(device: str) -> str:
     return default_optim(device)
 
 
+def with_deprecated_keys(payload: dict[str, Any]) -> dict[str, Any]:
+    """The ``--json`` object with ``config``'s old keys (``batch_size``, ``accum``, ``checkpointing``) written
+    beside the new ones for one release, and ``deprecated_keys`` naming them (``config.batch_size``, ...)."""
+    config = payload.get("config")
+    if not isinstance(config, dict):
+        return payload
+    config, old = RenamedKeys(config).with_old_keys()
+    return {**payload, "config": config, "deprecated_keys": [f"config.{name}" for name in old]}
+
+
 def run(args: argparse.Namespace) -> int:
     """Estimate, print (table or JSON); 0 on success, :data:`NOTHING_FITS` when nothing fits the
     budget. Errors raise and the dispatcher exits 2."""
@@ -386,7 +396,7 @@ def run(args: argparse.Namespace) -> int:
         print(warning, file=sys.stderr)
         payload["warnings"] = [warning]
     if args.json:
-        print(json.dumps(payload))
+        print(json.dumps(with_deprecated_keys(payload)))
     else:
         _print_table(payload)
     if budget is not None and not payload["fits"] and payload.get("plan") is None:

@@ -11,7 +11,7 @@ A field with no default is required (always written); an *optional* field (decla
 
 Example:
     >>> validate_record({"event": "meta", "model": "GPT2LMHeadModel", "params": 10, "trainable_params": 10,
-    ...                  "batch_size": 8, "gradient_accumulation_steps": 1, "precision": "fp32",
+    ...                  "micro_batch_size": 8, "gradient_accumulation_steps": 1, "precision": "fp32",
     ...                  "optim": "adamw_torch", "world_size": 1})
     []
     >>> validate_record({"event": "step", "step": 1})[0]
@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, TypedDict
 
 from .plan import Plan
+from .renamed import accepts_renamed
 from .serial import Serial, Slot, _field_slots, optional
 
 Bytes = int  # every figure is in bytes; None where a device cannot tell
@@ -215,15 +216,18 @@ class EvalRecord(Record):
     time: float | None = None
 
 
+@accepts_renamed({"batch_size": "micro_batch_size"})
 @dataclass(kw_only=True)
 class MetaRecord(Record):
-    """The run: model and batch, for the picture's title and the summary."""
+    """The run: model and batch, for the picture's title and the summary. ``micro_batch_size`` was
+    written ``batch_size`` before: an older timeline's key is read as it (``OLD_KEYS``)."""
 
     EVENT: ClassVar[str] = "meta"
+    OLD_KEYS: ClassVar[dict[str, str]] = {"batch_size": "micro_batch_size"}
     model: str | None
     params: int | None
     trainable_params: int | None
-    batch_size: int
+    micro_batch_size: int
     gradient_accumulation_steps: int
     precision: str
     optim: str
@@ -382,6 +386,7 @@ def validate_record(record: dict[str, Any]) -> list[str]:
     kind = RECORDS.get(event) if isinstance(event, str) else None
     if kind is None:
         return [f"unknown event {event!r}"]
+    record = kind.renamed_keys(record)  # an older timeline's keys (OLD_KEYS) are valid under their names now
     hints = _disk_hints(kind)
     problems = [f"{event} record: missing {name!r}" for name in sorted(required_keys(kind)) if name not in record]
     for name, value in record.items():

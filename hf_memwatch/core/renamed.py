@@ -77,6 +77,45 @@ def _old_attribute(owner: str, old: str, new: str, obj: Any) -> Any:
     return getattr(obj, new)
 
 
+class RenamedKeys(dict):
+    """A mapping written under the one names whose old keys (:data:`RENAMED`) still read, for one release,
+    with one ``FutureWarning`` naming the new key (``MemoryEstimate.config``: ``config["batch_size"]``).
+
+    Example:
+        >>> config = RenamedKeys({"micro_batch_size": 8})
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     config["batch_size"], config.get("accum", 1), "batch_size" in config, list(config)
+        (8, 1, False, ['micro_batch_size'])
+        >>> str(caught[0].message)
+        "config['batch_size'] is deprecated, use config['micro_batch_size'] (the old key goes in the next release)"
+    """
+
+    def __missing__(self, key: Any) -> Any:
+        new = RENAMED.get(key) if isinstance(key, str) else None
+        if new is None or not dict.__contains__(self, new):
+            raise KeyError(key)
+        warnings.warn(f"config[{key!r}] is deprecated, use config[{new!r}] (the old key goes in the next release)",
+                      FutureWarning, stacklevel=3)
+        return dict.__getitem__(self, new)
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        if dict.__contains__(self, key):
+            return dict.__getitem__(self, key)
+        try:
+            return self.__missing__(key)
+        except KeyError:
+            return default
+
+    def with_old_keys(self) -> tuple[dict[str, Any], list[str]]:
+        """(a plain dict with each old key written beside its new one, the old keys written): for
+        JSON readers of the old keys (the CLI's ``--json``), one release."""
+        out = dict(self)
+        old = [name for name, new in RENAMED.items() if new in self]
+        out.update({name: self[RENAMED[name]] for name in old})
+        return out, old
+
+
 class RenamedFlag(argparse.Action):
     """An old command-line flag kept hidden for one release: stores into the new flag's destination
     with one ``FutureWarning`` naming the new flag (``new``)."""

@@ -39,12 +39,14 @@ class Slot(NamedTuple):
 class Serial:
     """A dataclass that turns itself into plain JSON-able data and back.
 
-    ``KEYS`` maps a field to its key on disk where they differ (``klass`` -> ``class``); ``NESTED``
+    ``KEYS`` maps a field to its key on disk where they differ (``klass`` -> ``class``); ``OLD_KEYS`` maps
+    a key an older version wrote to the key it is now (``batch_size`` -> ``micro_batch_size``: read, not written); ``NESTED``
     names the fields holding another :class:`Serial`; :meth:`slots` is the layout on disk (a record
     that writes a nested object's attributes flat, :class:`PlanRecord`, says so there).
     """
 
     KEYS: ClassVar[dict[str, str]] = {}
+    OLD_KEYS: ClassVar[dict[str, str]] = {}  # a key older timelines wrote -> its key now (read, never written)
     NESTED: ClassVar[dict[str, type[Serial]]] = {}
     extra: dict[str, Any] = field(default_factory=dict, repr=False)  # keys this definition does not know
 
@@ -74,6 +76,7 @@ class Serial:
         """The inverse of :meth:`to_dict`; unknown keys go to ``extra``; a missing required key is a
         ValueError — or, ``lenient`` (a reader of timelines older versions wrote), its type's absent
         value: ``{}`` for a mapping, ``[]`` for a list, else None."""
+        data = cls.renamed_keys(data)
         slots = cls.slots()
         values: dict[str, Any] = {}
         for slot in slots:
@@ -91,6 +94,20 @@ class Serial:
             raise ValueError(f"{getattr(cls, 'EVENT', cls.__name__)} record: missing {named}")
         known = {slot.key for slot in slots} | {"event"}
         return cls._build(values, {k: v for k, v in data.items() if k not in known})
+
+    @classmethod
+    def renamed_keys(cls, data: dict[str, Any]) -> dict[str, Any]:
+        """``data`` with each key of :attr:`OLD_KEYS` under its name now (in its place; the new key wins)."""
+        if not any(old in data for old in cls.OLD_KEYS):
+            return data
+        out: dict[str, Any] = {}
+        for key, value in data.items():
+            new = cls.OLD_KEYS.get(key)
+            if new is None:
+                out[key] = value
+            elif new not in data:  # both written: the new key wins
+                out[new] = value
+        return out
 
     def replace(self: _R, **changes: Any) -> _R:
         """A copy with ``changes`` (field names)."""

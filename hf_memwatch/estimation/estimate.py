@@ -30,7 +30,7 @@ from ..compat.stack import check_stack
 from ..core.categories import STEP_END
 from ..core.errors import MemWatchConfigError, unknown_keywords
 from ..core.gpus import card_fits, gpu_record, target_gpu
-from ..core.renamed import renamed_keywords
+from ..core.renamed import RenamedKeys, renamed_keywords
 from ..core.run_config import RunConfig
 from ..core.units import format_bytes
 from ..engines.registry import rules_for
@@ -385,7 +385,7 @@ def _config_record(model: torch.nn.Module, request: EstimateRequest) -> dict[str
     """``MemoryEstimate.config``: what was estimated, under the public keywords' names."""
     generation = request.generation
     card = {"gpu": gpu_record(request.gpu)} if request.device == "cuda" and request.gpu is not None else {}
-    return {
+    return RenamedKeys({  # the old batch_size/accum/checkpointing keys read for one release, warned
         "model": type(model).__name__, "task": request.task, "micro_batch_size": request.micro_batch_size,
         "seq_len": request.seq_len, "precision": request.precision, "optim": request.optim,
         "activation_checkpointing": request.activation_checkpointing,
@@ -397,7 +397,7 @@ def _config_record(model: torch.nn.Module, request: EstimateRequest) -> dict[str
         "generation": None if generation is None else asdict(generation),
         "quantization": None if request.quantization is None else asdict(request.quantization),
         **card,
-    }
+    })
 
 
 # -- the evaluation loop ---------------------------------------------------------------------

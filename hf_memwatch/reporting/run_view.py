@@ -170,8 +170,8 @@ def title_of(runs: list[RankTimeline]) -> str:
     parts = []
     if meta is not None and meta.model:
         parts.append(f"{meta.model}" + (f" ({_count(meta.params)} params)" if meta.params else ""))
-    if meta is not None and meta.batch_size:
-        parts.append(f"batch {meta.batch_size} × accum {meta.gradient_accumulation_steps or 1}")
+    if meta is not None and meta.micro_batch_size:
+        parts.append(f"batch {meta.micro_batch_size} × accum {meta.gradient_accumulation_steps or 1}")
     if meta is not None and meta.precision:
         parts.append(str(meta.precision))
     labels = list(dict.fromkeys(run.label for run in runs))

@@ -125,7 +125,7 @@ def _caption(meta: MetaRecord | None, plan: PlanRecord | Mapping[str, Any] | Non
              frozen_models: Mapping[str, int] | None = None) -> str:
     parts = []
     if meta is not None and meta.model:
-        parts.append(f"{meta.model}, {meta.params or 0:,} params, batch {meta.batch_size} × "
+        parts.append(f"{meta.model}, {meta.params or 0:,} params, batch {meta.micro_batch_size} × "
                      f"accum {meta.gradient_accumulation_steps}, {meta.precision}, {meta.optim}")
     if frozen_models:  # models the Trainer holds beside the trained one (TRL's ref_model): in weights
         parts.append("weights include frozen models the Trainer holds: " + ", ".join(
