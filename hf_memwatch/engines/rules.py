@@ -46,6 +46,11 @@ class EngineRules:
         """A context the step is replayed in, holding what the rank holds while it runs."""
         return contextlib.nullcontext()
 
+    def replay_request(self, request: Any, engine: Any) -> Any:
+        """The request the step is replayed under (DeepSpeed's bf16: no autocast, :mod:`.zero.half`); this base:
+        ``request`` as it is."""
+        return request
+
     def per_rank(self, model: torch.nn.Module, engine: Any, request: Any) -> bool:
         """Whether the replayed step was already the rank's own (its shards), not one unsharded process's."""
         return False

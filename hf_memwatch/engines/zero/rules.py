@@ -8,6 +8,7 @@ optimizer step (:mod:`.step`), ZeRO-3's gathering moment on gloo (:mod:`.gather`
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,6 +22,7 @@ from ..shard import engine_classes, shard_classes
 from .advice import no_fit_reasons, zero_advice
 from .backward import flow_applies, zero_gradient_flow
 from .gather import gloo_gather_staging
+from .half import deepspeed_half, half_module, replay_request
 from .live import ZeroPartitions
 from .step import zero_optimizer_step
 
@@ -62,11 +64,28 @@ class ZeroRules(EngineRules):
         return ZeroPartitions() if getattr(trainer, "is_deepspeed_enabled", False) else None
 
     def flow(self, model: torch.nn.Module, engine: Any, trainer: Any, request: Any) -> Any:
+        if deepspeed_half(engine, request.precision):  # DeepSpeed's bf16: the fp32 flow on the module cast
+            stack = contextlib.ExitStack()
+            stack.enter_context(half_module(model))
+            stack.enter_context(zero_gradient_flow(model, engine))
+            return stack
         return zero_gradient_flow(model, engine, request.precision)  # ZeRO-1/2's buckets and partitions
+
+    def replay_request(self, request: Any, engine: Any) -> Any:
+        return replay_request(request) if deepspeed_half(engine, request.precision) else request
 
     def rank_classes(self, phase_classes: Mapping[str, dict[str, int]], model: torch.nn.Module, engine: Any,
                      request: Any, notes: list[str]) -> dict[str, dict[str, int]]:
-        """The ZeRO split, what the engine holds beyond it, its flat optimizer step and ZeRO-3's gathering."""
+        """The ZeRO split, what the engine holds beyond it, its flat optimizer step and ZeRO-3's gathering;
+        DeepSpeed's bf16: the same on the module cast to bf16 (:mod:`.half`)."""
+        if not deepspeed_half(engine, request.precision):
+            return self._rank_classes(phase_classes, model, engine, request, notes)
+        notes.append("DeepSpeed bf16: the module cast to bf16 and replayed without autocast; fp32 master partitions")
+        with half_module(model):
+            return self._rank_classes(phase_classes, model, engine, replay_request(request), notes)
+
+    def _rank_classes(self, phase_classes: Mapping[str, dict[str, int]], model: torch.nn.Module, engine: Any,
+                      request: Any, notes: list[str]) -> dict[str, dict[str, int]]:
         world_size, precision, device = request.world_size, request.precision, request.device
         flowed = flow_applies(engine, model, precision)  # the replay held ZeRO-1/2's gradients as the rank does
         divided = "zero1" if flowed else request.shard
