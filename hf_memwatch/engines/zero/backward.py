@@ -32,7 +32,7 @@ micro-steps'); at the model's forward the flow turns them into what ZeRO keeps: 
 partition (the widest rank's: every rank plans for the one that keeps most, 329,472 elements on
 rank 1 of the run above), ZeRO-1 the whole ``.grad`` and the earlier backward's bucket. The
 replayed micro-step is the step's last (the boundary). With the flow, the estimate divides no
-gradient class and adds no bucket (:func:`~hf_memwatch.engines.shard.engine_classes`); the
+gradient class and adds no bucket (:func:`~hf_memwatch.engines.zero.split.engine_classes`); the
 optimizer step holds the kept partition and its flat fp32 copy (:mod:`~hf_memwatch.engines.zero.step`).
 Measured against MemWatch on the 2-rank runs: ZeRO-1 4 x 2 predicted 14,734,232 B, measured
 14,735,268; ZeRO-2 4 x 2 13,290,776 vs 13,279,524 / 13,291,812 (ranks 0 / 1); 1 x 8 + checkpointing

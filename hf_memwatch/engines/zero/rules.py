@@ -1,7 +1,7 @@
 """DeepSpeed ZeRO-1/2/3 (± offload)'s rules: the registry's entry for ``shard`` ``zero1``/``zero2``/``zero3``.
 
 Each method hands over to the module that holds the rule: the live partitions (:mod:`.live`), the
-replayed backward (:mod:`.backward`), the per-rank split (:mod:`hf_memwatch.engines.shard`), the flat
+replayed backward (:mod:`.backward`), the per-rank split (:mod:`.split`), the flat
 optimizer step (:mod:`.step`), ZeRO-3's gathering moment on gloo (:mod:`.gather`) and the advice
 (:mod:`.advice`); the CLI's ``--shard zero*``/``--offload``/bucket flags become the JSON DeepSpeed reads.
 """
@@ -18,12 +18,12 @@ from ...core.advice import Advice
 from ...core.errors import MemWatchConfigError
 from ..engine import engine_from_deepspeed_config
 from ..rules import EngineRules
-from ..shard import engine_classes, shard_classes
 from .advice import no_fit_reasons, zero_advice
 from .backward import flow_applies, zero_gradient_flow
 from .gather import gloo_gather_staging
 from .half import deepspeed_half, half_module, replay_request
 from .live import ZeroPartitions
+from .split import engine_classes, zero_split
 from .step import zero_optimizer_step
 
 # The CLI's bucket flags and the DeepSpeed JSON keys they set (elements).
@@ -60,6 +60,10 @@ class ZeroRules(EngineRules):
             zero["offload_param"] = {"device": "cpu"}
         return engine_from_deepspeed_config({"zero_optimization": zero}, int(args.world_size))
 
+    def split(self, classes: dict[str, int], model: torch.nn.Module, world_size: int, shard: str, notes: list[str],
+              precision: str = "fp32") -> dict[str, int]:
+        return zero_split(classes, model, world_size, shard, notes, precision)
+
     def contributor(self, trainer: Any, wrapped: Any) -> Any:
         return ZeroPartitions() if getattr(trainer, "is_deepspeed_enabled", False) else None
 
@@ -89,7 +93,7 @@ class ZeroRules(EngineRules):
         world_size, precision, device = request.world_size, request.precision, request.device
         flowed = flow_applies(engine, model, precision)  # the replay held ZeRO-1/2's gradients as the rank does
         divided = "zero1" if flowed else request.shard
-        per_phase = {phase: engine_classes(shard_classes(classes, model, world_size, divided, notes, precision),
+        per_phase = {phase: engine_classes(self.split(classes, model, world_size, divided, notes, precision),
                                            model, engine, notes, precision, device, flowed)[0]
                      for phase, classes in phase_classes.items()}
         per_phase = zero_optimizer_step(per_phase, model, engine, request.optim, device, notes)

@@ -36,8 +36,8 @@ from ...core.categories import AFTER_OPTIMIZER, STEP_END
 from ...estimation.fake_dispatch import EstimateTracker
 from ...estimation.optim import BNB_OPTIMS, optimizer_class_and_kwargs, param_groups
 from ...measure.saved_tensors import SavedTensorRegistry
-from ..shard import zero3_gathered_bytes
 from .backward import FLOW_DTYPES, flow_applies, widest_partition
+from .split import zero3_gathered_bytes
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,7 @@ def zero_optimizer_step(per_phase: dict[str, dict[str, int]], model: torch.nn.Mo
     the flat partitions instead of the per-parameter step's share. Other engines: unchanged.
 
     The states of every phase holding them become the flat step's (plus the fp32 master partition
-    :func:`~hf_memwatch.engines.shard.engine_classes` counted). The optimizer phase (DeepSpeed
+    :func:`~hf_memwatch.engines.zero.split.engine_classes` counted). The optimizer phase (DeepSpeed
     steps inside the last micro-step's backward) holds the flat step's temporaries, the fp32 copy of
     the gradient partition ZeRO flattens for it (without offload; with offload the host partition,
     already counted, is stepped) and, on ZeRO-3, the weight partitions alone (the gathered ones are
