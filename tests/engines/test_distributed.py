@@ -501,3 +501,23 @@ def test_the_fsdp2_plan_s_prediction_matches_its_profiled_run(fsdp2_runs):
         auto = fact["auto"]
         predicted, truth = auto["plans"][-1]["predicted_peak"], auto["truth_step_peaks"]
         assert abs(predicted - truth[-1]) / truth[-1] <= 0.03, (rank, predicted, truth)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_reduce_bucket_is_deepspeed_s_whole_bucket_whatever_the_model(stage):
+    """DeepSpeed allocates ``torch.empty(int(reduce_bucket_size))`` (stage_1_and_2.py ``setup_buckets``),
+    not the gradients' size: its default of 5e8 elements is 2 GB in fp32 on the test GPT-2 of 2.25 MiB.
+    Profiled on 2 gloo ranks (2 x 16, no bucket in the JSON): ZeRO-1 2,009,306,148 B (the estimate, the
+    replayed flow: 2,009,289,752), and with the optimizer offloaded (no flow: engine_classes' rule)
+    ZeRO-1 2,010,330,132 B / ZeRO-2 2,009,306,128 B, where a bucket capped at the trainable parameters
+    predicted 11,494,424 / 12,831,248 B."""
+    from hf_memwatch.engines.engine import engine_from_deepspeed_config
+
+    model = gpt2_model()
+    bucket = 500_000_000 * 4
+    for offload in (False, True):
+        zero: dict = {"stage": stage, **({"offload_optimizer": {"device": "cpu"}} if offload else {})}
+        engine = engine_from_deepspeed_config({"zero_optimization": zero, "zero_force_ds_cpu_optimizer": False}, 2)
+        predicted = estimate(model, micro_batch_size=2, seq_len=16, optim="adamw_torch", world_size=2,
+                             shard=f"zero{stage}", engine=engine)
+        assert bucket <= predicted.classes["gradients"] < bucket + 8 * P, (offload, predicted.classes)

@@ -18,8 +18,9 @@ Given the :class:`~hf_memwatch.engines.engine.Engine` DeepSpeed runs (its JSON r
 - the fp32 master partition, also in fp32 training (``single_partition_of_fp32_groups`` /
   ``fp32_partitioned_groups_flat``, a copy of the rank's share: 1,180,672 B per rank, counted with
   the optimizer states as in the ZeRO paper);
-- ZeRO-2/3: the reduce bucket (``reduce_bucket_size`` elements of the gradients' dtype, at most the
-  trainable parameters), live from the first backward on;
+- ZeRO-1/2/3: the reduce bucket, ``reduce_bucket_size`` elements of the gradients' dtype whatever the
+  model (``torch.empty(int(reduce_bucket_size))``: DeepSpeed's default of 5e8 elements is 2 GB in fp32 on a
+  tiny model too), live from the first backward on (ZeRO-1/2 without offload: replayed by the flow instead);
 - ZeRO-3: gathered parameters are released only when they will not be used again within
   ``stage3_max_reuse_distance`` elements (default 1e9) and fewer than ``stage3_max_live_parameters``
   are live: a model below both stays gathered whole from the forward to the backward that uses it
@@ -125,8 +126,13 @@ def engine_classes(classes: dict[str, int], model: torch.nn.Module, engine: Any,
         bucket = int(engine.reduce_bucket_size or numel) * size
         out["gradients"] = partition + bucket
         add_note(notes, f"zero3: the gradient partition ({partition} bytes) + the reduce bucket ({bucket} bytes), resident")
-    elif stage >= 2 and not flowed:
-        bucket = min(int(engine.reduce_bucket_size or numel), numel) * size
+    elif stage in (1, 2) and not flowed:
+        # stage_1_and_2.py ``setup_buckets``: ``torch.empty(int(reduce_bucket_size))`` at each backward's first
+        # gradient (contiguous gradients: DeepSpeed's default, forced under offload), ZeRO-1 too, whatever the
+        # model. Measured (2 gloo ranks, test GPT-2 of 590,336 parameters, 2 x 16, DeepSpeed's default 5e8
+        # elements, offload_optimizer): step peaks 2,010,330,132 B (ZeRO-1) and 2,009,306,128 B (ZeRO-2) by
+        # the profiler, where a bucket capped at the trainable parameters predicted 11,494,424 and 12,831,248 B.
+        bucket = int(engine.reduce_bucket_size or numel) * size
         out["gradients"] += bucket
         add_note(notes, f"zero{stage}: + the reduce bucket ({bucket} bytes)")
     if stage == 3:
