@@ -65,8 +65,8 @@ def test_zero2_offload_counts_deepspeed_staging_buffers_of_the_largest_parameter
     import torch
 
     from hf_memwatch.engines.engine import Engine
-    from hf_memwatch.engines.shard import engine_classes
     from hf_memwatch.engines.zero.live import _DEEPSPEED_ATTRIBUTES
+    from hf_memwatch.engines.zero.split import engine_classes
 
     model = torch.nn.Sequential(torch.nn.Linear(100, 10), torch.nn.Linear(10, 10))
     classes = {"weights": 0, "gradients": 0, "optimizer_states": 0, "activations": 0, "temporaries": 0, "other": 0}

@@ -46,14 +46,25 @@ class EngineRules:
         """A context the step is replayed in, holding what the rank holds while it runs."""
         return contextlib.nullcontext()
 
+    def replay_request(self, request: Any, engine: Any) -> Any:
+        """The request the step is replayed under (DeepSpeed's bf16: no autocast, :mod:`.zero.half`); this base:
+        ``request`` as it is."""
+        return request
+
     def per_rank(self, model: torch.nn.Module, engine: Any, request: Any) -> bool:
         """Whether the replayed step was already the rank's own (its shards), not one unsharded process's."""
         return False
 
+    def split(self, classes: dict[str, int], model: torch.nn.Module, world_size: int, shard: str, notes: list[str],
+              precision: str = "fp32") -> dict[str, int]:
+        """One phase's classes as one of ``world_size`` ranks holds them under ``shard``; this base: the
+        full-shard division (:func:`~hf_memwatch.engines.shard.shard_classes`; one process: unchanged)."""
+        return shard_classes(classes, model, world_size, shard, notes)
+
     def rank_classes(self, phase_classes: Mapping[str, dict[str, int]], model: torch.nn.Module, engine: Any,
                      request: Any, notes: list[str]) -> dict[str, dict[str, int]]:
-        """Each phase's classes as one rank holds them (:func:`~hf_memwatch.engines.shard.shard_classes`)."""
-        return {phase: shard_classes(classes, model, request.world_size, request.shard, notes, request.precision)
+        """Each phase's classes as one rank holds them (:meth:`split`)."""
+        return {phase: self.split(classes, model, request.world_size, request.shard, notes, request.precision)
                 for phase, classes in phase_classes.items()}
 
     def resident(self, model: torch.nn.Module, request: Any, trainer: Any) -> list[int]:

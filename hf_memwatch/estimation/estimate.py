@@ -282,6 +282,7 @@ def _replay_step(model: torch.nn.Module, fake_mode: Any, request: EstimateReques
     engine = _engine_of(request, trainer)
     # what the rank holds while the step runs (FSDP2's shards and gathers, ZeRO-1/2's buckets): its engine's
     flow = rules_for(request.shard, request.world_size, engine).flow(model, engine, trainer, request)
+    request = rules_for(request.shard, request.world_size, engine).replay_request(request, engine)  # its autocast
     try:
         with guard, recording as traces, flow:
             simulation = worst_branch(lambda branch_notes: _simulate(model, fake_mode, request, inputs, branch_notes),

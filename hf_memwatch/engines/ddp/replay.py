@@ -1,7 +1,7 @@
 """DDP in the replay: the reducer's gradient buckets a rank holds, for a CUDA target's reserve.
 
 On the CPU the buckets enter the per-rank split as the trainable parameters' bytes
-(:func:`~hf_memwatch.engines.shard.shard_classes`, ``none`` over 2+ ranks); for a CUDA target the
+(:func:`~hf_memwatch.engines.ddp.split.ddp_split`, ``none`` over 2+ ranks); for a CUDA target the
 caching allocator also sees them as the blocks the Reducer allocates (:func:`ddp_bucket_bytes`), resident
 beside the replayed step (:func:`~hf_memwatch.estimation.cuda_device.cuda_step_reserve`'s ``resident``).
 """

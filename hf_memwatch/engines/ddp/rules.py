@@ -1,7 +1,7 @@
 """DDP's rules: the registry's entry for ``shard`` ``none`` over 2+ ranks.
 
 A rank holds the reducer's flat gradient buckets beside the model: counted live by :mod:`.live`,
-divided in by :func:`~hf_memwatch.engines.shard.shard_classes` (``none``), placed by the CUDA
+divided in by :mod:`.split`, placed by the CUDA
 allocator's replay through :mod:`.replay`. Its advice is the engine that partitions the states: ZeRO-1.
 """
 
@@ -17,6 +17,7 @@ from ..rules import EngineRules
 from ..zero.advice import ddp_to_zero1
 from .live import DdpBuckets, find_ddp
 from .replay import ddp_resident
+from .split import ddp_split
 
 
 class DdpRules(EngineRules):
@@ -26,6 +27,10 @@ class DdpRules(EngineRules):
 
     def answers(self, shard: str, world_size: int, engine: Any = None) -> bool:
         return shard == "none" and world_size > 1
+
+    def split(self, classes: dict[str, int], model: torch.nn.Module, world_size: int, shard: str, notes: list[str],
+              precision: str = "fp32") -> dict[str, int]:
+        return ddp_split(classes, model, world_size, notes)
 
     def contributor(self, trainer: Any, wrapped: Any) -> Any:
         return DdpBuckets(wrapped) if find_ddp(wrapped) is not None else None

@@ -11,7 +11,7 @@ saving here, not yet applied.
 
 The savings are per rank, from the predicted split at the peak (``classes``) and the engine the run
 has (:class:`~hf_memwatch.engines.engine.Engine`), with the rules of
-:mod:`hf_memwatch.engines.shard` (fp32, N ranks, W weights, G gradients, S optimizer states at
+:mod:`hf_memwatch.engines.zero.split` (fp32, N ranks, W weights, G gradients, S optimizer states at
 the peak, P = W / 4 trainable elements):
 
 ==============================  =========================================================

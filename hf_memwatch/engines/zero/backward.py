@@ -32,7 +32,7 @@ micro-steps'); at the model's forward the flow turns them into what ZeRO keeps: 
 partition (the widest rank's: every rank plans for the one that keeps most, 329,472 elements on
 rank 1 of the run above), ZeRO-1 the whole ``.grad`` and the earlier backward's bucket. The
 replayed micro-step is the step's last (the boundary). With the flow, the estimate divides no
-gradient class and adds no bucket (:func:`~hf_memwatch.engines.shard.engine_classes`); the
+gradient class and adds no bucket (:func:`~hf_memwatch.engines.zero.split.engine_classes`); the
 optimizer step holds the kept partition and its flat fp32 copy (:mod:`~hf_memwatch.engines.zero.step`).
 Measured against MemWatch on the 2-rank runs: ZeRO-1 4 x 2 predicted 14,734,232 B, measured
 14,735,268; ZeRO-2 4 x 2 13,290,776 vs 13,279,524 / 13,291,812 (ranks 0 / 1); 1 x 8 + checkpointing
@@ -60,6 +60,8 @@ from ...estimation.classify import refs
 from ...estimation.fake_dispatch import EstimateTracker
 from ...estimation.optim import param_groups
 
+# The parameters' dtypes the flow replays: fp32, and bf16 where DeepSpeed cast the module (:mod:`.half`).
+FLOW_DTYPES = (torch.float32, torch.bfloat16)
 # DeepSpeed's default ``reduce_bucket_size`` (elements) when the JSON leaves it out.
 DEFAULT_REDUCE_BUCKET = 500_000_000
 
@@ -102,14 +104,15 @@ def widest_partition(model: torch.nn.Module, world_size: int) -> RankPartition:
 
 
 def flow_applies(engine: Any, model: torch.nn.Module, precision: str = "fp32") -> bool:
-    """Whether :class:`ZeroGradientFlow` replays this engine: DeepSpeed ZeRO-1/2 over 2+ ranks, fp32
-    trainable parameters, the Trainer's optimizer, no offload (its host copies follow another path)."""
+    """Whether :class:`ZeroGradientFlow` replays this engine: DeepSpeed ZeRO-1/2 over 2+ ranks, trainable
+    parameters of one dtype (fp32, or bf16: DeepSpeed's bf16 replays the module cast, ``precision`` fp32:
+    :mod:`.half`), the Trainer's optimizer, no offload (its host copies follow another path)."""
     if engine is None or engine.kind != "deepspeed" or engine.zero_stage not in (1, 2) or engine.world_size < 2:
         return False
     if engine.offload != "none" or engine.engine_optimizer or precision in ("bf16", "fp16"):
         return False
     trainable = [p for p in model.parameters() if p.requires_grad]
-    if not (bool(trainable) and all(p.dtype == torch.float32 for p in trainable)):
+    if not (bool(trainable) and len({p.dtype for p in trainable}) == 1 and trainable[0].dtype in FLOW_DTYPES):
         return False
     return autograd_engine_replayable()  # the backward's epilogue (probed, warned once)
 

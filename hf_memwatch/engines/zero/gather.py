@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ...core.categories import AFTER_FORWARD, STEP_END
-from ..shard import zero3_gathered_bytes
+from .split import zero3_gathered_bytes
 
 GLOO_THREADS = 2  # ProcessGroupGloo's default worker threads: collectives running at once
 

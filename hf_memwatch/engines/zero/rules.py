@@ -1,13 +1,14 @@
 """DeepSpeed ZeRO-1/2/3 (± offload)'s rules: the registry's entry for ``shard`` ``zero1``/``zero2``/``zero3``.
 
 Each method hands over to the module that holds the rule: the live partitions (:mod:`.live`), the
-replayed backward (:mod:`.backward`), the per-rank split (:mod:`hf_memwatch.engines.shard`), the flat
+replayed backward (:mod:`.backward`), the per-rank split (:mod:`.split`), the flat
 optimizer step (:mod:`.step`), ZeRO-3's gathering moment on gloo (:mod:`.gather`) and the advice
 (:mod:`.advice`); the CLI's ``--shard zero*``/``--offload``/bucket flags become the JSON DeepSpeed reads.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -17,11 +18,12 @@ from ...core.advice import Advice
 from ...core.errors import MemWatchConfigError
 from ..engine import engine_from_deepspeed_config
 from ..rules import EngineRules
-from ..shard import engine_classes, shard_classes
 from .advice import no_fit_reasons, zero_advice
 from .backward import flow_applies, zero_gradient_flow
 from .gather import gloo_gather_staging
+from .half import deepspeed_half, half_module, replay_request
 from .live import ZeroPartitions
+from .split import engine_classes, zero_split
 from .step import zero_optimizer_step
 
 # The CLI's bucket flags and the DeepSpeed JSON keys they set (elements).
@@ -58,19 +60,40 @@ class ZeroRules(EngineRules):
             zero["offload_param"] = {"device": "cpu"}
         return engine_from_deepspeed_config({"zero_optimization": zero}, int(args.world_size))
 
+    def split(self, classes: dict[str, int], model: torch.nn.Module, world_size: int, shard: str, notes: list[str],
+              precision: str = "fp32") -> dict[str, int]:
+        return zero_split(classes, model, world_size, shard, notes, precision)
+
     def contributor(self, trainer: Any, wrapped: Any) -> Any:
         return ZeroPartitions() if getattr(trainer, "is_deepspeed_enabled", False) else None
 
     def flow(self, model: torch.nn.Module, engine: Any, trainer: Any, request: Any) -> Any:
+        if deepspeed_half(engine, request.precision):  # DeepSpeed's bf16: the fp32 flow on the module cast
+            stack = contextlib.ExitStack()
+            stack.enter_context(half_module(model))
+            stack.enter_context(zero_gradient_flow(model, engine))
+            return stack
         return zero_gradient_flow(model, engine, request.precision)  # ZeRO-1/2's buckets and partitions
+
+    def replay_request(self, request: Any, engine: Any) -> Any:
+        return replay_request(request) if deepspeed_half(engine, request.precision) else request
 
     def rank_classes(self, phase_classes: Mapping[str, dict[str, int]], model: torch.nn.Module, engine: Any,
                      request: Any, notes: list[str]) -> dict[str, dict[str, int]]:
-        """The ZeRO split, what the engine holds beyond it, its flat optimizer step and ZeRO-3's gathering."""
+        """The ZeRO split, what the engine holds beyond it, its flat optimizer step and ZeRO-3's gathering;
+        DeepSpeed's bf16: the same on the module cast to bf16 (:mod:`.half`)."""
+        if not deepspeed_half(engine, request.precision):
+            return self._rank_classes(phase_classes, model, engine, request, notes)
+        notes.append("DeepSpeed bf16: the module cast to bf16 and replayed without autocast; fp32 master partitions")
+        with half_module(model):
+            return self._rank_classes(phase_classes, model, engine, replay_request(request), notes)
+
+    def _rank_classes(self, phase_classes: Mapping[str, dict[str, int]], model: torch.nn.Module, engine: Any,
+                      request: Any, notes: list[str]) -> dict[str, dict[str, int]]:
         world_size, precision, device = request.world_size, request.precision, request.device
         flowed = flow_applies(engine, model, precision)  # the replay held ZeRO-1/2's gradients as the rank does
         divided = "zero1" if flowed else request.shard
-        per_phase = {phase: engine_classes(shard_classes(classes, model, world_size, divided, notes, precision),
+        per_phase = {phase: engine_classes(self.split(classes, model, world_size, divided, notes, precision),
                                            model, engine, notes, precision, device, flowed)[0]
                      for phase, classes in phase_classes.items()}
         per_phase = zero_optimizer_step(per_phase, model, engine, request.optim, device, notes)

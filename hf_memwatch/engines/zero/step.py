@@ -36,8 +36,8 @@ from ...core.categories import AFTER_OPTIMIZER, STEP_END
 from ...estimation.fake_dispatch import EstimateTracker
 from ...estimation.optim import BNB_OPTIMS, optimizer_class_and_kwargs, param_groups
 from ...measure.saved_tensors import SavedTensorRegistry
-from ..shard import zero3_gathered_bytes
-from .backward import flow_applies, widest_partition
+from .backward import FLOW_DTYPES, flow_applies, widest_partition
+from .split import zero3_gathered_bytes
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,7 @@ def zero_optimizer_step(per_phase: dict[str, dict[str, int]], model: torch.nn.Mo
     the flat partitions instead of the per-parameter step's share. Other engines: unchanged.
 
     The states of every phase holding them become the flat step's (plus the fp32 master partition
-    :func:`~hf_memwatch.engines.shard.engine_classes` counted). The optimizer phase (DeepSpeed
+    :func:`~hf_memwatch.engines.zero.split.engine_classes` counted). The optimizer phase (DeepSpeed
     steps inside the last micro-step's backward) holds the flat step's temporaries, the fp32 copy of
     the gradient partition ZeRO flattens for it (without offload; with offload the host partition,
     already counted, is stepped) and, on ZeRO-3, the weight partitions alone (the gathered ones are
@@ -108,8 +108,8 @@ def zero_optimizer_step(per_phase: dict[str, dict[str, int]], model: torch.nn.Mo
             or engine.engine_optimizer or AFTER_OPTIMIZER not in per_phase:
         return per_phase
     trainable = [p for p in model.parameters() if p.requires_grad]
-    if not trainable or any(p.dtype != torch.float32 for p in trainable):
-        return per_phase  # DeepSpeed's 16-bit runs: the mixed-precision rules in shard.py
+    if not trainable or any(p.dtype not in FLOW_DTYPES for p in trainable):
+        return per_phase  # DeepSpeed's fp16 runs: the mixed-precision rules in shard.py
     if engine.cpu_optimizer and optim != "adamw_torch":  # accelerate's DeepSpeedCPUAdam: fp32 moments + step
         notes.append(f"offload optimizer: accelerate steps DeepSpeedCPUAdam, not {optim} "
                      "(zero_force_ds_cpu_optimizer true); its states as fp32 AdamW's")
@@ -125,8 +125,9 @@ def zero_optimizer_step(per_phase: dict[str, dict[str, int]], model: torch.nn.Mo
         out[phase] = classes
     at_step = out[AFTER_OPTIMIZER]
     at_step["temporaries"] = step.temporaries
+    size = trainable[0].element_size()  # the kept partition's dtype: the parameters' (bf16 under DeepSpeed's bf16)
     if flow_applies(engine, model):  # the replay left no gradient: the kept partition DeepSpeed flattens
-        at_step["gradients"] = 4 * widest_partition(model, engine.world_size).numel + 4 * max(step.partitions)
+        at_step["gradients"] = size * widest_partition(model, engine.world_size).numel + 4 * max(step.partitions)
     elif engine.offload_optimizer == "none":  # offload: the host gradient partition is the one stepped
         at_step["gradients"] += 4 * max(step.partitions)
     if engine.zero_stage == 3:  # gathered parameters are released by the backward's end
