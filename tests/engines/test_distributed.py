@@ -465,15 +465,19 @@ def test_fsdp2_prediction_before_the_engine_exists_matches_the_profiler(fsdp2_ru
 def test_auto_mode_plans_fsdp2_and_fits(fsdp2_runs):
     """Budget 0.7 x the configured run's step peak on each rank: a plan on every rank (none failed), the
     same on both, each rank's profiler step peaks within the budget, the effective batch kept."""
-    _, facts = fsdp2_runs
+    out, facts = fsdp2_runs
     plans = []
-    for fact in facts:
+    for rank, fact in enumerate(facts):
         auto = fact["auto"]
         assert auto["plans"] and all(p.get("status") != "failed" for p in auto["plans"]), auto["plans"]
         assert auto["plan"] is not None
         plans.append(auto["plan"])
-        highest = max(high for _, high in auto["truth_step_bounds"])  # the latest placement of every late free
-        assert highest <= auto["budget"], (auto["truth_step_bounds"], auto["budget"], auto["plan"])
+        # The profiler's point figure (each late free at its earliest time) and MemWatch's peaks, which see
+        # when gloo's worker frees: the high bound keeps a free the worker's idle thread never dates
+        # (measured up to one unit's all-gather output, 793,088 B, +6.8%), so it cannot decide the fit.
+        lows = [low for low, _ in auto["truth_step_bounds"]]
+        assert max(lows) <= auto["budget"], (auto["truth_step_bounds"], auto["budget"], auto["plan"])
+        assert max(step_peaks(out / "auto", rank)) <= auto["budget"], (auto["budget"], auto["plan"])
         assert auto["plan"]["micro_batch_size"] * auto["plan"]["gradient_accumulation_steps"] == 4
     assert plans[0] == plans[1]
 
