@@ -273,6 +273,10 @@ Fixed at the cause (before -> after, this sweep's draws):
   peaks 256,000-512,000 B under the profiler (now exact to the byte), the estimate -23.6..-6.5% (now -8.0..+1.5%).
 - **The harness**: FSDP2 forced on CPU ranks ran without the ``MixedPrecisionPolicy`` accelerate gives it on
   accelerator devices (``testing/fsdp_cpu.py`` now applies it), so bf16 FSDP2 draws measured an fp32 all-gather.
+- **FSDP2 in bf16** (4 draws): +12.2..+21.0%: bf16 fell back to the division rule of the autocast step.
+  Now replayed with accelerate's ``MixedPrecisionPolicy`` (``param_dtype``/``reduce_dtype`` bf16: bf16 copies of
+  the shards all-gathered, bf16 reduce-scatters cast back to fp32 shards; ``engines/fsdp2/replay.py``): seeds 6,
+  7, 22, 38 -0.05..-0.02% (``benchmarks/results/fsdp2_bf16.md``).
 
 Not fixed (the figures over 3% above):
 
@@ -282,9 +286,6 @@ Not fixed (the figures over 3% above):
   whatever the optimizer), while DeepSpeed casts the module to bf16 and runs it without autocast, with 16-bit
   gradients through its buckets. ``zero_backward.flow_applies`` excludes bf16. The fix: replay the bf16 module
   without autocast through the ZeRO gradient flow, the master and state partitions by the optimizer.
-- **FSDP2 in bf16** (4 draws): +12.2..+21.0%. The FSDP2 replay does not model ``MixedPrecisionPolicy``
-  (``param_dtype``/``reduce_dtype`` bf16: bf16 all-gathers and reduce-scatters of fp32 shards); no module of
-  hf_memwatch reads it.
 - **ZeRO-2 with the optimizer offloaded**, checkpointed small micro-batches (seeds 12, 28): -4.0..-8.0%, and
   MemWatch's step-1 peaks 4.8-12.4% under the profiler's (step 2 exact): a transient of step 1 on the offloaded
   path that neither counts; not found.
@@ -294,7 +295,7 @@ Not fixed (the figures over 3% above):
 
 
 CATEGORIES = ("replayed: DDP; ZeRO-1/2/3 and FSDP2 in fp32; ZeRO-3 + offload", "ZeRO-2 + offload, fp32 (rules)",
-              "DeepSpeed in bf16 (rules)", "FSDP2 in bf16 (MixedPrecisionPolicy not modelled)")
+              "DeepSpeed in bf16 (rules)", "FSDP2 in bf16 (replayed with accelerate's MixedPrecisionPolicy)")
 
 
 def category(d: RankDraw) -> str:
