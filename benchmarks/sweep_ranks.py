@@ -279,17 +279,16 @@ Fixed at the cause (before -> after, this sweep's draws):
   (``engines/zero/half.py``): worst 27.41% -> 3.13%, median 9.25% -> 0.04% (this run's figures in the table).
 - **The harness**: FSDP2 forced on CPU ranks ran without the ``MixedPrecisionPolicy`` accelerate gives it on
   accelerator devices (``testing/fsdp_cpu.py`` now applies it), so bf16 FSDP2 draws measured an fp32 all-gather.
+- **FSDP2 in bf16** (4 draws): +12.2..+21.0%: bf16 fell back to the division rule of the autocast step.
+  Now replayed with accelerate's ``MixedPrecisionPolicy`` (``param_dtype``/``reduce_dtype`` bf16: bf16 copies of
+  the shards all-gathered, bf16 reduce-scatters cast back to fp32 shards; ``engines/fsdp2/replay.py``): seeds 6,
+  7, 22, 38 -0.05..-0.02% (``benchmarks/results/fsdp2_bf16.md``).
 
 Not fixed (the figures over 3% above):
 
 - **DeepSpeed in bf16, ZeRO-2 with checkpointing** (seed 2): +3.13% on rank 1 (rank 0 -0.03%); the same
   over-count in ``tests/dist_scripts/zero_bf16.py``'s ``zero2_ckpt`` (+3.56% / +1.60%), inside the checkpointed
   backward; not found.
-- **FSDP2 in bf16** (4 draws): +0.8..+16.1% (+12.2..+21.0% in the launch before). The FSDP2 replay does not
-  model ``MixedPrecisionPolicy`` (``param_dtype``/``reduce_dtype`` bf16: bf16 all-gathers and reduce-scatters of
-  fp32 shards); no module of hf_memwatch reads it. Its estimate also depends on what ran before it in the process:
-  seed 6 alone 3,516,348 B (+21.03%), after the ZeRO-3 bf16 draw of seed 3 3,371,964 B (+16.06%), with this
-  commit's code and with its parent's alike; not found.
 - **ZeRO-2 with the optimizer offloaded**, checkpointed small micro-batches (seeds 12, 28): -4.0..-8.0%, and
   MemWatch's step-1 peaks 4.8-12.4% under the profiler's (step 2 exact): a transient of step 1 on the offloaded
   path that neither counts; not found.
@@ -301,7 +300,7 @@ Not fixed (the figures over 3% above):
 
 CATEGORIES = ("replayed: DDP; ZeRO-1/2/3 and FSDP2 in fp32; ZeRO-3 + offload", "ZeRO-2 + offload, fp32 (rules)",
               "DeepSpeed in bf16 (the cast module replayed, engines/zero/half.py)",
-              "FSDP2 in bf16 (MixedPrecisionPolicy not modelled)")
+              "FSDP2 in bf16 (replayed with accelerate's MixedPrecisionPolicy)")
 
 
 def category(d: RankDraw) -> str:

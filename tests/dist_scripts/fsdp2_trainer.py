@@ -50,6 +50,7 @@ from hf_memwatch.testing.truth import (  # noqa: E402
     cpu_memory_profile,
     left_alive,
     ops_unrecorded,
+    step_peak_bounds,
     step_peaks,
 )
 
@@ -206,6 +207,8 @@ def train(trainer: Trainer, profiler=None, predict: bool = False, marked: bool =
         left = left_alive(profiler, ESTIMATE_MARK) if predict or marked else 0
         facts["truth_step_peaks"] = step_peaks(profiler, -left, reconcile=True, alive=alive)
         facts["truth_raw_step_peaks"] = step_peaks(profiler, -left)
+        # each unreported free at its earliest and latest possible time: the live bytes lie between
+        facts["truth_step_bounds"] = step_peak_bounds(profiler, -left, alive=alive)
     return facts
 
 

@@ -32,6 +32,7 @@ from hf_memwatch.measure.ranks import (
     share_failure,
     world,
 )
+from hf_memwatch.testing.truth import within_bounds
 
 SCRIPTS = Path(__file__).parents[1] / "dist_scripts"
 PLAN_KEYS = ("micro_batch_size", "gradient_accumulation_steps", "activation_checkpointing", "optim")
@@ -436,15 +437,18 @@ def test_the_tracker_sees_fsdp2_s_resize_to_zero_frees(fsdp2_runs):
 
 @pytest.mark.parametrize("run", ["watch", "no_reshard"])
 def test_fsdp2_step_peaks_per_rank_match_the_profiler(fsdp2_runs, run):
-    """MemWatch's step peaks against the reconciled profiler (from the model's construction on). Failed
-    before (+3.2% / +2.8%): the blocks' weights saved for backward were counted at their gathered size
-    after FSDP2 had resized them to 0."""
+    """MemWatch's step peaks against the reconciled profiler (from the model's construction on), within 2%
+    of its bounds (each free gloo's worker made unreported, at its earliest and latest possible time:
+    ``step_peak_bounds``). Failed before (+3.2% / +2.8%): the blocks' weights saved for backward were
+    counted at their gathered size after FSDP2 had resized them to 0. Flaky under CPU load against the
+    point figure (the earliest placement): gloo's worker dropped an all-gather output (793,088 B) late,
+    after waiting for the GIL, and the truth read under the live bytes MemWatch saw."""
     out, facts = fsdp2_runs
     for rank, fact in enumerate(facts):
-        ours, truth = step_peaks(out / run, rank), fact[run]["truth_step_peaks"]
-        assert len(ours) == len(truth) == 2
-        for measured, reference in zip(ours, truth):
-            assert abs(measured - reference) / reference <= 0.02, (rank, ours, truth)
+        ours, bounds = step_peaks(out / run, rank), fact[run]["truth_step_bounds"]
+        assert len(ours) == len(bounds) == 2
+        for measured, reference in zip(ours, bounds):
+            assert within_bounds(measured, reference, 0.02), (rank, ours, bounds)
 
 
 def test_fsdp2_prediction_before_the_engine_exists_matches_the_profiler(fsdp2_runs):
@@ -455,23 +459,28 @@ def test_fsdp2_prediction_before_the_engine_exists_matches_the_profiler(fsdp2_ru
     layer): 18,049,612 B against 17,315,036 B profiled at step 2, +4.2%."""
     _, facts = fsdp2_runs
     for rank, fact in enumerate(facts):
-        predicted, truth = fact["watch"]["predicted_peak"], fact["watch"]["truth_step_peaks"]
-        assert truth[0] <= predicted, (rank, predicted, truth)
+        predicted, truth = fact["watch"]["predicted_peak"], fact["watch"]["truth_step_bounds"]
+        assert truth[0][0] <= predicted, (rank, predicted, truth)
         for reference in truth[1:]:
-            assert abs(predicted - reference) / reference <= 0.03, (rank, predicted, truth)
+            assert within_bounds(predicted, reference, 0.03), (rank, predicted, truth)
 
 
 def test_auto_mode_plans_fsdp2_and_fits(fsdp2_runs):
     """Budget 0.7 x the configured run's step peak on each rank: a plan on every rank (none failed), the
     same on both, each rank's profiler step peaks within the budget, the effective batch kept."""
-    _, facts = fsdp2_runs
+    out, facts = fsdp2_runs
     plans = []
-    for fact in facts:
+    for rank, fact in enumerate(facts):
         auto = fact["auto"]
         assert auto["plans"] and all(p.get("status") != "failed" for p in auto["plans"]), auto["plans"]
         assert auto["plan"] is not None
         plans.append(auto["plan"])
-        assert max(auto["truth_step_peaks"]) <= auto["budget"], (auto["truth_step_peaks"], auto["budget"], auto["plan"])
+        # The profiler's point figure (each late free at its earliest time) and MemWatch's peaks, which see
+        # when gloo's worker frees: the high bound keeps a free the worker's idle thread never dates
+        # (measured up to one unit's all-gather output, 793,088 B, +6.8%), so it cannot decide the fit.
+        lows = [low for low, _ in auto["truth_step_bounds"]]
+        assert max(lows) <= auto["budget"], (auto["truth_step_bounds"], auto["budget"], auto["plan"])
+        assert max(step_peaks(out / "auto", rank)) <= auto["budget"], (auto["budget"], auto["plan"])
         assert auto["plan"]["micro_batch_size"] * auto["plan"]["gradient_accumulation_steps"] == 4
     assert plans[0] == plans[1]
 
@@ -487,10 +496,10 @@ def test_planned_fsdp2_run_equals_the_hand_configured_run_of_its_plan(fsdp2_runs
 def test_planned_fsdp2_step_peaks_per_rank_match_the_profiler(fsdp2_runs):
     out, facts = fsdp2_runs
     for rank, fact in enumerate(facts):
-        ours, truth = step_peaks(out / "auto", rank), fact["auto"]["truth_step_peaks"]
-        assert len(ours) == len(truth) == 2
-        for measured, reference in zip(ours, truth):
-            assert abs(measured - reference) / reference <= 0.02, (rank, ours, truth)
+        ours, bounds = step_peaks(out / "auto", rank), fact["auto"]["truth_step_bounds"]
+        assert len(ours) == len(bounds) == 2
+        for measured, reference in zip(ours, bounds):
+            assert within_bounds(measured, reference, 0.02), (rank, ours, bounds)
 
 
 def test_the_fsdp2_plan_s_prediction_matches_its_profiled_run(fsdp2_runs):
@@ -499,8 +508,8 @@ def test_the_fsdp2_plan_s_prediction_matches_its_profiled_run(fsdp2_runs):
     _, facts = fsdp2_runs
     for rank, fact in enumerate(facts):
         auto = fact["auto"]
-        predicted, truth = auto["plans"][-1]["predicted_peak"], auto["truth_step_peaks"]
-        assert abs(predicted - truth[-1]) / truth[-1] <= 0.03, (rank, predicted, truth)
+        predicted, truth = auto["plans"][-1]["predicted_peak"], auto["truth_step_bounds"]
+        assert within_bounds(predicted, truth[-1], 0.03), (rank, predicted, truth)
 
 
 @pytest.mark.parametrize("stage", [1, 2])

@@ -45,33 +45,38 @@ def fake_group():
         dist.destroy_process_group()
 
 
-def _sharded_step_peak(reshard: bool) -> int:
-    """The profiler's peak of the second step of a real ``fully_shard`` GPT-2 (accelerate's units)."""
-    from torch.distributed.fsdp import fully_shard
+def _sharded_step_peak(reshard: bool, bf16: bool = False) -> int:
+    """The profiler's peak of the second step of a real ``fully_shard`` GPT-2 (accelerate's units); ``bf16``:
+    as accelerate runs ``mixed_precision="bf16"`` (``MixedPrecisionPolicy(param_dtype=reduce_dtype=bf16)``
+    and the Trainer's autocast)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    policy = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)} if bf16 else {}
     with cpu_memory_profile() as prof:
         model = llama_model()
         for unit in build_units(model, wrap_policy(None, model), reshard):
             if unit.root:
-                fully_shard(model)
+                fully_shard(model, **policy)
             else:
                 fully_shard(list(unit.modules) if len(unit.modules) > 1 else unit.modules[0],
-                            reshard_after_forward=unit.reshard_after_forward)
+                            reshard_after_forward=unit.reshard_after_forward, **policy)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         ids = torch.randint(0, 1000, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
         for _ in range(2):
             with torch.profiler.record_function(STEP_MARK):
-                model(input_ids=ids, labels=ids).loss.backward()
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                    loss = model(input_ids=ids, labels=ids).loss
+                loss.backward()
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
     return step_peaks(prof, 0)[-1]
 
 
-def _predicted(reshard: bool) -> int:
+def _predicted(reshard: bool, precision: str = "fp32") -> int:
     engine = Engine(kind="fsdp", world_size=2, fsdp_version=2,
                     fsdp_strategy="FULL_SHARD" if reshard else "SHARD_GRAD_OP")
     return estimate(llama_model(), engine=engine, shard="fsdp", world_size=2, micro_batch_size=BATCH, seq_len=SEQ,
-                    optim="adamw_torch").peak_bytes
+                    optim="adamw_torch", precision=precision).peak_bytes
 
 
 def test_fsdp2_replay_matches_fully_shard_on_a_fake_group(fake_group, monkeypatch):
@@ -86,6 +91,15 @@ def test_fsdp2_replay_matches_fully_shard_on_a_fake_group(fake_group, monkeypatc
 def test_fsdp2_replay_without_reshard_after_forward(fake_group):
     truth = _sharded_step_peak(False)
     assert abs(_predicted(False) / truth - 1) <= 0.01, (_predicted(False), truth)
+
+
+def test_fsdp2_replay_with_accelerates_bf16_mixed_precision(fake_group):
+    """bf16: shards cast to bf16 before each all-gather, bf16 unsharded parameters and gradients, a bf16
+    reduce-scatter cast back to the fp32 sharded gradients (``_fsdp_param.py``, ``_fsdp_collectives.py``):
+    within 1% (measured +0.04%: 7,080,972 B predicted, 7,077,920 B). Failed before (+35.9%, 9,619,838 B):
+    bf16 was not replayed, the full-shard division of the autocast step (fp32 gathered layers) stood in."""
+    truth = _sharded_step_peak(True, bf16=True)
+    assert abs(_predicted(True, "bf16") / truth - 1) <= 0.01, (_predicted(True, "bf16"), truth)
 
 
 def test_units_are_accelerates():

@@ -1,7 +1,7 @@
 """FSDP2's rules (accelerate's ``fsdp_version: 2``): the registry's entry for ``shard`` ``fsdp``.
 
 The replay runs the rank's own step on its shards (:mod:`.replay` over :mod:`.units`) where it applies
-(:func:`~.replay.fsdp_applies`: fp32, no offload); elsewhere ``fsdp`` is the full-shard division of
+(:func:`~.replay.fsdp_applies`: fp32 or bf16, no offload); elsewhere ``fsdp`` is the full-shard division of
 :func:`~hf_memwatch.engines.shard.shard_classes`. On a live rank :mod:`.live` counts its shards,
 gathered units and communication buffers.
 """
