@@ -300,20 +300,6 @@ CASES: tuple[Case, ...] = (
           f"(bnb AdamW, 8-bit: the same state sizes); {FWD_BWD_FP32}"),
     _perf("perf-accum-gc-fp16-adam8bit", 1, 4, "fp16", "adamw_bnb_8bit", True, 5363,
           f"bnb.optim.Adam8bit as adamw_bnb_8bit; {AMP_GC_NOTE}"),
-    _replay_2023("3090-vanilla", 4, 1, "fp32", "adamw_torch", False, 12852, "fp32, eager, AdamW per parameter"),
-    _replay_2023("3090-accum", 1, 4, "fp32", "adamw_torch", False, 8590, "fp32, accumulation 4"),
-    _replay_2023("3090-accum-gc", 1, 4, "fp32", "adamw_torch", True, 7078, "fp32, accumulation 4, checkpointing"),
-    _replay_2023("3090-fp16", 4, 1, "fp16", "adamw_torch", False, 11224,
-                 "torch.cuda.amp: CUDA's autocast lists (fp32 softmax and LayerNorm outputs) replayed"),
-    _replay_2023("3090-adafactor", 4, 1, "fp32", "adafactor", False, 10440, "transformers' Adafactor"),
-    _replay_2023("3090-accum8-bs8", 8, 8, "fp32", "adamw_torch", False, 20314,
-                 "the notebook's second train() (after bs 1 x 4, the cache freed at its start)"),
-    _replay_2023("3090-accum8-bs8-gc", 8, 8, "fp32", "adamw_torch", True, 8030,
-                 "the notebook's second train() (after bs 1 x 4 with checkpointing, the cache freed at its start)"),
-    _replay_2023("3090-accum-gc-fp16", 1, 4, "fp16", "adamw_torch", True, 7574,
-                 "the notebook's second train() (after fp16 bs 4, the cache freed at its start)"),
-    _replay_2023("3090-accum-gc-fp16-adafactor", 1, 4, "fp16", "adafactor", True, 5142,
-                 "the notebook's second train() (after Adafactor bs 4, the cache freed at its start)"),
     *(
         _script(f"bert-sdpa-{attn}-{b}x{s}", BERT_SDPA, "bert-base-uncased (BertLMHeadModel, is_decoder=False)",
                 bert_base, "causal-lm", b, s, attn, mb, "A100-80GB", BERT_SDPA_VERSIONS,
@@ -341,12 +327,26 @@ CASES: tuple[Case, ...] = (
         for attn, b, s, mb in (("eager", 4, 256, 594.156), ("sdpa", 4, 256, 502.745),
                                ("eager", 8, 256, 983.450), ("sdpa", 8, 256, 798.480))
     ),
+    _replay_2023("3090-vanilla", 4, 1, "fp32", "adamw_torch", False, 12852, "fp32, eager, AdamW per parameter"),
+    _replay_2023("3090-accum", 1, 4, "fp32", "adamw_torch", False, 8590, "fp32, accumulation 4"),
+    _replay_2023("3090-accum-gc", 1, 4, "fp32", "adamw_torch", True, 7078, "fp32, accumulation 4, checkpointing"),
+    _replay_2023("3090-fp16", 4, 1, "fp16", "adamw_torch", False, 11224,
+                 "torch.cuda.amp: CUDA's autocast lists (fp32 softmax and LayerNorm outputs) replayed"),
+    _replay_2023("3090-adafactor", 4, 1, "fp32", "adafactor", False, 10440, "transformers' Adafactor"),
+    _replay_2023("3090-accum8-bs8", 8, 8, "fp32", "adamw_torch", False, 20314,
+                 "the notebook's second train() (after bs 1 x 4, the cache freed at its start)"),
+    _replay_2023("3090-accum8-bs8-gc", 8, 8, "fp32", "adamw_torch", True, 8030,
+                 "the notebook's second train() (after bs 1 x 4 with checkpointing, the cache freed at its start)"),
+    _replay_2023("3090-accum-gc-fp16", 1, 4, "fp16", "adamw_torch", True, 7574,
+                 "the notebook's second train() (after fp16 bs 4, the cache freed at its start)"),
+    _replay_2023("3090-accum-gc-fp16-adafactor", 1, 4, "fp16", "adafactor", True, 5142,
+                 "the notebook's second train() (after Adafactor bs 4, the cache freed at its start)"),
 )
 
 
 NOT_USED = (
-    "- optimum-benchmark (github:huggingface/optimum-benchmark, every commit of its history searched): no committed "
-    "training report with max_memory_reserved/max_memory_allocated. Its history holds example configs, TEI/CPU "
+    "- optimum-benchmark (github:huggingface/optimum-benchmark: the files of its whole history listed, sampled "
+    "commits grepped): no committed training report with max_memory_reserved/max_memory_allocated. Its history holds example configs, TEI/CPU "
     "benchmark.json files with memory off, Llama-2 training CSVs with throughput only, and Llama inference CSVs "
     "(generate, 256 + 512 tokens). Its CI writes reports to Hugging Face Hub datasets, which are out of reach "
     "here, ROCm runs included. No ROCm figure is counted, and none would count as an independent CUDA source for "
