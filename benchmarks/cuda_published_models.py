@@ -64,6 +64,7 @@ import torch.nn.functional as F
 
 NEOX_4_42 = "gpt_neox-4.42"
 TRAINER_4_16 = "trainer-4.16/torch-1.10"
+TRAINER_4_30 = "trainer-4.30/torch-2.0"  # transformers.AdamW (adamw_hf) stepped per parameter, torch 2.0's defaults
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,7 @@ import torch
 
 from hf_memwatch.core.gpus import GpuSpec, gpu_spec
 from hf_memwatch.engines.ddp.replay import ddp_bucket_bytes
+from hf_memwatch.engines.zero.cuda_reserve import zero_carried_reserve
 from hf_memwatch.estimation.cuda_allocator import (
     AllocatorConfig,
     AllocatorOOM,
@@ -408,10 +409,11 @@ def test_ddp_buckets_are_torchs_and_held_in_the_replay():
     assert ddp.reserved_bytes >= single.reserved_bytes + trainable
 
 
-def test_fsdp2_gets_its_ranks_reserve_and_zero_says_why_not(monkeypatch):
+def test_fsdp2_gets_its_ranks_reserve_and_zero_its_carried_one(monkeypatch):
     """FSDP2's replay records the rank's own sequence (shards, gathers, reshards): its reserve is replayed,
-    the sequence peaking at the rank's predicted peak; ZeRO's shares are taken after the replay, so its
-    reserve is not predicted, and the note says why."""
+    the sequence peaking at the rank's predicted peak; ZeRO's shares are taken after the replay, so the
+    unsharded sequence's gap (reserved less allocated at its peak) is carried onto the rank's peak
+    (engines/zero/cuda_reserve.py); an engine without the hook (FSDP1) says why it has none."""
     from conftest import gpt2_model
 
     from hf_memwatch.engines.engine import Engine
@@ -433,9 +435,19 @@ def test_fsdp2_gets_its_ranks_reserve_and_zero_says_why_not(monkeypatch):
     assert fsdp.device_overheads["nccl_buffers"] == nccl_buffer_bytes(2)
     assert replay(replayed[-1]).peak_allocated == fsdp.peak_bytes  # the rank's sequence, not the process's
     zero = estimate(gpt2_model(), shard="zero2", world_size=2, micro_batch_size=2, seq_len=16, optim="adamw_torch",
-                    device="cuda")
-    assert zero.reserved_bytes is None
-    assert any("not the rank's" in note for note in zero.notes)
+                    device="cuda", gpu="T4")
+    process = replay(replayed[-1])  # the unsharded process's sequence, as recorded
+    assert zero.peak_bytes < process.peak_allocated  # the rank holds its shares only
+    assert zero.reserved_bytes == zero.peak_bytes + process.peak_reserved - process.peak_allocated
+    assert (zero.peak_bytes, zero.reserved_bytes) == (25_292_288, 30_012_416)  # cuda_reserve.py's docstring
+    assert zero.device_bytes == zero.reserved_bytes + sum(v for k, v in zero.device_overheads.items()
+                                                          if k in ("cuda_context", "nccl_buffers"))
+    assert any(note.startswith("CUDA reserve per rank") for note in zero.notes)
+    assert zero_carried_reserve(lambda peak: None, zero.peak_bytes, []) is None  # nothing replayed: not predicted
+    notes: list[str] = []
+    assert cuda_step_reserve([replayed[-1]], peak=zero.peak_bytes, extrapolated=False, world_size=2, shard="zero2",
+                             held_bytes=0, notes=notes, gpu=gpu_spec("T4"))[0] is None  # no engine hook
+    assert any("not the rank's" in note for note in notes)
 
 
 def test_the_reserve_of_an_extrapolated_depth_carries_the_deeper_gap():

@@ -101,7 +101,8 @@ def test_trainer_4_16_keeps_the_gradients(bench):
     ``gradients_kept`` the replay's ``zero_grad(set_to_none=True)`` zeroes in place; torch's own is back after."""
     from cuda_published_models import gradients_kept
 
-    assert {c.modelling for c in bench.CASES if c.loop == "trainer"} == {bench.TRAINER_4_16}
+    assert {c.modelling for c in bench.CASES if c.loop == "trainer" and c.source == bench.PERF_GUIDE} == \
+        {bench.TRAINER_4_16}
     layer = torch.nn.Linear(2, 2)
     optimizer = torch.optim.SGD(layer.parameters())
     for owner in (layer, optimizer):
@@ -143,3 +144,22 @@ def test_2022_adamw_steps_per_parameter(bench):
     with per_parameter_adamw():
         assert torch.optim.AdamW(params, foreach=True).defaults["foreach"] is False
     assert torch.optim.AdamW(params, foreach=True).defaults["foreach"] is True
+
+
+def test_the_device_total_subset_is_summarized(bench):
+    """The summary names the device-wide cases (reserved or nvidia-smi) apart: cases, sources, median, worst."""
+    by_kind = {c.kind: c for c in bench.CASES}
+    smi, allocated = by_kind["nvidia-smi"], by_kind["allocated"]
+    other = bench.Case(**{**smi.__dict__, "key": "other", "source": "another source"})
+    rows = [bench.Row(case, 1, "", error, None, None, None, 0.0)
+            for case, error in ((smi, -2.0), (other, 4.0), (allocated, 30.0))]
+    line = next(line for line in bench.summary(rows) if line.startswith("- device total"))
+    assert line == "- device total (reserved or nvidia-smi): 2 cases, 2 sources, median |error| 3.0%, worst +4.0%"
+
+
+def test_2023_rerun_replays_its_adamw_per_parameter(bench):
+    """The RTX 3090 rerun's AdamW cases run under per_parameter_adamw (transformers 4.30's adamw_hf), and only them."""
+    rerun = [c for c in bench.CASES if c.key.startswith("3090-")]
+    assert len(rerun) >= 8 and all(c.kind == "nvidia-smi" and c.context == 1276 * bench.MiB for c in rerun)
+    assert {c.modelling for c in rerun if c.optim == "adamw_torch"} == {bench.TRAINER_4_30}
+    assert {c.modelling for c in rerun if c.optim != "adamw_torch"} == {""}

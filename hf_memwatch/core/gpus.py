@@ -112,7 +112,7 @@ def card_fits(spec: GpuSpec | None, reserved: int | None, device: int | None, no
     The device total (``device``: reserved + the CUDA context — measured on this machine's card, else
     the published measurement of ``estimation.cuda_device.PUBLISHED_CONTEXTS`` — + NCCL buffers) when
     known; else the caching allocator's predicted reserve alone, noted; None when neither is predicted
-    (ZeRO's sharded states). The card's memory is the driver's total (:class:`GpuSpec`).
+    (FSDP1's sharded states). The card's memory is the driver's total (:class:`GpuSpec`).
 
     Example:
         >>> notes = []

@@ -67,6 +67,12 @@ class EngineRules:
         return {phase: self.split(classes, model, request.world_size, request.shard, notes, request.precision)
                 for phase, classes in phase_classes.items()}
 
+    def carried_reserve(self, replay: Any, rank_peak: int, notes: list[str]) -> Any:
+        """The rank's CUDA reserve where the recorded step is one unsharded process's (``per_rank`` False):
+        ``replay(peak)`` replays that sequence through the caching-allocator model with its gap carried onto
+        ``peak`` (a :class:`~hf_memwatch.estimation.cuda_device.ReservePrediction`); None: not predicted."""
+        return None
+
     def resident(self, model: torch.nn.Module, request: Any, trainer: Any) -> list[int]:
         """Blocks a CUDA rank holds through the step besides the replayed ones (bytes each)."""
         return []

@@ -71,13 +71,14 @@ the recorded sequence holds one unsharded process's tensors and its reserve is n
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from .cuda_allocator import AllocatorConfig, AllocatorOOM, ReplayResult, replay
+from .cuda_paged import paged_note, split_paged
 
 CUBLAS_WORKSPACE_KEY = "cublas_workspace"
 # NCCL's documented defaults (docs.nvidia.com/deeplearning/nccl/user-guide/docs/env.html):
@@ -292,8 +293,8 @@ def target_context(gpu: Any, overheads: Any, notes: list[str]) -> tuple[int | No
 
 def cuda_step_reserve(traces: Sequence[Sequence[tuple[object, int]]], *, peak: int, extrapolated: bool,
                       world_size: int | None, shard: str | None, held_bytes: int, notes: list[str],
-                      gpu: Any = None, per_rank: bool = False,
-                      resident: Sequence[int] = ()) -> tuple[int | None, int | None, dict[str, int | None]]:
+                      gpu: Any = None, per_rank: bool = False, resident: Sequence[int] = (),
+                      carried: Callable[..., Any] | None = None) -> tuple[int | None, int | None, dict[str, int | None]]:
     """``(reserved_bytes, device_bytes, device_overheads)`` of a CUDA estimate; notes say what is not in them.
 
     ``traces`` as recorded around the step's simulations (the step's is the last); ``extrapolated``:
@@ -302,21 +303,33 @@ def cuda_step_reserve(traces: Sequence[Sequence[tuple[object, int]]], *, peak: i
     ``per_rank``: the recorded step is the rank's own under its sharding (FSDP2's replay);
     ``resident``: blocks the rank holds through the step besides the recorded ones (DDP's buckets,
     :func:`~hf_memwatch.engines.ddp.replay.ddp_bucket_bytes`), counted in ``peak`` already.
+    ``carried``: for a sharded run whose recorded step is one unsharded process's (ZeRO's shares are taken
+    after the replay), the engine's ``EngineRules.carried_reserve(replay, rank_peak, notes)``: it carries
+    that sequence's cache gap onto the rank's peak through ``replay`` (None from it: not predicted).
+    bitsandbytes' paged optimizer states (:mod:`.cuda_paged`) leave the replayed sequence and the
+    reserve (``cudaMallocManaged``) and count in ``device_bytes``.
     """
     from ..measure.cuda_context import cuda_overheads
 
     world = world_size or 1
-    if world > 1 and shard not in (None, "none") and not per_rank:
-        notes.append("CUDA reserve: not predicted for sharded states (ZeRO's and FSDP1's shares are taken "
-                     "after the replay: the recorded sequence is one unsharded process's, not the rank's)")
-        return None, None, {}
+    traces, paged = split_paged(traces)
+    sharded = world > 1 and shard not in (None, "none") and not per_rank
     overheads = cuda_overheads("cuda")
     context, total_memory = target_context(gpu, overheads, notes)
     nccl = nccl_buffer_bytes(world)
     limit = None if context is None or total_memory is None else total_memory - context - nccl - held_bytes
-    prediction = replay_reserve(traces, extrapolated_peak=peak - held_bytes - sum(resident) if extrapolated else None,
-                                limit=limit,
-                                total_memory=total_memory, resident=resident)
+    rank_peak = peak - held_bytes - sum(resident) - paged
+    if sharded:  # the unsharded process's sequence, replayed without the card's limit, its gap carried
+        prediction = None if carried is None else carried(
+            lambda carried_peak: replay_reserve(traces, extrapolated_peak=carried_peak, total_memory=total_memory,
+                                                resident=resident), rank_peak, notes)
+        if prediction is None:
+            notes.append("CUDA reserve: not predicted for sharded states (FSDP1's shares are taken after the "
+                         "replay: the recorded sequence is one unsharded process's, not the rank's)")
+            return None, None, {}
+    else:
+        prediction = replay_reserve(traces, extrapolated_peak=rank_peak if extrapolated else None, limit=limit,
+                                    total_memory=total_memory, resident=resident)
     if prediction is None:
         return None, None, {}
     card = getattr(gpu, "name", "the card")
@@ -334,5 +347,9 @@ def cuda_step_reserve(traces: Sequence[Sequence[tuple[object, int]]], *, peak: i
         notes.append("CUDA: reserved bytes predicted by replaying the caching allocator; the CUDA context "
                      "(~0.3-1 GiB per process) is measured only where a CUDA device is at hand, so device_bytes is unknown")
     reserved = prediction.reserved + held_bytes
-    total = DeviceTotal(reserved, context, nccl, None if context is None else reserved + context + nccl, total_memory)
-    return total.reserved, total.device, total.overheads()
+    if paged:
+        notes.append(paged_note(paged, total_memory))
+    total = DeviceTotal(reserved, context, nccl, None if context is None else reserved + context + nccl + paged,
+                        total_memory)
+    overheads = {**total.overheads(), "paged_optimizer_states": paged} if paged else total.overheads()
+    return total.reserved, total.device, overheads

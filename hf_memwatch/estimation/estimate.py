@@ -36,10 +36,10 @@ from ..core.units import format_bytes
 from ..engines.registry import rules_for
 from ..measure.attribution import weight_storages
 from ..measure.peak_tensors import PeakTensors
-from ..measure.tracker import recording_allocations
 from .branches import worst_branch
 from .cuda_autocast import policy_notes
 from .cuda_device import cuda_step_reserve
+from .cuda_paged import recording_cuda_allocations
 from .expert_loop import expert_loop_notes
 from .fake_model import auto_class, count_params, fake_copy, fake_model, load_config, resolve_adapter
 from .layers import AUTO_MIN_LAYERS, SHORT_DEPTHS, extrapolate, homogeneous_layers, truncated
@@ -278,7 +278,7 @@ def _replay_step(model: torch.nn.Module, fake_mode: Any, request: EstimateReques
     trainer = inputs.trainer
     guard = TrainerStateGuard(trainer, request.gradient_accumulation_steps) if trainer is not None \
         else contextlib.nullcontext()
-    recording = recording_allocations() if request.device == "cuda" else contextlib.nullcontext([])
+    recording = recording_cuda_allocations() if request.device == "cuda" else contextlib.nullcontext([])
     engine = _engine_of(request, trainer)
     # what the rank holds while the step runs (FSDP2's shards and gathers, ZeRO-1/2's buckets): its engine's
     flow = rules_for(request.shard, request.world_size, engine).flow(model, engine, trainer, request)
@@ -356,7 +356,7 @@ def _result(model: torch.nn.Module, fake_mode: Any, request: EstimateRequest, in
         reserved_bytes, device_bytes, device_overheads = cuda_step_reserve(
             traces, peak=peak, extrapolated=any(note.startswith("depth extrapolated") for note in notes),
             world_size=world_size, shard=shard, held_bytes=sum(counts.frozen_models.values()), notes=notes,
-            gpu=request.gpu, per_rank=rules.per_rank(model, engine, request),
+            gpu=request.gpu, per_rank=rules.per_rank(model, engine, request), carried=rules.carried_reserve,
             resident=rules.resident(model, request, inputs.trainer))
     evaluation = None
     if request.eval_batch_size is not None:

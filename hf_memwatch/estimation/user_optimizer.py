@@ -99,12 +99,15 @@ def user_optimizer(trainer: Any, optim: str | None, shard: str | None = "none") 
 def optimizer_for(model: torch.nn.Module, request: Any, trainer: Any) -> Any:
     """The optimizer a replayed step steps: the Trainer's own (:func:`user_optimizer`), else the one
     ``request.optim`` names, as ``Trainer.create_optimizer`` builds it."""
+    from .cuda_paged import mark_paged  # a paged bitsandbytes optimizer's states leave CUDA's reserve
+
     spec = user_optimizer(trainer, request.optim, request.shard)
     if spec is None:
         from .optim import build_optimizer
 
-        return build_optimizer(model, request.optim, request.device)
-    return replay_optimizer(spec, model, trainer.model, request.device, float(trainer.args.weight_decay or 0.0))
+        return mark_paged(build_optimizer(model, request.optim, request.device), request.device)
+    return mark_paged(replay_optimizer(spec, model, trainer.model, request.device,
+                                       float(trainer.args.weight_decay or 0.0)), request.device)
 
 
 def with_user_optimizer(trainer: Any, request: Any, notes: list[str]) -> Any:

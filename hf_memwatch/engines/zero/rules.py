@@ -20,6 +20,7 @@ from ..engine import engine_from_deepspeed_config
 from ..rules import EngineRules
 from .advice import no_fit_reasons, zero_advice
 from .backward import flow_applies, zero_gradient_flow
+from .cuda_reserve import zero_carried_reserve
 from .gather import gloo_gather_staging
 from .half import deepspeed_half, half_module, replay_request
 from .live import ZeroPartitions
@@ -98,6 +99,9 @@ class ZeroRules(EngineRules):
                      for phase, classes in phase_classes.items()}
         per_phase = zero_optimizer_step(per_phase, model, engine, request.optim, device, notes)
         return gloo_gather_staging(per_phase, model, engine, device, notes)
+
+    def carried_reserve(self, replay: Any, rank_peak: int, notes: list[str]) -> Any:
+        return zero_carried_reserve(replay, rank_peak, notes)  # the per-rank CUDA reserve (.cuda_reserve)
 
     def advice(self, run: Any, classes: Mapping[str, int], peak: int, peak_phase: str | None) -> list[Advice]:
         return zero_advice(run, classes, peak, peak_phase)
