@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from ..core.sequence_length import sequence_length
+from .read_ahead import ReadAhead, read_ahead_batch
 from .streaming import fixed_shape_batch, longest_fed_length
 from .trainer_replay import (
     SCAN_ITEMS,
@@ -43,6 +44,8 @@ def worst_case_batch(trainer: Any, batch_size: int, sample_index: int | None = N
     if dataset is None:
         return None, None, "no training dataset: synthetic batches"
     if is_one_pass(dataset):
+        if isinstance(dataset, ReadAhead) and dataset.longest_item is not None:  # its first samples, read ahead
+            return read_ahead_batch(trainer, dataset, batch_size)
         bound = longest_fed_length(trainer)
         if bound is not None:
             return None, None, f"one-pass (iterable) dataset, not read: synthetic batches at {bound[1]}"

@@ -46,6 +46,7 @@ from ..core.errors import MemWatchConfigError, PlanError, is_oom_error
 from ..core.records import OomRecoveredRecord, PlanRecord, Record
 from ..core.run_config import RunConfig
 from ..core.units import format_bytes
+from ..estimation.read_ahead import start_read_ahead
 from ..estimation.trainer_replay import RngStates, is_one_pass
 from ..measure.attribution import weight_storages
 from ..measure.backends import backend_for
@@ -294,7 +295,7 @@ class AutoMode(BetweenSteps):
                 "hf-memwatch: resumed with another configuration (%s) than the checkpoint's plan was made for (%s): "
                 "planning anew for the effective batch now asked for.", configured_of(run), saved.configured,
             )
-        record = self._decide_with_peers(trainer, run, self.budget)
+        record = self._decide_streaming(trainer, run)
         self._put_in_force(trainer, record, timed=True)
         log_advice(record, pressed=self.plan_changed_the_run)
         self.record(record)
@@ -306,6 +307,22 @@ class AutoMode(BetweenSteps):
         if self.kind in ("vms", "rss"):
             weights = sum(weight_storages(trainer.model, torch.device(trainer.args.device)).values())
             self.baseline = host_reading(weights, self.kind)
+
+    def _decide_streaming(self, trainer: Any, run: RunConfig) -> PlanRecord:
+        """:meth:`_decide_with_peers`; a stream with no length bound, or whose bound does not fit (a
+        :class:`PlanError`), is planned again on its first micro-batches read ahead
+        (:mod:`hf_memwatch.estimation.read_ahead`), which the Trainer then trains on in the same order."""
+        assert self.budget is not None
+        try:
+            return self._decide_with_peers(trainer, run, self.budget)
+        except (PlanError, EstimatorUnavailable) as exc:
+            ahead = start_read_ahead(trainer, run.micro_batch_size, run.gradient_accumulation_steps)
+            if ahead is None:
+                raise
+            logger.warning("hf-memwatch: the stream was not planned on its bound (%s); planning on its first %d "
+                           "samples, read ahead (longest %d tokens)", str(exc).splitlines()[0][:160],
+                           ahead.items_read, ahead.longest)
+        return self._decide_with_peers(trainer, run, self.budget)
 
     def _decide_with_peers(self, trainer: Any, run: RunConfig, budget: Budget) -> PlanRecord:
         """:meth:`_decide`; in a distributed run a rank that fails tells the others, so none waits."""

@@ -63,6 +63,8 @@ class BetweenSteps:
         self._checkpointing_refused = False
         self._pending_why: str | None = None  # distributed: this rank's reason to switch, until agreed
         self._agreements = 0  # distributed: between-step agreements joined (the first MEASURED_STEPS steps)
+        self.stop_requested = False  # a sample read ahead fits no plan: training stops before its step
+        self._stop_before_sample: int | None = None  # that sample's index in the stream
 
     def after_step(self, trainer: Any, step_record: StepRecord | None,
                    snapshots: list[Snapshot] | None = None) -> PlanRecord | None:
@@ -79,6 +81,10 @@ class BetweenSteps:
             logger.warning("hf-memwatch: the footprint of step %s was not measured (%s: %s)",
                            step_record.step, type(exc).__name__, exc)
             measured = None
+        replanned = self.longer_sample(trainer)
+        self._stop_before_its_step(trainer)
+        if replanned is not None or self._stop_before_sample is not None:  # nothing else changes before the stop
+            return replanned
         why = self._pressure(step_record, measured)
         if why is None:
             return None
@@ -93,6 +99,66 @@ class BetweenSteps:
             self._pending_why = why
             return None
         return self._switch_checkpointing(trainer, why)
+
+    def longer_sample(self, trainer: Any) -> PlanRecord | None:
+        """A stream read ahead (:mod:`hf_memwatch.estimation.read_ahead`) brought a sample longer than the
+        plan in force was predicted for: the plan is predicted again on it, before the step that trains on
+        it. It fits: the plan stays (its figure updated); it fits with activation checkpointing: that is
+        turned on; else the run stops before that step with an ERROR line (``allow_over_budget``: it goes on)."""
+        from ..estimation.read_ahead import ReadAhead
+
+        ahead = getattr(trainer, "train_dataset", None)
+        if (not isinstance(ahead, ReadAhead) or ahead.longest <= ahead.planned or self.plan is None
+                or self.budget is None or not isinstance(self.predictor, EstimatorPredictor)):
+            return None
+        before, first_longer = ahead.planned, ahead.first_longer
+        ahead.planned_for(ahead.longest)
+        self.predictor.estimates.clear()  # the worst batch is the longest sample read now
+        self.predictor.floors.clear()
+        if self.plan.sample is not None:
+            self.plan = self.plan.replace(sample=self.plan.sample.replace(seq_len=ahead.longest))
+        peak = self.predictor.peak(self.plan.plan)
+        why = (f"a sample of {ahead.longest} tokens read ahead (the plan was predicted for {before}): the plan in "
+               f"force predicted at {format_bytes(peak)}")
+        if peak <= self.budget.usable:
+            return self._replanned(self.plan.replace(predicted_peak=peak, reason=f"{why}, which fits the budget "
+                                                     f"{format_bytes(self.budget.usable)}: the plan stays"))
+        if not self.plan.activation_checkpointing and not RunConfig.from_trainer(trainer).checkpointing_unavailable:
+            checkpointed = self.predictor.peak(self.plan.plan.replace(activation_checkpointing=True))
+            if checkpointed <= self.budget.usable:
+                return self._switch_checkpointing(trainer, f"{why}, over the budget {format_bytes(self.budget.usable)}")
+            peak = checkpointed
+        over = getattr(self, "allow_over_budget", False)
+        record = self.plan.replace(predicted_peak=peak, status="over_budget", reason=(
+            f"{why}, {format_bytes(peak - self.budget.usable)} over the budget {format_bytes(self.budget.usable)} "
+            "with every remedy that can change between steps: " + ("training goes on (allow_over_budget=True)" if over
+                                                                   else "training stops before the step that trains on "
+                                                                   "the first longer sample; lower the micro-batch or "
+                                                                   "max_length")))
+        self._stop_before_sample = None if over else first_longer
+        logger.error("hf-memwatch: %s", record.reason)
+        self.plan = record
+        self.record(record)
+        return record
+
+    def _stop_before_its_step(self, trainer: Any) -> None:
+        """Training stops now when the next step trains on the sample no plan fits (its index in the stream
+        below the samples trained through the next step: optimizer steps x micro-batch x accumulation)."""
+        if self._stop_before_sample is None or self.plan is None:
+            return
+        per_step = int(self.plan.micro_batch_size) * int(self.plan.gradient_accumulation_steps)
+        if self._stop_before_sample < (int(trainer.state.global_step) + 1) * per_step:
+            self.stop_requested = True
+            trainer.control.should_training_stop = True  # the Trainer's own control: checked after on_step_end
+            logger.error("hf-memwatch: training stops after step %s: the next step trains on sample %s of the stream, "
+                         "which no plan fits (the plan record says by how much)", trainer.state.global_step,
+                         self._stop_before_sample)
+
+    def _replanned(self, record: PlanRecord) -> PlanRecord:
+        self.plan = record
+        logger.warning("hf-memwatch plan: %s", record.reason)
+        self.record(record)
+        return record
 
     def _pressure(self, step_record: StepRecord, measured: FootprintRecord | None) -> str | None:
         """Why checkpointing should be turned on now (None: no reason, or nothing left to turn on)."""

@@ -1,0 +1,151 @@
+"""A stream's first micro-batches read ahead, measured as they arrive, then trained on in the same order.
+
+A one-pass (iterable) dataset is planned for the longest sequence the run can feed
+(:mod:`hf_memwatch.estimation.streaming`). Where nothing bounds it, or the bound does not fit the budget
+(GPT-2's 1,024 positions on a run whose stream carries 16 tokens), the auto mode plans on the stream's own
+samples instead: :class:`ReadAhead` wraps the Trainer's ``train_dataset`` and, before training, reads its
+first :data:`READ_AHEAD_BATCHES` micro-batches (or one optimizer step's samples and two micro-batches more,
+whichever is more) from the very iterator the Trainer will then take — nothing is read twice, nothing
+consumed: the Trainer receives the same samples in the same order, and every random number generator is
+put back after the read (a stream drawing its own numbers with its own generator trains exactly as
+without MemWatch; one drawing from the global generators gets its numbers at another time).
+
+The estimate replays ``batch_size`` copies of the longest sample read (:func:`read_ahead_batch`, the hook
+in :mod:`hf_memwatch.estimation.worst_batch`). While training, the wrapper keeps as many samples read ahead
+of the Trainer, so a longer sample is known before the step that trains on it: ``longest`` passes
+``planned`` and the auto mode predicts the plan in force again between steps
+(:meth:`~hf_memwatch.integration.between_steps.BetweenSteps.longer_sample`).
+
+Example:
+    >>> import torch
+    >>> class Counting(torch.utils.data.IterableDataset):
+    ...     def __iter__(self):
+    ...         return iter([{"input_ids": torch.ones(n, dtype=torch.long)} for n in (3, 5, 4)])
+    >>> ahead = ReadAhead(Counting(), ahead_items=2)
+    >>> ahead.read(), ahead.longest
+    (2, 5)
+    >>> [len(item["input_ids"]) for item in ahead]
+    [3, 5, 4]
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import deque
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from ..core.sequence_length import sequence_length
+from .trainer_replay import RngStates, collate, is_one_pass
+
+#: Micro-batches read before training: the stream's first samples the plan is made on.
+READ_AHEAD_BATCHES = 8
+
+
+class ReadAhead(torch.utils.data.IterableDataset):
+    """``dataset`` iterated with ``ahead_items`` samples read ahead of its reader (module docstring).
+
+    ``longest``: the longest sequence read so far (every pass), ``longest_item`` that sample; ``planned``:
+    the length the plan in force was predicted for, ``first_longer`` the index (over every pass) of the first
+    sample read longer. Other attributes (``set_epoch``, ...) are the dataset's.
+    """
+
+    def __init__(self, dataset: Any, ahead_items: int) -> None:
+        self.dataset = dataset
+        self.ahead = max(1, int(ahead_items))
+        self.buffer: deque[Any] = deque()
+        self.source: Iterator[Any] | None = None  # the first pass's iterator, opened by read()
+        self.longest = 0
+        self.longest_item: Any = None
+        self.planned = 0
+        self.items_read = 0
+        self.pass_start = 0  # items of the passes before this one (their indices: the stream's over all passes)
+        self.read_in_pass = 0
+        self.first_longer: int | None = None  # index of the first sample read longer than ``planned``
+
+    def read(self) -> int:
+        """Read the first samples before training (random number generators put back); how many."""
+        rng = RngStates.capture()
+        try:
+            if self.source is None:
+                self.source = iter(self.dataset)
+            self._fill(self.source, self.buffer)
+        finally:
+            rng.restore()
+        return len(self.buffer)
+
+    def _fill(self, source: Iterator[Any], buffer: deque[Any]) -> None:
+        while len(buffer) < self.ahead:
+            try:
+                item = next(source)
+            except StopIteration:
+                return
+            index = self.pass_start + self.read_in_pass
+            self.items_read += 1
+            self.read_in_pass += 1
+            length = sequence_length(item)
+            if self.longest_item is not None and length > self.planned and self.first_longer is None:
+                self.first_longer = index
+            if self.longest_item is None or length > self.longest:
+                self.longest, self.longest_item = length, item
+            buffer.append(item)
+
+    def __iter__(self) -> Iterator[Any]:
+        """The first pass: the samples read ahead, then the rest of the same iterator; later passes (a new
+        epoch, a step retried after an out-of-memory error) a fresh iterator, as the Trainer takes one."""
+        if self.source is not None:
+            source, buffer, self.source, self.buffer = self.source, self.buffer, None, deque()
+        else:
+            self.pass_start, self.read_in_pass = self.pass_start + self.read_in_pass, 0
+            source, buffer = iter(self.dataset), deque()
+        return self._pass(source, buffer)
+
+    def planned_for(self, length: int) -> None:
+        """The plan in force is predicted for samples of ``length`` tokens (later longer ones are tracked)."""
+        self.planned, self.first_longer = length, None
+
+    def _pass(self, source: Iterator[Any], buffer: deque[Any]) -> Iterator[Any]:
+        while True:
+            self._fill(source, buffer)
+            if not buffer:
+                return
+            yield buffer.popleft()
+
+    def __getattr__(self, name: str) -> Any:  # set_epoch, column_names, ...: the wrapped dataset's
+        if name == "dataset":
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+
+def read_ahead_batch(trainer: Any, dataset: ReadAhead, batch_size: int) -> tuple[Any, int | None, str]:
+    """(``batch_size`` copies of the longest sample read so far as collated, its length, a note)."""
+    batch = collate(trainer, [copy.deepcopy(dataset.longest_item) for _ in range(batch_size)])
+    if isinstance(batch, (list, tuple)):
+        return list(batch), dataset.longest or None, _note(dataset, batch_size)
+    length = sequence_length(dict(batch)) or None
+    return dict(batch), length, _note(dataset, batch_size)
+
+
+def _note(dataset: ReadAhead, batch_size: int) -> str:
+    return (f"iterable dataset read ahead: {batch_size} x its longest sample of the {dataset.items_read} read "
+            f"before they are trained on ({dataset.longest} tokens), the samples then trained on in the same order")
+
+
+def start_read_ahead(trainer: Any, micro_batch_size: int, accumulation: int) -> ReadAhead | None:
+    """The Trainer's one-pass ``train_dataset`` wrapped in a :class:`ReadAhead` whose first samples are read
+    (None: not a one-pass dataset, wrapped already, nothing read, or a distributed run, whose ranks each
+    read their shard of the stream and are not read ahead)."""
+    dataset = getattr(trainer, "train_dataset", None)
+    if dataset is None or isinstance(dataset, ReadAhead) or not is_one_pass(dataset):
+        return None
+    if not isinstance(dataset, torch.utils.data.IterableDataset) or int(trainer.args.world_size) > 1:
+        return None
+    ahead = ReadAhead(dataset, micro_batch_size * max(READ_AHEAD_BATCHES, accumulation + 2))
+    if ahead.read() == 0:
+        trainer.train_dataset = ahead  # the iterator is opened: the Trainer takes it from the wrapper
+        return None
+    trainer.train_dataset = ahead
+    ahead.planned_for(ahead.longest)
+    return ahead
