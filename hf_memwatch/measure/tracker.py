@@ -157,6 +157,12 @@ class StorageTracker(TorchDispatchMode):
         # them first in the middle of a backward. Off: no per-operator cost.
         self.resident_aliases = False
         self._args: Any = None
+        # Optional ``(func, args, kwargs) -> bytes`` a built-in operator's CPU kernel allocates and frees
+        # inside itself (oneDNN's packed operand blocks of a bf16 product, the flash-attention kernel's
+        # per-thread buffers): the allocator counts them, the dispatcher never sees them, so they are
+        # added to the peak at the operator's end as a transient. Set by the live monitor for a CPU run
+        # (``integration.session.live_backend``: ``estimation.kernel_workspaces.cpu_kernel_workspace``).
+        self.kernel_workspace: Any = None
 
     # -- accounting -------------------------------------------------------------------------
     def _free(self, ref: _StorageRef) -> None:
@@ -316,12 +322,14 @@ class StorageTracker(TorchDispatchMode):
 
     # -- dispatch ---------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        builtin = False
         if func in _UNPERTURBED:  # kernels a mode would change: as they run unobserved
             out = run_unperturbed(func, args, kwargs or {})
             if out is None:
                 out = func(*args, **(kwargs or {}))
         elif getattr(func, "namespace", "aten") in _BUILT_IN_NAMESPACES:  # (a wrapper of ours: plain)
             out = func(*args, **(kwargs or {}))
+            builtin = True
         elif self.device_type == "cpu" and func.name().partition(".")[0] in _OBSERVED_INSIDE:
             out = run_as_called(functools.partial(self._run_observed, func), args, kwargs or {})
         else:
@@ -331,19 +339,33 @@ class StorageTracker(TorchDispatchMode):
         self._func = func
         self._args = (args, kwargs) if self.resident_aliases else None
         try:
-            if isinstance(out, torch.Tensor):
-                self._track_output(out)
-            elif isinstance(out, (tuple, list)):
-                for item in out:
-                    if isinstance(item, torch.Tensor):
-                        self._track_output(item)
-                    elif isinstance(item, (tuple, list)):  # _foreach ops and friends
-                        for inner in item:
-                            if isinstance(inner, torch.Tensor):
-                                self._track_output(inner)
+            self._track_outputs(out)
         finally:
             self._args = None  # never keep an input alive
+        if builtin and self.kernel_workspace is not None:
+            self.add_transient(self.kernel_workspace(func, args, kwargs or {}))
         return out
+
+    def _track_outputs(self, out: Any) -> None:
+        if isinstance(out, torch.Tensor):
+            self._track_output(out)
+        elif isinstance(out, (tuple, list)):
+            for item in out:
+                if isinstance(item, torch.Tensor):
+                    self._track_output(item)
+                elif isinstance(item, (tuple, list)):  # _foreach ops and friends
+                    for inner in item:
+                        if isinstance(inner, torch.Tensor):
+                            self._track_output(inner)
+
+    def add_transient(self, nbytes: int) -> None:
+        """``nbytes`` a kernel held inside itself on top of the live set (with its outputs): the peak
+        rises to it where it is the highest, ``allocated`` is unchanged (freed before the kernel returned)."""
+        if nbytes > 0 and self.allocated + self.in_flight + nbytes > self.peak:
+            self.peak = self.allocated + self.in_flight + nbytes
+            if self.census is not None:
+                self.census.on_peak()
+            self.on_new_peak()
 
     def _run_observed(self, func: Any, *args: Any, **kwargs: Any) -> Any:
         """Run ``func``'s CPU kernel with this mode on the stack again, so its inner operators are

@@ -65,7 +65,7 @@ class Comparison:
 
 
 def _baseline(trainer: Any) -> int:
-    models = [trainer.model] + [getattr(trainer, name) for name in ("ref_model",) if getattr(trainer, name, None)]
+    models = [trainer.model] + [getattr(trainer, name) for name in ("ref_model", "teacher_model") if getattr(trainer, name, None)]
     return sum(sum(weight_storages(model, None).values()) for model in models)
 
 

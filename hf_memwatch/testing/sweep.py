@@ -16,6 +16,11 @@ families. :func:`run_draw` builds that Trainer and measures, with :func:`~.pertu
   accumulation, checkpointing where the model allows it), configured by hand, is measured: over the
   budget, the stop was truthful.
 
+:func:`variants` adds the draw kinds the seeded space does not produce, on fixed configurations:
+weights loaded in bf16/fp16, Adafactor and ``PagedAdamW8bit`` instances, QLoRA (nf4), and TRL's SFT
+(map and iterable dataset), DPO and GKD (``lmbda`` 0 / 0.5 / 1: :class:`TrlDraw`), measured alike
+(without the auto mode).
+
 Everything runs on the CPU, 2 optimizer steps a run (truth: :mod:`.truth`).
 
 Usage:
@@ -29,7 +34,7 @@ from __future__ import annotations
 import random
 import tempfile
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -64,12 +69,15 @@ class Draw:
     checkpointing: str  # "off" | "on" | "reentrant"
     accum: int
     lora: bool
+    weights: str = "fp32"  # the weights' dtype as loaded: "fp32" | "bf16" | "fp16" | "nf4" (QLoRA: 4-bit + LoRA)
 
     def describe(self) -> str:
         parts = [f"{self.family} L{self.layers}" + (f" h{self.hidden}" if self.hidden else ""),
                  f"{self.batch}x{self.seq_len} {self.shape}", self.precision, self.optim,
                  f"ckpt {self.checkpointing}", f"accum {self.accum}"]
-        return ", ".join(parts + (["LoRA"] if self.lora else []))
+        if self.weights != "fp32":
+            parts.append("QLoRA nf4" if self.weights == "nf4" else f"{self.weights} weights")
+        return ", ".join(parts + (["LoRA"] if self.lora and self.weights != "nf4" else []))
 
 
 def draw(seed: int) -> Draw:
@@ -108,12 +116,26 @@ def _model(d: Draw) -> Any:
         config.hidden_size, config.intermediate_size = d.hidden, 2 * d.hidden
     torch.manual_seed(0)
     model = auto_class(task).from_config(config)
-    if d.lora:
+    if d.weights == "nf4":
+        model = _loaded_4bit(model)
+    elif d.weights != "fp32":
+        model = model.to(getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}[d.weights]))
+    if d.lora or d.weights == "nf4":
         from peft import LoraConfig, get_peft_model
 
         model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
                                                  task_type="CAUSAL_LM"))
     return model
+
+
+def _loaded_4bit(model: Any) -> Any:
+    """``model`` saved and loaded back 4-bit (nf4) as ``BitsAndBytesConfig`` loads it (QLoRA's base)."""
+    import transformers
+
+    with tempfile.TemporaryDirectory() as path:
+        model.save_pretrained(path)
+        config = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4")
+        return transformers.AutoModelForCausalLM.from_pretrained(path, quantization_config=config, device_map="cpu")
 
 
 def _lengths(d: Draw, gen: torch.Generator) -> list[int]:
@@ -174,8 +196,14 @@ def _optimizer(d: Draw, model: Any) -> Any:
         return torch.optim.SGD(params, lr=0.01, momentum=0.9)
     if name == "AdamW(foreach=False)":
         return torch.optim.AdamW(params, lr=1e-4, foreach=False)
+    if name == "Adafactor":
+        from transformers.optimization import Adafactor
+
+        return Adafactor(params, lr=1e-3, relative_step=False, scale_parameter=False)
     import bitsandbytes as bnb
 
+    if name == "bnb.PagedAdamW8bit":
+        return bnb.optim.PagedAdamW8bit(params, lr=1e-4)
     return bnb.optim.Adam8bit(params, lr=1e-4)
 
 
@@ -207,12 +235,99 @@ def builder(d: Draw, **overrides: Any) -> Any:
     return build
 
 
+# -- the variants: draw kinds outside the seeded space -------------------------------------------------
+@dataclass(frozen=True)
+class TrlDraw:
+    """A TRL trainer on a tiny Llama (vocab of :func:`~.tokenizers.word_tokenizer`), 2 steps of 4 rows:
+    ``sft`` (a map dataset of token ids), ``sft-iterable`` (the same rows streamed: ``IterableDataset``),
+    ``dpo`` (a reference model), ``gkd`` (a teacher; on-policy generation of 8 tokens drawn per step
+    with probability ``lmbda``)."""
+
+    seed: int
+    trainer: str
+    precision: str = "fp32"
+    lmbda: float | None = None
+
+    def describe(self) -> str:
+        lmbda = "" if self.lmbda is None else f" lmbda {self.lmbda}"
+        return f"TRL {self.trainer}{lmbda}, llama L2, 4 rows, {self.precision}"
+
+
+def _llama(seed: int = 0) -> Any:
+    import transformers
+
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=1002, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, pad_token_id=1000, eos_token_id=1001))
+
+
+def trl_builder(v: TrlDraw) -> Any:
+    """``build(output_dir, callbacks)``: the TRL variant's Trainer, fresh each call."""
+
+    def build(out: str, callbacks: list[Any]) -> Any:
+        from datasets import Dataset
+
+        from .tokenizers import word_tokenizer
+
+        gen = torch.Generator().manual_seed(v.seed)
+
+        def words(n: int) -> str:
+            return " ".join(f"w{int(i)}" for i in torch.randint(0, 1000, (n,), generator=gen))
+
+        common = dict(bf16=v.precision == "bf16", max_length=64, activation_checkpointing=False)
+        tokenizer = word_tokenizer()
+        if v.trainer.startswith("sft"):
+            from trl import SFTConfig, SFTTrainer
+
+            data = Dataset.from_list([{"input_ids": torch.randint(0, 1000, (48,), generator=gen).tolist()}
+                                      for _ in range(16)])
+            if v.trainer == "sft-iterable":
+                data = data.to_iterable_dataset()
+            return SFTTrainer(model=_llama(), args=_args(out, SFTConfig, **common), train_dataset=data,
+                              processing_class=tokenizer, callbacks=callbacks)
+        if v.trainer == "dpo":
+            from trl import DPOConfig, DPOTrainer
+
+            data = Dataset.from_list([{"prompt": words(20), "chosen": words(20), "rejected": words(20)}
+                                      for _ in range(16)])
+            return DPOTrainer(model=_llama(), ref_model=_llama(1), args=_args(out, DPOConfig, **common),
+                              train_dataset=data, processing_class=tokenizer, callbacks=callbacks)
+        from trl.experimental.gkd import GKDConfig, GKDTrainer
+
+        tokenizer.chat_template = "{% for message in messages %}{{ message['content'] }} {% endfor %}"
+        data = Dataset.from_list([{"messages": [{"role": "user", "content": words(12)},
+                                                {"role": "assistant", "content": words(4)}]} for _ in range(16)])
+        return GKDTrainer(model=_llama(), teacher_model=_llama(1), train_dataset=data, processing_class=tokenizer,
+                          args=_args(out, GKDConfig, max_new_tokens=8, lmbda=v.lmbda, **common), callbacks=callbacks)
+
+    return build
+
+
+def variants() -> list[Draw | TrlDraw]:
+    """The draw kinds the seeded space does not produce (issue 37's list), each on fixed configurations:
+    weights loaded in bf16 / fp16 (trained in that dtype), Adafactor and bitsandbytes' ``PagedAdamW8bit``
+    handed in as instances, QLoRA (nf4 base + LoRA), and TRL's SFT (map and iterable dataset), DPO and GKD
+    at ``lmbda`` 0, 0.5 and 1."""
+    base = [draw(seed) for seed in range(40)]
+    causal = [d for d in base if d.family in LLAMA_LIKE_FAMILIES and FAMILIES[d.family][0] == "causal-lm"]
+    kinds: list[Draw | TrlDraw] = [replace(d, weights="bf16", precision="fp32") for d in base[0:4]]
+    kinds += [replace(d, weights="fp16", precision="fp32") for d in base[4:8]]
+    kinds += [replace(d, optim="instance:Adafactor") for d in base[8:11]]
+    kinds += [replace(d, optim="instance:bnb.PagedAdamW8bit") for d in base[11:14]]
+    kinds += [replace(d, weights="nf4", lora=True) for d in causal[:3]]
+    kinds += [TrlDraw(1000, trainer, precision) for trainer in ("sft", "sft-iterable", "dpo")
+              for precision in ("fp32", "bf16")]
+    kinds += [TrlDraw(1000, "gkd", "fp32", lmbda) for lmbda in (0.0, 0.5, 1.0)]
+    return kinds
+
+
 # -- measuring a draw ---------------------------------------------------------------------------------
 @dataclass
 class DrawResult:
     """What one draw measured (bytes; errors relative to the profiler's figure)."""
 
-    draw: Draw
+    draw: Draw | TrlDraw
     truth: int | None = None  # the profiler's peak of the run without MemWatch
     estimate: int | None = None
     live: list[int] | None = None  # MemWatch's step peaks
@@ -236,10 +351,10 @@ class DrawResult:
         return {**asdict(self), "estimate_error": self.estimate_error, "live_error": self.live_error}
 
 
-def run_draw(d: Draw, *, auto: bool = False) -> DrawResult:
+def run_draw(d: Draw | TrlDraw, *, auto: bool = False) -> DrawResult:
     """Measure draw ``d`` (module doc); an error building or training it is recorded, not raised."""
     result = DrawResult(d)
-    build = builder(d)
+    build = builder(d) if isinstance(d, Draw) else trl_builder(d)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
