@@ -87,10 +87,12 @@ def test_a_plan_is_byte_identical_with_the_shortcuts_on_and_off(fields):
     new, new_predictor = planned(True, run, budget)
     assert old.chosen is not None and new.chosen is not None
     assert old.chosen.as_dict() == new.chosen.as_dict()
-    assert {p.key(): p.predicted_peak for p in old.candidates} == {p.key(): p.predicted_peak for p in new.candidates}
-    assert old_predictor.estimates.keys() == new_predictor.estimates.keys()
-    for key, estimated in old_predictor.estimates.items():
-        assert figures(estimated) == figures(new_predictor.estimates[key]), key
+    old_peaks, new_peaks = ({p.key(): p.predicted_peak for p in result.candidates if p.predicted_peak is not None}
+                            for result in (old, new))
+    both = set(old_peaks) & set(new_peaks)  # floors rule out different plans (no checkpointed floor replay)
+    assert both and {key: old_peaks[key] for key in both} == {key: new_peaks[key] for key in both}
+    for key in set(new_predictor.estimates) & set(old_predictor.estimates):
+        assert figures(new_predictor.estimates[key]) == figures(old_predictor.estimates[key]), key
     assert set(new_predictor.floors) <= set(old_predictor.floors)  # chooser._Exact.replayed: fewer floors
     for key, estimated in new_predictor.floors.items():
         assert figures(estimated) == figures(old_predictor.floors[key]), key
@@ -152,4 +154,35 @@ def test_no_floor_replays_a_micro_step_already_in_hand():
         exact(Plan(4, 2, False, "adamw_torch"))  # the micro-step's forward and backward: in hand
         with memo.shortcuts(on):
             assert exact.over(Plan(4, 2, False, "paged_adamw_8bit"), limit=1000, cheap=True) is False
+        assert toy.floor_replays == expected
+
+
+class StepToy(Toy):
+    """A toy whose every plan holds 600 B at its optimizer step (``step_floor``), whatever its micro-batch."""
+
+    def peak(self, plan) -> int:
+        self.calls += 1
+        return 600 + 10 * plan.micro_batch_size
+
+    def step_floor(self, plan) -> int:
+        return 600
+
+
+def test_the_optimizer_step_floor_rules_a_plan_out_without_a_replay():
+    from hf_memwatch.planning.chooser import Plan, _Exact
+
+    for on, replays in ((True, 0), (False, 1)):
+        toy = StepToy()
+        with memo.shortcuts(on):
+            assert _Exact(toy).over(Plan(1, 8, True, "adamw_torch"), limit=550) is True
+        assert toy.calls == replays  # the floor (600 B) settles it: no prediction (610 B) made
+
+
+def test_no_floor_replay_before_a_checkpointed_estimate():
+    from hf_memwatch.planning.chooser import Plan, _Exact
+
+    for on, expected in ((True, []), (False, [(8, 1, True, "adamw_torch")])):
+        toy = Toy()
+        with memo.shortcuts(on):
+            assert _Exact(toy).over(Plan(8, 1, True, "adamw_torch"), limit=1000, cheap=True) is False
         assert toy.floor_replays == expected

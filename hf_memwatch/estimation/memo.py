@@ -13,8 +13,9 @@ only replay leaves are dropped here), so every figure is the one a fresh model g
 Not shared: a Trainer (its replay swaps its own models for fakes) and a run with an engine
 (FSDP2's and ZeRO's flows wrap the model's modules).
 
-:data:`SHORTCUTS` switches every planning shortcut (here and in :mod:`hf_memwatch.planning.search`)
-off, for the benchmark's side-by-side run of the old path (``benchmarks/planning_cost.py``) and the
+:data:`SHORTCUTS` switches every planning shortcut off — here, and the chooser's floors
+(:mod:`hf_memwatch.planning.chooser`) with the predictor's step floor (:mod:`hf_memwatch.planning.predict`)
+— for the benchmark's side-by-side run of the old path (``benchmarks/planning_cost.py``) and the
 byte-identity tests: ``with shortcuts(False): ...``.
 
 Example:

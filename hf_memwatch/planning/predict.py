@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ..core.categories import FORWARD_BACKWARD_PHASES
+from ..core.categories import AFTER_OPTIMIZER, FORWARD_BACKWARD_PHASES, STEP_END
 from ..core.run_config import RunConfig
 from .chooser import PeakParts
 from .plan import Plan
@@ -90,6 +90,37 @@ class EstimatorPredictor:
             self.floor_calls += 1
             self.floors[plan.key()] = self._estimate(plan, optimizer_step=False)
         return self._parts(self.floors[plan.key()])
+
+    def step_floor(self, plan: Plan) -> int:
+        """What every plan of the run holds at its optimizer step — weights + gradients + ``plan``'s
+        optimizer states, margin included — from the estimates in hand (0: none yet).
+
+        None of the three depends on the micro-batch, the accumulation or checkpointing. Weights and
+        gradients are read from estimates whose peak is at the optimizer step or ``zero_grad``: there
+        the rank holds exactly the step's (inside the forward and backward it may hold more — layers a
+        sharded engine gathered, unreduced gradients, casts). States, once made, stay until the run
+        ends, so ``plan``'s optimizer's states at any estimate's peak are at most those at the step;
+        without an estimate of that ``optim``:
+        :func:`~hf_memwatch.planning.catalogue.state_bytes_floor` on the rank's share. Measured on the
+        Llama-3.1-70B-shaped plan of ``benchmarks/planning_cost.py`` (fp32 master weights, budget
+        916.8 GiB): 262.8 + 262.8 + 525.7 (AdamW) GiB = 1,051 GiB at every AdamW plan's step, so the
+        checkpointed AdamW plans are ruled out without a replay (2 full and 1 forward/backward replays
+        of 80 layers, 27 of 50 CPU seconds).
+        """
+        from .catalogue import state_bytes_floor
+
+        at_step = [e for e in self.estimates.values() if e.peak_phase in (AFTER_OPTIMIZER, STEP_END)]
+        if not at_step:
+            return 0
+        weights = max(e.classes.get("weights", 0) for e in at_step)
+        gradients = max(e.classes.get("gradients", 0) for e in at_step)
+        states = max((e.classes.get("optimizer_states", 0) for key, e in self.estimates.items()
+                      if key[3] == plan.optim), default=0)
+        if not self.run.custom_optimizer:
+            sharded = self.run.shard != "none" and self.run.world_size > 1
+            share = 1.0 / self.run.world_size if sharded else 1.0
+            states = max(states, math.floor(state_bytes_floor(plan.optim, at_step[0].trainable_params) * share))
+        return self._with_margin(weights + gradients + states)
 
     def _parts(self, estimate: Any) -> PeakParts:
         forward_backward = max(estimate.phase_peaks.get(phase, 0) for phase in FORWARD_BACKWARD_PHASES)
