@@ -406,7 +406,6 @@ UNNAMED_ALLOWED = {
     "hf_memwatch.estimation.peak": "estimate(top_tensors=...): tests/test_peak_tensors.py",
     "hf_memwatch.estimation.rebind": "TRL's patched forwards rebound in the fake copy: tests/test_gkd_auto.py",
     "hf_memwatch.estimation.trl_replay": "TRL's generating steps: tests/test_trl_online.py, test_gkd_auto.py",
-    "hf_memwatch.integration.callback": "MemWatch itself, imported as hf_memwatch.MemWatch by most files",
     "hf_memwatch.integration.trials": "hyperparameter_search: its doctest and tests/test_runs.py",
     "hf_memwatch.measure.batches": "the formed batches counted: tests/test_batches_as_formed.py",
     "hf_memwatch.measure.cuda_context": "CUDA only; tests/test_cuda_hygiene.py",

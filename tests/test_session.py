@@ -90,3 +90,37 @@ def test_reporting_reads_the_budget_from_the_auto_mode_else_from_the_plan() -> N
     assert KnownPlan(budget=0, plan=PLAN.replace(budget=None)).budget_bytes is None  # 0 is no budget
     assert KnownPlan(plan=PLAN.replace(predicted_peak=None)).predicted_peak is None
     assert KnownPlan(plan=PLAN).plan_dict() == PLAN.to_dict() and KnownPlan().plan_dict() is None
+
+
+def test_the_callback_is_split_by_ownership() -> None:
+    """``MemWatch`` adapts the Trainer's events; what lives as long as the run served is ``WatchedRun``'s
+    (integration/lifetime.py); the options saved with the state are named in integration/options.py."""
+    import inspect
+
+    from hf_memwatch.integration import callback, lifetime, options
+    from hf_memwatch.integration.callback import MemWatch
+
+    watch = MemWatch(auto=True, budget="1GiB")
+    assert isinstance(watch, lifetime.WatchedRun)
+    assert watch.session is None and watch.trainer is None and watch._auto is not None
+    assert watch.state()["args"].keys() == set(options.STATE_ARGS)
+    events = {name for name, _ in inspect.getmembers(lifetime.WatchedRun) if name.startswith("on_") and name != "on_oom"}
+    assert events == set()  # the Trainer's events are the callback's, not the lifetime's
+    assert "def _bind" not in inspect.getsource(callback) and "def on_step_end" not in inspect.getsource(lifetime)
+
+
+def test_between_steps_state_is_declared_by_the_class_that_owns_it() -> None:
+    """The footprint state is BetweenSteps' own (the auto mode sets it only through its methods); the plan in
+    force, the budget and the predictor are the auto mode's, declared in AutoMode.__init__."""
+    import inspect
+
+    from hf_memwatch.integration.auto import AutoMode
+    from hf_memwatch.integration.between_steps import BetweenSteps
+
+    own = set(vars(BetweenSteps()))
+    assert own == {"kind", "baseline", "measured", "advised", "_checkpointing_refused", "_pending_why", "_agreements"}
+    auto = AutoMode("1GiB", lambda record: None)
+    assert {"plan", "budget", "predictor", "budget_spec", "record"} <= set(vars(auto)) - own
+    auto_source = inspect.getsource(AutoMode)
+    assert not [name for name in own if f"self.{name} =" in auto_source]
+    assert "self.plan =" not in inspect.getsource(BetweenSteps.__init__)

@@ -50,7 +50,6 @@ from ..estimation.read_ahead import start_read_ahead
 from ..estimation.trainer_replay import RngStates, is_one_pass
 from ..measure.attribution import weight_storages
 from ..measure.backends import backend_for
-from ..measure.footprint import host_reading
 from ..planning.budget import (
     Budget,
     BudgetSpec,
@@ -106,7 +105,12 @@ class AutoMode(BetweenSteps):
 
     def __init__(self, budget: BudgetSpec, record: Callable[[Record], None], *,
                  allow_over_budget: bool = False) -> None:
-        super().__init__(budget, record)  # the plan, budget, predictor and footprints (between steps)
+        self.budget_spec = budget
+        self.record = record  # writes a timeline record (typed) and the callback state
+        self.budget: Budget | None = None  # resolved before planning; its margin measured (between steps)
+        self.plan: PlanRecord | None = None  # in force: planned, recovered, restored from a checkpoint
+        self.predictor: EstimatorPredictor | Any | None = None  # the plan's, for a re-plan between steps
+        super().__init__()  # what the limit counts and the first steps' footprints (BetweenSteps)
         self.allow_over_budget = allow_over_budget  # nothing fits: train as configured with an ERROR line
         self.planning_seconds: float | None = None
         self.recoveries: list[OomRecoveredRecord] = []  # written again at train begin
@@ -247,7 +251,7 @@ class AutoMode(BetweenSteps):
         self.plan = record
         logger.warning("hf-memwatch plan: %s", record.reason)
         self.record(record)
-        self._start_measuring(trainer)
+        self.start_measuring(trainer)
 
     def _train_over_budget(self, trainer: Any, exc: PlanError) -> None:
         """``allow_over_budget``: the run goes on as configured, with an ERROR line that says how far over."""
@@ -269,7 +273,7 @@ class AutoMode(BetweenSteps):
         """
         self._custom_optimizer = RunConfig.from_trainer(trainer).custom_optimizer  # before train() builds one
         record = self._plan_and_apply(trainer, resume_from_checkpoint)
-        self._start_measuring(trainer)
+        self.start_measuring(trainer)
         if RunConfig.from_args(trainer.args).auto_find_batch_size:
             keep_effective_batch(trainer, record.micro_batch_size * record.gradient_accumulation_steps)
         return record
@@ -277,7 +281,7 @@ class AutoMode(BetweenSteps):
     def _plan_and_apply(self, trainer: Any, resume_from_checkpoint: Any) -> PlanRecord:
         backend = backend_for(torch.device(trainer.args.device))
         self.budget = resolve_budget(self.budget_spec, backend)
-        self.kind = footprint_kind(self.budget, backend)
+        self.measure_against(footprint_kind(self.budget, backend))
         try:
             self.budget = margin_before_training(self.budget, backend)
         except Exception as exc:  # noqa: BLE001 - a probe that fails leaves the prior margin, planning goes on
@@ -300,13 +304,6 @@ class AutoMode(BetweenSteps):
         log_advice(record, pressed=self.plan_changed_the_run)
         self.record(record)
         return record
-
-    def _start_measuring(self, trainer: Any) -> None:
-        """The host footprint as training begins: the first steps' gaps are growths from here."""
-        self.measured = []
-        if self.kind in ("vms", "rss"):
-            weights = sum(weight_storages(trainer.model, torch.device(trainer.args.device)).values())
-            self.baseline = host_reading(weights, self.kind)
 
     def _decide_streaming(self, trainer: Any, run: RunConfig) -> PlanRecord:
         """:meth:`_decide_with_peers`; a stream with no length bound, or whose bound does not fit (a

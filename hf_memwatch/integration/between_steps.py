@@ -1,9 +1,12 @@
 """The auto mode between steps: the first steps' footprint measured against the limit, and
 activation checkpointing turned on when the next step would not fit it (or a measured peak nears
 the budget). The base class of :class:`~hf_memwatch.integration.auto.AutoMode`, which plans before
-``train()``; the state used between steps is set up here, in :meth:`BetweenSteps.__init__`: the plan in
-force (a :class:`~hf_memwatch.core.records.PlanRecord`, which the auto mode replaces when it plans), the
-budget, the plan's predictor, what the limit counts and the first steps' footprints.
+``train()``. Each piece of state is declared by the class that owns it: the plan in force (a
+:class:`~hf_memwatch.core.records.PlanRecord`), the budget and the plan's predictor are the auto mode's
+(:meth:`AutoMode.__init__ <hf_memwatch.integration.auto.AutoMode.__init__>`: it plans, recovers and restores
+them; between steps they are read and the plan and the budget's margin updated); what the limit counts, the first
+steps' footprints and the between-step agreement are this class's (:meth:`BetweenSteps.__init__`, set through
+:meth:`BetweenSteps.measure_against` and :meth:`BetweenSteps.start_measuring`).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch
 from ..core.records import FootprintRecord, PlanRecord, Record, Snapshot, StepRecord
 from ..core.run_config import RunConfig
 from ..core.units import format_bytes
+from ..measure.attribution import weight_storages
 from ..measure.backends import backend_for
 from ..measure.footprint import (
     FootprintKind,
@@ -24,6 +28,7 @@ from ..measure.footprint import (
     StepFootprint,
     allocator_settings,
     expandable_segments_advice,
+    host_reading,
     step_footprint,
 )
 from ..planning.budget import Budget, BudgetSpec, resolve_budget
@@ -50,12 +55,14 @@ class BetweenSteps:
     """After each optimizer step: :meth:`after_step` (every rank), :meth:`agree_between_steps`
     (distributed runs, the first :data:`MEASURED_STEPS` steps)."""
 
-    def __init__(self, budget: BudgetSpec, record: Callable[[Record], None]) -> None:
-        self.budget_spec = budget
-        self.record = record  # writes a timeline record (typed) and the callback state
-        self.budget: Budget | None = None
-        self.plan: PlanRecord | None = None
-        self.predictor: EstimatorPredictor | Any | None = None  # the plan's, for a re-plan between steps
+    # The auto mode's (AutoMode.__init__ declares and sets them): read here, the plan and the margin updated.
+    budget_spec: BudgetSpec
+    record: Callable[[Record], None]  # writes a timeline record (typed) and the callback state
+    budget: Budget | None
+    plan: PlanRecord | None
+    predictor: EstimatorPredictor | Any | None  # the plan's, for a re-plan between steps
+
+    def __init__(self) -> None:
         self.kind: FootprintKind | None = None  # what the limit counts (None: not measured)
         self.baseline: FootprintReading | None = None  # the host footprint when training began
         self.measured: list[StepFootprint] = []  # the first steps' footprints
@@ -65,6 +72,18 @@ class BetweenSteps:
         self._agreements = 0  # distributed: between-step agreements joined (the first MEASURED_STEPS steps)
         self.stop_requested = False  # a sample read ahead fits no plan: training stops before its step
         self._stop_before_sample: int | None = None  # that sample's index in the stream
+
+    def measure_against(self, kind: FootprintKind | None) -> None:
+        """What the limit counts (:func:`~hf_memwatch.planning.budget.footprint_kind`): the first steps'
+        footprints are measured in it."""
+        self.kind = kind
+
+    def start_measuring(self, trainer: Any) -> None:
+        """The host footprint as training begins: the first steps' gaps are growths from here."""
+        self.measured = []
+        if self.kind in ("vms", "rss"):
+            weights = sum(weight_storages(trainer.model, torch.device(trainer.args.device)).values())
+            self.baseline = host_reading(weights, self.kind)
 
     def after_step(self, trainer: Any, step_record: StepRecord | None,
                    snapshots: list[Snapshot] | None = None) -> PlanRecord | None:

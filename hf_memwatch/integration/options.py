@@ -16,12 +16,16 @@ import functools
 import inspect
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from ..compat.stack import check_stack
 from ..core.errors import MemWatchConfigError
 
 _F = TypeVar("_F", bound=Callable[..., Any])
+Detail = Literal["auto", "full", "light"]  # MemWatch(detail=...)
+# The constructor arguments saved with the callback state (a resumed run rebuilds MemWatch from them).
+STATE_ARGS = ("detail", "full_steps", "output_dir", "auto", "budget", "scalars", "report", "summary", "oom_report",
+              "record_history", "top_tensors")
 
 
 def guarded(method: _F) -> _F:
