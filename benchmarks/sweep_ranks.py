@@ -283,8 +283,9 @@ Fixed at the cause (before -> after, this sweep's draws):
 Not fixed (the figures over 3% above):
 
 - **DeepSpeed in bf16, ZeRO-2 with checkpointing** (seed 2): +3.13% on rank 1 (rank 0 -0.03%); the same
-  over-count in ``tests/dist_scripts/zero_bf16.py``'s ``zero2_ckpt`` (+3.56% / +1.60%), inside the checkpointed
-  backward; not found.
+  over-count in ``tests/dist_scripts/zero_bf16.py``'s ``zero2_ckpt`` (+3.56% / +1.60%), where 165,376 B of it is
+  the flat copy of a reduction that gloo's thread may still hold, which the replay keeps on purpose
+  (``engines/zero/backward.py``, ``flat_slices``; without it +1.29% / -0.63%); the rest not found.
 - **FSDP2 in bf16** (4 draws): +0.8..+16.1% (+12.2..+21.0% in the launch before). The FSDP2 replay does not
   model ``MixedPrecisionPolicy`` (``param_dtype``/``reduce_dtype`` bf16: bf16 all-gathers and reduce-scatters of
   fp32 shards); no module of hf_memwatch reads it. Its estimate also depends on what ran before it in the process:
