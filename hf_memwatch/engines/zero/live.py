@@ -29,7 +29,9 @@ from ...measure.storage import collect_storages, nested_tensors
 # accumulated between micro-steps, ``averaged_gradients`` the flat partition the step consumes;
 # ``ipg_buckets`` (dtype -> bucket whose ``.buffer`` is a list of flat tensors) the reduce buckets.
 _DEEPSPEED_ATTRIBUTES: dict[str, tuple[str, ...]] = {
-    "weights": ("bit16_groups_flat", "fp16_partitioned_groups_flat"),
+    # ZeRO-1/2 with the optimizer offloaded: a host buffer of the rank's 16-bit partition per group, made with
+    # the optimizer (stage_1_and_2.py, ``param_buffer_of_bit16_for_cpu_offload_groups``)
+    "weights": ("bit16_groups_flat", "fp16_partitioned_groups_flat", "param_buffer_of_bit16_for_cpu_offload_groups"),
     "gradients": (
         "averaged_gradients", "all_grad_tensors", "ipg_buckets", "ipg_buffer",
         "grad_partitions_flat_buffer", "grads_in_partition",

@@ -116,7 +116,7 @@ def engine_classes(classes: dict[str, int], model: torch.nn.Module, engine: Any,
     world, stage = engine.world_size, engine.zero_stage
     if precision not in ("bf16", "fp16"):
         out["optimizer_states"] += ceil_div(4 * numel, world)
-        add_note(notes, f"zero{stage} (DeepSpeed, fp32): + the fp32 master partition ({ceil_div(4 * numel, world)} bytes)")
+        add_note(notes, f"zero{stage} (DeepSpeed, {trainable[0].dtype if trainable else torch.float32} parameters): + the fp32 master partition ({ceil_div(4 * numel, world)} bytes)")
     if stage == 3 and precision not in ("bf16", "fp16"):
         # ZeRO-3 reduces every gradient into its flat partition (``grad_partitions_flat_buffer``,
         # each parameter's ceil(numel / N) elements), allocated with the engine and resident at every
