@@ -128,6 +128,7 @@ def test_a_stream_over_its_bound_trains_on_its_first_batches_as_without_memwatch
     assert plan["source"] == "predicted" and plan["sample"]["seq_len"] == 16
     assert plan["predicted_peak"] < 12 * 2**20 and plan["micro_batch_size"] == BATCH
     assert any("read ahead" in note for note in plan["sample"]["notes"])
+    assert not any("not read" in note for note in plan["sample"]["notes"]), plan["sample"]["notes"]
 
 
 def test_a_stream_whose_bound_fits_is_not_read_ahead(tmp_path: Path) -> None:
