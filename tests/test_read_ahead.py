@@ -227,3 +227,14 @@ def test_a_stream_nothing_bounds_is_read_ahead_not_measured(tmp_path: Path) -> N
     assert isinstance(trainer.train_dataset, ReadAhead) and loss_history(trainer) == loss_history(plain)
     [plan] = [r for r in read_records(tmp_path / "auto") if r["event"] == "plan"]
     assert plan["source"] == "predicted" and plan["sample"]["seq_len"] == 16
+
+
+def test_a_stream_read_by_dataloader_workers_is_not_read_ahead(tmp_path: Path) -> None:
+    """Each worker iterates its own copy of the dataset (sharded by ``get_worker_info``): a read in this
+    process would hand every worker the same first samples, so none is made (the bound's plan stands)."""
+    from hf_memwatch.estimation.read_ahead import start_read_ahead
+
+    data = Tokens([16] * 8)
+    trainer = Trainer(model=gpt2_model(n_embd=64), train_dataset=data,
+                      args=training_args(tmp_path, per_device_train_batch_size=BATCH, dataloader_num_workers=2))
+    assert start_read_ahead(trainer, BATCH, 1) is None and trainer.train_dataset is data and data.read == 0
