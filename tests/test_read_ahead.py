@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 import torch
 from conftest import gpt2_model, loss_history, read_records, token_dataset, training_args
-from transformers import Trainer, TrainerCallback
+from torch import nn
+from transformers import PretrainedConfig, PreTrainedModel, Trainer, TrainerCallback
 
 from hf_memwatch import MemWatch, PlanError, estimate
 from hf_memwatch.estimation.read_ahead import READ_AHEAD_BATCHES, ReadAhead
@@ -127,6 +128,7 @@ def test_a_stream_over_its_bound_trains_on_its_first_batches_as_without_memwatch
     assert plan["source"] == "predicted" and plan["sample"]["seq_len"] == 16
     assert plan["predicted_peak"] < 12 * 2**20 and plan["micro_batch_size"] == BATCH
     assert any("read ahead" in note for note in plan["sample"]["notes"])
+    assert not any("not read" in note for note in plan["sample"]["notes"]), plan["sample"]["notes"]
 
 
 def test_a_stream_whose_bound_fits_is_not_read_ahead(tmp_path: Path) -> None:
@@ -182,3 +184,57 @@ def test_a_longer_sample_is_predicted_before_its_step(tmp_path: Path, case: str,
         assert all(batch[-1] == 16 for batch in batches[:short_batches])
         assert later[-1]["status"] == "over_budget" and "training stops before the step" in later[-1]["reason"]
         assert any(r.levelno == logging.ERROR for r in caplog.records)
+
+
+
+class TokenConfig(PretrainedConfig):
+    model_type = "token-lm-test"
+
+    def __init__(self, vocab_size: int = 1000, hidden_size: int = 32, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.vocab_size, self.hidden_size = vocab_size, hidden_size
+
+
+class TokenLM(PreTrainedModel):
+    """A language model without positions: nothing in it bounds the length of a sample."""
+
+    config_class = TokenConfig
+
+    def __init__(self, config: TokenConfig) -> None:
+        super().__init__(config)
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.head = nn.Linear(config.hidden_size, config.vocab_size)
+        self.post_init()
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, **kwargs: Any) -> tuple:
+        logits = self.head(torch.tanh(self.embed(input_ids)))
+        loss = nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        return (loss, logits)
+
+
+def test_a_stream_nothing_bounds_is_read_ahead_not_measured(tmp_path: Path) -> None:
+    """No ``max_length``, no collator length, no model positions: the estimator cannot pick a length
+    (it used to fall back to measuring micro-steps live); the first micro-batches read ahead give it."""
+    def train(out: Path, callbacks: list[Any]) -> Trainer:
+        torch.manual_seed(0)
+        trainer = Trainer(model=TokenLM(TokenConfig()), train_dataset=Tokens([16] * 64), callbacks=callbacks,
+                          args=training_args(out, max_steps=4, per_device_train_batch_size=BATCH))
+        trainer.train()
+        return trainer
+
+    plain = train(tmp_path / "plain", [])
+    trainer = train(tmp_path / "auto", [MemWatch(auto=True, budget="1GiB", **QUIET)])
+    assert isinstance(trainer.train_dataset, ReadAhead) and loss_history(trainer) == loss_history(plain)
+    [plan] = [r for r in read_records(tmp_path / "auto") if r["event"] == "plan"]
+    assert plan["source"] == "predicted" and plan["sample"]["seq_len"] == 16
+
+
+def test_a_stream_read_by_dataloader_workers_is_not_read_ahead(tmp_path: Path) -> None:
+    """Each worker iterates its own copy of the dataset (sharded by ``get_worker_info``): a read in this
+    process would hand every worker the same first samples, so none is made (the bound's plan stands)."""
+    from hf_memwatch.estimation.read_ahead import start_read_ahead
+
+    data = Tokens([16] * 8)
+    trainer = Trainer(model=gpt2_model(n_embd=64), train_dataset=data,
+                      args=training_args(tmp_path, per_device_train_batch_size=BATCH, dataloader_num_workers=2))
+    assert start_read_ahead(trainer, BATCH, 1) is None and trainer.train_dataset is data and data.read == 0

@@ -9,6 +9,7 @@ Layout (each engine owns its live measurement, its replay rules, its advice; ``t
                     (:func:`~.registry.engine_advice`, :func:`~.registry.eight_bit_unavailable`,
                     :func:`~.registry.no_fit_reasons`) and the CLI (:func:`~.registry.engine_of_options`) ask
 ``rules``           ``EngineRules``: an engine's methods at each floor, defaults for one process
+``alternatives``    the engine changes a "no plan fits" stop re-estimates (a higher ZeRO stage, offload)
 ``engine``          ``Engine``, the engine as accelerate builds it, read from the Trainer's accelerator,
                     its arguments or the launcher's environment; ``SHARDS``
 ``shard``           the per-rank division of the model states (DDP's buckets, ZeRO's and FSDP's shares)

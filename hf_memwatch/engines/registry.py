@@ -22,6 +22,8 @@ from ..core.advice import Advice
 from ..core.run_config import RunConfig
 from ..measure.held_models import HeldModels, held_models
 from ..measure.monitor import StepMonitor
+from .alternatives import EngineChange
+from .alternatives import engine_changes as alternatives_of
 from .ddp.rules import DdpRules
 from .fsdp1.rules import Fsdp1Rules
 from .fsdp2.rules import Fsdp2Rules
@@ -78,6 +80,11 @@ def engine_advice(run: RunConfig, classes: Mapping[str, int], peak: int,
 def eight_bit_unavailable(run: RunConfig) -> str | None:
     """Why the run's engine cannot step 8-bit AdamW (None: it can)."""
     return next((why for rules in ENGINES if (why := rules.eight_bit_unavailable(run)) is not None), None)
+
+
+def engine_changes(run: RunConfig) -> list[EngineChange]:
+    """The engine changes a "no plan fits" stop re-estimates for ``run`` (:mod:`.alternatives`)."""
+    return alternatives_of(run)
 
 
 def no_fit_reasons(run: RunConfig, peak_phase: str | None) -> list[str] | None:

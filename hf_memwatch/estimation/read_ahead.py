@@ -135,13 +135,15 @@ def _note(dataset: ReadAhead, batch_size: int) -> str:
 
 def start_read_ahead(trainer: Any, micro_batch_size: int, accumulation: int) -> ReadAhead | None:
     """The Trainer's one-pass ``train_dataset`` wrapped in a :class:`ReadAhead` whose first samples are read
-    (None: not a one-pass dataset, wrapped already, nothing read, or a distributed run, whose ranks each
-    read their shard of the stream and are not read ahead)."""
+    (None: not a one-pass dataset, wrapped already, nothing read, a distributed run, whose ranks each
+    read their shard of the stream, or dataloader workers, each iterating its own copy of the dataset)."""
     dataset = getattr(trainer, "train_dataset", None)
     if dataset is None or isinstance(dataset, ReadAhead) or not is_one_pass(dataset):
         return None
     if not isinstance(dataset, torch.utils.data.IterableDataset) or int(trainer.args.world_size) > 1:
         return None
+    if int(getattr(trainer.args, "dataloader_num_workers", 0) or 0) > 0:
+        return None  # each worker iterates its own copy (sharded by get_worker_info): not read in this process
     ahead = ReadAhead(dataset, micro_batch_size * max(READ_AHEAD_BATCHES, accumulation + 2))
     if ahead.read() == 0:
         trainer.train_dataset = ahead  # the iterator is opened: the Trainer takes it from the wrapper

@@ -21,6 +21,7 @@ from ..core.records import PlannedBatch, PlanRecord
 from ..core.run_config import RunConfig
 from ..core.sequence_length import sequence_length
 from ..core.units import format_bytes
+from ..estimation.read_ahead import ReadAhead
 from ..estimation.trainer_replay import (
     distinct_batch_reason,
     is_one_pass,
@@ -94,7 +95,7 @@ def log_advice(record: PlanRecord, *, pressed: bool) -> None:
 def worst_batch_of(trainer: Any, run: RunConfig) -> WorstBatch | None:
     """The longest batch the sampler can form over the whole train dataset (None: no dataset)."""
     dataset = training_dataset(trainer)
-    if dataset is None:
+    if dataset is None or isinstance(dataset, ReadAhead):  # a stream read ahead: the estimate's note says so
         return None
     tokenizer = getattr(trainer, "processing_class", None)
     model_max_length = getattr(tokenizer, "model_max_length", None)

@@ -12,9 +12,10 @@ A stop names, line by line:
   can replay the change, the figure is the re-estimated peak of the smallest plan with it applied
   (margin included, what the plan compares with the budget): a shorter ``max_length`` — the longest
   length at which the smallest plan fits, found by bisection on estimates
-  (:func:`length_advice`) — and LoRA (:func:`lora_advice`). Where it cannot (Liger's Triton kernels on a
-  CPU machine, a dropped reference model, the engine's stage or offload), the saving is read from the
-  predicted split at the peak and says "up to".
+  (:func:`length_advice`) —, LoRA (:func:`lora_advice`) and a higher ZeRO stage or optimizer offload
+  (:func:`engine_advice`, the changes :func:`~hf_memwatch.engines.registry.engine_changes` lists). Where it cannot (Liger's
+  Triton kernels on a CPU machine, a dropped reference model, an engine change the replay cannot make for
+  this run), the saving is read from the predicted split at the peak and says "up to".
 
 The sequence length of a Trainer's run is its collated worst batch: a shorter ``max_length`` is
 replayed by cutting that batch's ``[batch, sequence]`` tensors to the length (:class:`Truncating`),
@@ -163,6 +164,26 @@ def lora_advice(predictor: Any, plan: Plan, estimate: Any) -> Tried | None:
                  peak)
 
 
+def engine_advice(predictor: Any, plan: Plan) -> tuple[list[Tried], tuple[str, ...]]:
+    """A higher ZeRO stage, optimizer offload (:func:`~hf_memwatch.engines.alternatives.engine_changes`) on
+    ``plan``, each re-estimated with the engine it gives; only those that save something (a change the
+    estimator cannot replay for this run is left to the split's "up to" line), and the engine's "not
+    predicted" reasons they answer."""
+    from ..engines.registry import engine_changes
+
+    found, answered = [], []
+    for change in engine_changes(predictor.run):
+        try:
+            peak = predictor._with_margin(_estimate(predictor, plan, **change.options).peak_bytes)
+        except Exception:  # noqa: BLE001 - not replayed: the catalogue's figure read from the split stays
+            continue
+        answered += [change.answers] if change.answers else []
+        saving = int(plan.predicted_peak or 0) - peak
+        if saving > 0:
+            found.append(Tried(change.name, saving, change.how, peak))
+    return found, tuple(answered)
+
+
 def fused_head_of(subject: Any) -> str | None:
     """The trainer whose model computes its loss's log-probs in chunks already (TRL's ``add_fused_lm_head``,
     trl/trainer/utils.py: the model's ``forward`` replaced by one taking ``fused_lm_head``), or None."""
@@ -205,8 +226,10 @@ def split_advice(predictor: Any, plan: Plan, estimate: Any, fused: str | None) -
     return [Tried(item.name, int(item.saving), "read from the estimate at the peak") for item in found]
 
 
-def unavailable(result: PlanResult, run: Any, estimate: Any, fused: str | None) -> dict[str, str]:
-    """Remedy -> why it is not available: the catalogue's, a loss computed in chunks already, the engine's."""
+def unavailable(result: PlanResult, run: Any, estimate: Any, fused: str | None,
+                answered: tuple[str, ...] = ()) -> dict[str, str]:
+    """Remedy -> why it is not available: the catalogue's, a loss computed in chunks already, the engine's
+    (less those a re-estimate answered: ``answered``, their starts)."""
     from ..engines.registry import engine_advice, no_fit_reasons
 
     found = dict(result.unavailable)
@@ -215,6 +238,7 @@ def unavailable(result: PlanResult, run: Any, estimate: Any, fused: str | None) 
                                        "LM head); its tile grows with the tokens of a micro-batch")
     reasons = None if engine_advice(run, estimate.classes, int(estimate.peak_bytes), estimate.peak_phase) \
         else no_fit_reasons(run, estimate.peak_phase)
+    reasons = [why for why in reasons or () if not any(why.startswith(answer) for answer in answered)]
     if reasons:
         found["engine"] = "; ".join(reasons)
     return found
@@ -228,7 +252,10 @@ def no_fit_report(result: PlanResult, predictor: Any, limit: int, budget_text: s
     fused = fused_head_of(predictor.subject)
     tried = [item for item in (length_advice(predictor, best, int(estimate.config.get("seq_len") or 0), limit),
                                lora_advice(predictor, best, estimate)) if item is not None]
-    tried += split_advice(predictor, best, estimate, fused)
+    engines, answered = engine_advice(predictor, best)
+    tried += engines
+    tried += [item for item in split_advice(predictor, best, estimate, fused)
+              if item.name not in {done.name for done in tried}]  # re-estimated above: not "up to" again
     held = ", ".join(f"{name.replace('_', ' ')} {format_bytes(value)}"
                      for name, value in estimate.classes.items() if value > 0)
     phase = {"after_forward": "the forward", "after_backward": "the backward",
@@ -237,7 +264,7 @@ def no_fit_report(result: PlanResult, predictor: Any, limit: int, budget_text: s
              f"as given: predicted {format_bytes(result.given.predicted_peak)}",
              f"smallest plan ({best.describe()})",
              f"at its peak ({phase}): {held}"]
-    gone = unavailable(result, run, estimate, fused)
+    gone = unavailable(result, run, estimate, fused, answered)
     if gone:
         lines.append("unavailable:")
         lines += [f"- {name}: {why}" for name, why in gone.items()]
