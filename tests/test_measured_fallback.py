@@ -91,6 +91,8 @@ def test_an_unreplayable_step_is_measured_fits_and_equals_its_hand_configured_pl
     [plan] = [r for r in read_records(tmp_path / "auto") if r["event"] == "plan"]
     assert plan["source"] == "measured" and plan.get("status") is None, plan
     assert len(plan["measurements"]) >= 2 and "measured" in plan["reason"]
+    assert {tuple(m) for m in plan["measurements"]} == {  # the one names (not checkpointing/accumulating)
+        ("micro_batch_size", "activation_checkpointing", "gradient_accumulation", "peak", "before")}
     assert max(peaks) <= budget < max(unassisted), (peaks, budget, unassisted)
     assert plan["micro_batch_size"] * plan["gradient_accumulation_steps"] == 8
     assert (plan["micro_batch_size"], plan["activation_checkpointing"]) != (8, False)  # a remedy was needed

@@ -176,3 +176,43 @@ def test_the_cli_json_writes_the_old_config_keys_beside_the_new():
     import json
 
     json.dumps(payload)
+
+
+MEASURED_PLAN = {"event": "plan", "micro_batch_size": 2, "gradient_accumulation_steps": 4,
+                 "activation_checkpointing": False, "optim": "sgd", "predicted_peak": 900, "budget": 1000,
+                 "reason": "measured", "source": "measured"}
+
+
+def test_an_older_timeline_plan_measurement_with_accumulating_reads_as_gradient_accumulation(tmp_path):
+    import json
+
+    from hf_memwatch.core.records import PlanRecord, validate_record
+    from hf_memwatch.core.timeline import read_records
+
+    old = [{"micro_batch_size": 2, "activation_checkpointing": False, "accumulating": True, "peak": 900, "before": 10},
+           {"micro_batch_size": 4, "activation_checkpointing": True, "accumulating": False, "peak": None, "before": 0}]
+    path = tmp_path / "timeline.jsonl"
+    path.write_text(json.dumps({**MEASURED_PLAN, "measurements": old}) + "\n")
+    unread = []
+    [plan] = read_records(path, unread)
+    assert unread == [] and validate_record({**MEASURED_PLAN, "measurements": old}) == []
+    assert isinstance(plan, PlanRecord) and plan.extra == {}
+    assert [list(m) for m in plan.measurements] == [
+        ["micro_batch_size", "activation_checkpointing", "gradient_accumulation", "peak", "before"]] * 2  # in place
+    assert [m["gradient_accumulation"] for m in plan.measurements] == [True, False]
+    assert "accumulating" not in json.dumps(plan.to_dict())  # written again under the one name
+    both = [{**old[0], "gradient_accumulation": False}]
+    assert PlanRecord.from_dict({**MEASURED_PLAN, "measurements": both}).measurements == [  # the new key wins
+        {"micro_batch_size": 2, "activation_checkpointing": False, "peak": 900, "before": 10,
+         "gradient_accumulation": False}]
+
+
+def test_the_measured_fallback_writes_gradient_accumulation():
+    from hf_memwatch.core.records import PlanRecord
+    from hf_memwatch.integration.measured import Measurement
+
+    written = Measurement(2, True, 900, 10, gradient_accumulation=True).as_dict()
+    assert written == {"micro_batch_size": 2, "activation_checkpointing": True, "gradient_accumulation": True,
+                       "peak": 900, "before": 10}
+    record = PlanRecord.from_dict({**MEASURED_PLAN, "measurements": [written]})
+    assert record.to_dict()["measurements"] == [written]  # a current timeline reads back unchanged

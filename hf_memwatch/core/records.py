@@ -30,7 +30,7 @@ from typing import Any, ClassVar, Literal, TypedDict
 
 from .plan import Plan
 from .renamed import accepts_renamed
-from .serial import Serial, Slot, _field_slots, optional
+from .serial import Serial, Slot, _field_slots, optional, renamed
 
 Bytes = int  # every figure is in bytes; None where a device cannot tell
 
@@ -158,7 +158,10 @@ class PlanRecord(Record):
     eval_reason: str | None = optional()
     advice: list[dict[str, Any]] | None = optional()  # catalogue.Advice.as_dict(): name, saving, how; never applied
     source: str | None = optional()  # "predicted" (replayed), "measured" (micro-steps measured live), "none"
-    measurements: list[dict[str, Any]] | None = optional()  # measured: micro_batch_size, checkpointing, accumulating, peak, before
+    # measured (integration.measured.Measurement): micro_batch_size, activation_checkpointing, gradient_accumulation, peak, before
+    measurements: list[dict[str, Any]] | None = optional()
+    # a measurement's key older timelines wrote -> its key now (read, never written)
+    MEASUREMENT_OLD_KEYS: ClassVar[dict[str, str]] = {"accumulating": "gradient_accumulation"}
 
     @property
     def in_force(self) -> bool:
@@ -172,6 +175,17 @@ class PlanRecord(Record):
         own = [slot for slot in _field_slots(cls) if slot.name != "plan"]
         flat = [Slot(name, name, hint, False, True, "plan") for name, hint in cls.PLAN_KEYS.items()]
         return (*flat, own[0], Slot("reason", "reason", str, False, True, "plan"), *own[1:])
+
+    @classmethod
+    def renamed_keys(cls, data: dict[str, Any]) -> dict[str, Any]:
+        """As :meth:`Serial.renamed_keys`, and each measurement's keys by :attr:`MEASUREMENT_OLD_KEYS`."""
+        data = super().renamed_keys(data)
+        found = data.get("measurements")
+        if not isinstance(found, list) or not any(isinstance(m, dict) and m.keys() & cls.MEASUREMENT_OLD_KEYS
+                                                  for m in found):
+            return data
+        return {**data, "measurements": [renamed(m, cls.MEASUREMENT_OLD_KEYS) if isinstance(m, dict) else m
+                                         for m in found]}
 
     @classmethod
     def _build(cls, values: dict[str, Any], extra: dict[str, Any]) -> PlanRecord:

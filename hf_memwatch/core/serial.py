@@ -98,20 +98,30 @@ class Serial:
     @classmethod
     def renamed_keys(cls, data: dict[str, Any]) -> dict[str, Any]:
         """``data`` with each key of :attr:`OLD_KEYS` under its name now (in its place; the new key wins)."""
-        if not any(old in data for old in cls.OLD_KEYS):
-            return data
-        out: dict[str, Any] = {}
-        for key, value in data.items():
-            new = cls.OLD_KEYS.get(key)
-            if new is None:
-                out[key] = value
-            elif new not in data:  # both written: the new key wins
-                out[new] = value
-        return out
+        return renamed(data, cls.OLD_KEYS)
 
     def replace(self: _R, **changes: Any) -> _R:
         """A copy with ``changes`` (field names)."""
         return dataclasses.replace(self, **changes)
+
+
+def renamed(data: dict[str, Any], old_keys: dict[str, str]) -> dict[str, Any]:
+    """``data`` with each key of ``old_keys`` under its name now (in its place; both written: the new key wins).
+
+    Example:
+        >>> renamed({"a": 1, "accumulating": True}, {"accumulating": "gradient_accumulation"})
+        {'a': 1, 'gradient_accumulation': True}
+    """
+    if not any(old in data for old in old_keys):
+        return data
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        new = old_keys.get(key)
+        if new is None:
+            out[key] = value
+        elif new not in data:
+            out[new] = value
+    return out
 
 
 @functools.cache

@@ -87,21 +87,22 @@ def over_budget_error(message: str, need: int | None, budget: int | None) -> Pla
 @dataclass(frozen=True)
 class Measurement:
     """One micro-step measured live: its micro-batch, checkpointing, whether earlier micro-steps'
-    gradients were resident (``accumulating``), and the highest live bytes (weights included; None:
-    out of memory) and the live bytes before it."""
+    gradients were resident (``gradient_accumulation``: a later micro-step of an accumulation; the plan
+    record's key, written ``accumulating`` before), the highest live bytes (weights included; None: out
+    of memory) and the live bytes before it."""
 
     micro_batch_size: int
     activation_checkpointing: bool
     peak: int | None
     before: int
-    accumulating: bool = False
+    gradient_accumulation: bool = False
 
     def key(self) -> tuple[int, bool, bool]:
-        return self.micro_batch_size, self.activation_checkpointing, self.accumulating
+        return self.micro_batch_size, self.activation_checkpointing, self.gradient_accumulation
 
     def as_dict(self) -> dict[str, Any]:
         return {"micro_batch_size": self.micro_batch_size, "activation_checkpointing": self.activation_checkpointing,
-                "accumulating": self.accumulating, "peak": self.peak, "before": self.before}
+                "gradient_accumulation": self.gradient_accumulation, "peak": self.peak, "before": self.before}
 
 
 @contextlib.contextmanager
@@ -334,7 +335,7 @@ class MeasuredPredictor:
             if m.micro_batch_size <= micro and (m.activation_checkpointing or not checkpointing):
                 if m.peak is None:
                     return OVER
-                floor = max(floor, m.peak - (self.gradients() if m.accumulating and not accumulating else 0))
+                floor = max(floor, m.peak - (self.gradients() if m.gradient_accumulation and not accumulating else 0))
         return floor
 
     def measured(self, micro: int, checkpointing: bool, accumulating: bool) -> Measurement:
@@ -355,7 +356,7 @@ class MeasuredPredictor:
     def points(self, checkpointing: bool, accumulating: bool) -> dict[int, int | None]:
         """Micro-batch -> measured peak of one setting."""
         return {m.micro_batch_size: m.peak for m in self.measurements
-                if (m.activation_checkpointing, m.accumulating) == (checkpointing, accumulating)}
+                if (m.activation_checkpointing, m.gradient_accumulation) == (checkpointing, accumulating)}
 
     def extrapolated(self, micro: int, checkpointing: bool, accumulating: bool) -> bool:
         """Whether the micro-step peak of ``micro`` rests on no measurement of its own setting and
@@ -413,7 +414,7 @@ class MeasuredPredictor:
         except Exception:  # noqa: BLE001 - an optimizer whose step cannot be sized: not a plan to choose
             return OVER
         gradients = self.gradients()
-        before = max(m.before - (gradients if m.accumulating else 0) for m in self.measurements)
+        before = max(m.before - (gradients if m.gradient_accumulation else 0) for m in self.measurements)
         need = max(micro + states, before + gradients + step)
         return int(math.ceil(need * (1.0 + self.margin)))
 
