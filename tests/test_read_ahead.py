@@ -158,12 +158,13 @@ def _long_sample_budgets(tmp_path: Path, long: int) -> tuple[int, int, int]:
     return peak(16, False), peak(long, True), peak(long, False)
 
 
-@pytest.mark.parametrize("case", ["checkpointing", "stop"])
+@pytest.mark.parametrize("case", ["fits", "checkpointing", "stop"])
 def test_a_longer_sample_is_predicted_before_its_step(tmp_path: Path, case: str, caplog: Any) -> None:
     long, short_batches = 256, READ_AHEAD_BATCHES + 2  # the long batches from step 11 on
     short, checkpointed, plain = _long_sample_budgets(tmp_path, long)
     assert short < checkpointed < plain
-    budget = (checkpointed + plain) // 2 if case == "checkpointing" else (short + checkpointed) // 2
+    budget = {"fits": plain + plain // 10, "checkpointing": (checkpointed + plain) // 2,
+              "stop": (short + checkpointed) // 2}[case]
     ref: list[Any] = []
     seen = Seen(ref)
     trainer, batches = _trainer(tmp_path / case, Tokens([16] * (short_batches * BATCH) + [long] * (4 * BATCH)),
@@ -174,7 +175,10 @@ def test_a_longer_sample_is_predicted_before_its_step(tmp_path: Path, case: str,
     first, *later = [r for r in read_records(tmp_path / case) if r["event"] == "plan"]
     assert first["sample"]["seq_len"] == 16 and not first["activation_checkpointing"]
     assert any(f"a sample of {long} tokens read ahead" in r["reason"] for r in later), later
-    if case == "checkpointing":
+    if case == "fits":  # predicted again, the plan stays
+        assert trainer.state.global_step == 14 and not any(seen.checkpointing)
+        assert "the plan stays" in later[-1]["reason"] and first["predicted_peak"] < later[-1]["predicted_peak"] <= budget
+    elif case == "checkpointing":
         assert trainer.state.global_step == 14
         lengths = [batch[-1] for batch in batches[:14]]
         assert all(on for on, length in zip(seen.checkpointing, lengths, strict=True) if length == long)
