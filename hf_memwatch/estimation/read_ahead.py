@@ -85,7 +85,7 @@ class ReadAhead(torch.utils.data.IterableDataset):
             index = self.pass_start + self.read_in_pass
             self.items_read += 1
             self.read_in_pass += 1
-            length = sequence_length(item)
+            length = sequence_length(item) or 0  # a sample with no token field: 0 tokens
             if self.longest_item is not None and length > self.planned and self.first_longer is None:
                 self.first_longer = index
             if self.longest_item is None or length > self.longest:
