@@ -367,6 +367,9 @@ NOT_USED = (
     "- krishan's \"Bert Memory Consumption\" post (2019, pytorch_transformers on an 11.17 GiB card, Azure "
     "NC24sv3's stated V100 notwithstanding): torch.cuda.memory_allocated after forward passes only. Not a "
     "training step, not a device total.",
+    "- discuss.huggingface.co/t/gpt-2-finetuning-peaks-at-8-gib-of-vram/172332 (GPT-2, 512-token blocks, the "
+    "Trainer's defaults: batch 8; torch 2.9.1, transformers 4.57.3): the peak, \"8 GiB\", is read off a "
+    "profiler plot of allocated memory and the card is not named. Not a device total.",
     "- Other reruns of the guide's notebook that the code index holds (an H100 host, a local Python 3.8 run, a "
     "Colab copy) come without the name of their repository: not citable, not used.",
 )
