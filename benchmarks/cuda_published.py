@@ -14,7 +14,10 @@ figure and what it is:
   (None where no CUDA device is at hand: then the reserve alone, marked "context unknown").
   ``device_bytes`` is shown beside whenever the estimate gives it.
 
-Two measuring protocols occur. ``trainer``: ``Trainer.train()``, replayed by ``estimate(config, ...)``.
+Two measuring protocols occur. ``trainer``: ``Trainer.train()``, replayed by ``estimate(config, ...)``, or, where
+the run loaded its model in half precision without autocast (``weights_dtype``: [F]'s bf16 runs), by
+``estimate(model, ...)`` on a meta-device model of that dtype (:func:`half_model`), a LoRA adapter where the
+run had one (``lora``).
 ``logits_sum``: the SDPA benchmark script of the Transformers model docs (fxmarty's
 ``benchmark_sdpa_training`` gist and its copies): the model loaded in float16 (no autocast), per step
 ``model.zero_grad(); outputs = model(**inputs); outputs.logits.sum().backward()``, no optimizer,
