@@ -50,6 +50,15 @@ at a time), where the replay's ``adamw_torch`` on CUDA takes torch's ``foreach``
 of every parameter: 1.25 GiB for BERT-large). :func:`per_parameter_adamw` builds ``torch.optim.AdamW``
 with ``foreach=False`` (``_single_tensor_adamw``, the same loop; its ``denom`` is made by ``sqrt`` then
 a division, so one more parameter-size temporary for an instant: 125 MB at the word embeddings).
+
+The causal-LM loss as transformers 4.48 computed it (``loss/loss_utils.py`` of the 4.48.1 wheel,
+``ForCausalLMLoss``): ``logits.float()``, then ``shift_logits = logits[..., :-1, :].contiguous()``, a
+second fp32 copy of the logits less one position, and ``cross_entropy`` on it; its backward writes the
+gradient of that slice into a new zero-filled fp32 tensor of the logits' shape. 5.23 pads the labels
+instead (``nn.functional.pad(labels, (0, 1), value=ignore_index)``) and runs ``cross_entropy`` on the
+whole upcast logits, with no copy and no slice. At 4 x 4096 x 32000 (Mistral-7B) each such fp32 tensor
+is 2.1 GB. :func:`causal_lm_loss_4_48` puts 4.48's function in ``LOSS_MAPPING["ForCausalLM"]`` for the
+duration of an estimate.
 """
 
 from __future__ import annotations
@@ -65,6 +74,7 @@ import torch.nn.functional as F
 NEOX_4_42 = "gpt_neox-4.42"
 TRAINER_4_16 = "trainer-4.16/torch-1.10"
 TRAINER_4_30 = "trainer-4.30/torch-2.0"  # transformers.AdamW (adamw_hf) stepped per parameter, torch 2.0's defaults
+LOSS_4_48 = "loss-4.48"  # 4.48's ForCausalLMLoss: a contiguous fp32 copy of the shifted logits
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -207,3 +217,30 @@ def gradients_kept() -> Iterator[None]:
         yield
     finally:
         torch.nn.Module.zero_grad, torch.optim.Optimizer.zero_grad = module_zero, optimizer_zero
+
+
+def _causal_lm_loss_4_48(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int,
+                         num_items_in_batch: Any = None, ignore_index: int = -100, **kwargs: Any) -> torch.Tensor:
+    """``ForCausalLMLoss`` of transformers 4.48.1 (``loss/loss_utils.py``), the same operators in the same order."""
+    logits = logits.float()
+    labels = labels.to(logits.device)
+    shift_logits = logits[..., :-1, :].contiguous()
+    shift_labels = labels[..., 1:].contiguous()
+    shift_logits = shift_logits.view(-1, vocab_size)
+    shift_labels = shift_labels.view(-1).to(shift_logits.device)
+    reduction = "sum" if num_items_in_batch is not None else "mean"
+    loss = F.cross_entropy(shift_logits, shift_labels, ignore_index=ignore_index, reduction=reduction)
+    return loss / num_items_in_batch if reduction == "sum" else loss
+
+
+@contextlib.contextmanager
+def causal_lm_loss_4_48() -> Iterator[None]:
+    """4.48's causal-LM loss in ``LOSS_MAPPING["ForCausalLM"]`` for the duration; put back on exit."""
+    from transformers.loss.loss_utils import LOSS_MAPPING
+
+    before = LOSS_MAPPING["ForCausalLM"]
+    LOSS_MAPPING["ForCausalLM"] = _causal_lm_loss_4_48
+    try:
+        yield
+    finally:
+        LOSS_MAPPING["ForCausalLM"] = before

@@ -56,7 +56,7 @@ def test_like_for_like_basis(bench):
     est = type("Est", (), {"peak_bytes": 100, "reserved_bytes": 120, "device_bytes": None})()
     by_kind = {c.kind: c for c in bench.CASES}
     assert bench.compare(by_kind["allocated"], est, 0.0).predicted == 100
-    smi = by_kind["nvidia-smi"]
+    smi = next(c for c in bench.CASES if c.kind == "nvidia-smi" and c.context is not None)
     assert bench.compare(smi, est, 0.0).predicted == 120 + smi.context
     without = bench.Case(**{**smi.__dict__, "context": None})
     assert bench.compare(without, est, 0.0).basis == "reserved (context unknown)"
@@ -163,3 +163,28 @@ def test_2023_rerun_replays_its_adamw_per_parameter(bench):
     assert len(rerun) >= 8 and all(c.kind == "nvidia-smi" and c.context == 1276 * bench.MiB for c in rerun)
     assert {c.modelling for c in rerun if c.optim == "adamw_torch"} == {bench.TRAINER_4_30}
     assert {c.modelling for c in rerun if c.optim != "adamw_torch"} == {""}
+
+
+def test_4_48_causal_lm_loss(bench):
+    """[F]'s runs used 4.48's ForCausalLMLoss: the same loss as 5.23's, through a contiguous fp32 copy of the
+    shifted logits (one more logits-size fp32 tensor than 5.23 makes); swapped in for the duration only."""
+    from cuda_published_models import LOSS_4_48, causal_lm_loss_4_48
+    from transformers.loss.loss_utils import LOSS_MAPPING
+
+    assert {c.modelling for c in bench.CASES if c.key.startswith("fms-")} == {LOSS_4_48}
+    today = LOSS_MAPPING["ForCausalLM"]
+    logits = torch.randn(2, 6, 11, dtype=torch.bfloat16)
+    labels = torch.randint(0, 11, (2, 6))
+    with causal_lm_loss_4_48():
+        old = LOSS_MAPPING["ForCausalLM"]
+        assert old is not today
+        loss = old(logits, labels, vocab_size=11)
+    assert LOSS_MAPPING["ForCausalLM"] is today
+    torch.testing.assert_close(loss, today(logits, labels, vocab_size=11))
+
+    def logits_copies(fn):
+        with torch.profiler.profile(record_shapes=True) as prof:
+            fn(logits, labels, vocab_size=11)
+        return [e for e in prof.events() if e.name == "aten::clone" and [2, 5, 11] in e.input_shapes]
+
+    assert logits_copies(old) and not logits_copies(today)

@@ -56,8 +56,12 @@ The maintainers' statements agree on the order of the lazy figure (pytorch/pytor
 with CUDA >= 11.7; #109888: "around 400MB") but name no card or exact figure, so they are not
 entries. The two lazy figures of CUDA 12.8/13.0 are contexts before a first kernel was loaded: a
 step's own kernels come on top. Left out for want of a published measurement: any figure for T4,
-A100, A10G, H100 or H200 under CUDA 12, and the device memory of cuBLAS/cuDNN handles outside the
-allocator (the cuBLAS workspace lives in the caching allocator and is replayed there). A target
+A100, A10G, H100 or H200 under CUDA 12, the device memory of cuBLAS/cuDNN handles outside the
+allocator (the cuBLAS workspace lives in the caching allocator and is replayed there), and the kernel
+images a training step loads after the first tensor under lazy loading: no source sizes them per card
+and CUDA (#86509 and the lazy entries measure the context before the step's kernels; NVIDIA's Lazy
+Loading guide gives no sizes), so they are not modelled; the eager entry of the same card bounds them
+(benchmarks/results/cuda_published.md, "The lazy-loading gap"). A target
 without its own entry gets the entry of its loading mode tied to no other card (noted).
 
 Sharded runs: the replayed sequence must be the rank's own. It is for FSDP2 where
