@@ -56,7 +56,7 @@ def live_backend(device: torch.device) -> AllocatorBackend:
     """The allocator backend a run is watched with; on the CPU its tracker also counts what built-in
     kernels allocate inside themselves (:func:`~hf_memwatch.estimation.kernel_workspaces.cpu_kernel_workspace`,
     the estimate's rules): MemWatch's live peak of bf16 draws read up to 2.67% under the profiler
-    without it (oneDNN's packed operand blocks), 0.94% with it (``benchmarks/results/sweep.md``)."""
+    without it (oneDNN's packed operand blocks), 0.894% with it (150 draws) (``benchmarks/results/sweep.md``)."""
     backend = backend_for(device)
     if isinstance(backend, CpuTrackedBackend):
         backend.tracker.kernel_workspace = cpu_kernel_workspace
