@@ -8,6 +8,10 @@ on whatever CPU runs the suite.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -85,3 +89,81 @@ def test_the_live_tracker_counts_what_a_bf16_product_allocates_inside_itself() -
             peak = max(peak, running)
     assert peak > out.nbytes  # the kernel allocated more than its output
     assert tracker.peak - (a.nbytes + b.nbytes) == peak, (tracker.peak, peak)
+
+
+class _Dispatched(torch.utils._python_dispatch.TorchDispatchMode):
+    """Every operator that reaches the dispatcher beneath the tracker (what the live hook runs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.skipif(not _onednn_bf16(), reason="bf16 products run ATen's BLAS fallback here: no workspace")
+def test_a_watched_product_is_measured_on_its_own_call_and_allocates_nothing_more() -> None:
+    """The live hook, on a layout never measured: the one product the step asked for runs, once, and
+    nothing else (a probe on copies inside the step ran ``empty_strided``/``zero_`` and a second product,
+    holding up to 2 x 64 MiB next to the step's live set); its workspace is the probe's figure."""
+    from hf_memwatch.integration.session import live_backend
+
+    a, b = torch.randn(256, 192).bfloat16().t(), torch.randn(256, 320).bfloat16()
+    kw._GEMM_WORKSPACES.clear()
+    tracker = live_backend(torch.device("cpu")).tracker
+    tracker.register([a, b])
+    tracker.reset_peak()
+    with _Dispatched() as beneath, tracker:
+        out = torch.mm(a, b)
+    assert beneath.ops == [MM], beneath.ops
+    measured = tracker.peak - (a.nbytes + b.nbytes + out.nbytes)
+    assert measured > 0
+    assert list(kw._GEMM_WORKSPACES.values()) == [measured]
+    kw._GEMM_WORKSPACES.clear()
+    assert kw._probe_gemm(MM, (a, b), {}) == measured
+
+
+_RSS_SCRIPT = """
+import sys
+import torch
+from hf_memwatch.integration.session import live_backend
+a = torch.randn(2048, 2048, dtype=torch.bfloat16).t()  # transposed: oneDNN repacks it
+b = torch.randn(2048, 4096, dtype=torch.bfloat16)
+tracker = live_backend(torch.device("cpu")).tracker
+tracker.register([a, b])
+with tracker:  # the mode's first entry and the profiler's first start, in both runs
+    torch.ones(3) + 1
+with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True):
+    torch.mm(torch.ones(64, 64, dtype=torch.bfloat16), torch.ones(64, 64, dtype=torch.bfloat16))
+def status(key):  # kB
+    return int(open("/proc/self/status").read().split(key + ":")[1].split()[0])
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # the peak resident set (VmHWM) reset to the current one
+before = status("VmRSS")
+if sys.argv[1] == "watched":
+    with tracker:
+        out = torch.mm(a, b)
+else:
+    out = torch.mm(a, b)
+print((status("VmHWM") - before) * 1024)
+"""
+
+
+@pytest.mark.skipif(not _onednn_bf16() or not os.path.exists("/proc/self/clear_refs"),
+                    reason="no oneDNN bf16 product here, or no resettable peak resident set (Linux)")
+def test_a_watched_product_raises_the_process_peak_no_higher_than_the_unwatched_one() -> None:
+    """The operating system's peak resident set (``VmHWM``, reset before the step) of one
+    2048 x 2048 x 4096 bf16 product (24 MiB of operands, a 16 MiB output), watched for the first time
+    vs unwatched, each in a fresh process: measured a rise of 19,906,560 vs 19,959,808 B; with the
+    probe on copies inside the step 62,074,880 vs 20,148,224 B (its copies and second output next to
+    the step's own)."""
+    def peak_rise(mode: str) -> int:
+        done = subprocess.run([sys.executable, "-c", _RSS_SCRIPT, mode], capture_output=True, text=True,
+                              env=dict(os.environ), timeout=300, check=True)
+        return int(done.stdout.split()[-1])
+
+    unwatched, watched = peak_rise("plain"), peak_rise("watched")
+    assert unwatched > 16 * 2**20  # the product's output, at least: the measure sees the step
+    assert watched - unwatched < 4 * 2**20, (watched, unwatched)

@@ -3,7 +3,8 @@
 The CPU allocator counts these buffers; the fake step does not see them: the flash-attention kernel's
 per-thread blocks (:func:`sdpa_cpu_workspace`, from ATen's source), the contiguous copy a softmax makes
 of a strided input (:func:`strided_input_copy`) and oneDNN's packed operand blocks of a bf16/fp16 matrix
-product (:func:`gemm_cpu_workspace`: probed once per layout with a real run under the profiler).
+product (:func:`gemm_cpu_workspace`: probed once per layout with a real run under the profiler; in a
+watched run, :func:`run_cpu_kernel`, measured on the product's own call).
 """
 
 from __future__ import annotations
@@ -104,13 +105,9 @@ def gemm_cpu_workspace(func: Any, args: tuple, kwargs: dict[str, Any]) -> int:
     A matrix in neither layout is copied contiguous first (measured: exactly its bytes), so it is
     still probed.
     """
-    tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    dtype = next(t.dtype for t in tensors if t.dtype in LOW_PRECISION)
-    if not onednn_gemm(dtype) and all(blas_ready(t) for t in tensors[-2:]):
+    key = _gemm_key(func, args, kwargs)
+    if key is None:
         return 0
-    key = (func, tuple((tuple(t.shape), t.stride(), t.dtype) for t in tensors),
-           tuple(sorted((k, v) for k, v in kwargs.items() if not isinstance(v, torch.Tensor))),
-           torch.get_num_threads())
     if key not in _GEMM_WORKSPACES:
         if profiler_enabled():  # no probe under a running profiler: 0 now, probed when it has stopped
             return 0
@@ -118,13 +115,21 @@ def gemm_cpu_workspace(func: Any, args: tuple, kwargs: dict[str, Any]) -> int:
     return _GEMM_WORKSPACES[key]
 
 
+def _gemm_key(func: Any, args: tuple, kwargs: dict[str, Any]) -> tuple | None:
+    """What a product's workspace depends on (None: the BLAS fallback, which allocates nothing)."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    dtype = next(t.dtype for t in tensors if t.dtype in LOW_PRECISION)
+    if not onednn_gemm(dtype) and all(blas_ready(t) for t in tensors[-2:]):
+        return None
+    return (func, tuple((tuple(t.shape), t.stride(), t.dtype) for t in tensors),
+            tuple(sorted((k, v) for k, v in kwargs.items() if not isinstance(v, torch.Tensor))),
+            torch.get_num_threads())
+
+
 def cpu_kernel_workspace(func: Any, args: tuple, kwargs: dict[str, Any]) -> int:
-    """Bytes a built-in CPU operator allocates and frees inside itself, for the live tracker
-    (``StorageTracker.kernel_workspace``): the same rules as the estimate's (flash attention's
-    per-thread buffers, a softmax's contiguous copy, a bf16/fp16 product's packed blocks), 0 for any
-    other operator. Without it MemWatch's live peak of bf16 runs read up to 2.67% under the profiler
-    (150-draw sweep: ALBERT 4 x 64 bf16, the backward product's blocked weight copy missing).
-    """
+    """Bytes a built-in CPU operator allocates and frees inside itself, by the estimate's rules
+    (flash attention's per-thread buffers, a softmax's contiguous copy, a bf16/fp16 product's
+    packed blocks, probed on copies of its operands), 0 for any other operator."""
     if func in CPU_GEMM_OPS:
         return gemm_cpu_workspace(func, args, kwargs) if low_precision(args) else 0
     if func in SDPA_CPU_OPS:
@@ -132,6 +137,38 @@ def cpu_kernel_workspace(func: Any, args: tuple, kwargs: dict[str, Any]) -> int:
     if func in CPU_SOFTMAX_OPS:
         return strided_input_copy(args[0])
     return 0
+
+
+# Products the live run measured on their own call whose operands exceed ``GEMM_PROBE_MAX_BYTES``:
+# kept apart, so that an estimate (0 for them) does not depend on what ran before it in the process.
+_LIVE_GEMM_WORKSPACES: dict[tuple, int] = {}
+
+
+def run_cpu_kernel(func: Any, args: tuple, kwargs: dict[str, Any]) -> tuple[Any, int]:
+    """Run a built-in CPU operator for the live tracker (``StorageTracker.kernel_call``): its output
+    and the bytes its kernel allocated and freed inside itself.
+
+    The same rules as :func:`cpu_kernel_workspace`, except that a bf16/fp16 product whose layout
+    was never measured is measured on its own call, under a profiler scoped to that call, and not
+    on copies: a watched step allocates nothing the unwatched one does not (a probe on copies
+    inside the step held up to 2 x 64 MiB of operands and their product next to the step's live
+    set). Under a running profiler (one cannot be nested) an unmeasured product counts 0 and
+    is measured at its next call without one. Without this hook MemWatch's live peak of bf16 draws
+    read up to 2.67% under the profiler (150-draw sweep: ALBERT 4 x 64 bf16, the backward
+    product's blocked weight copy missing).
+    """
+    if func not in CPU_GEMM_OPS or not low_precision(args):
+        return func(*args, **kwargs), cpu_kernel_workspace(func, args, kwargs)
+    key = _gemm_key(func, args, kwargs)
+    if key is None:
+        return func(*args, **kwargs), 0
+    known = _GEMM_WORKSPACES.get(key, _LIVE_GEMM_WORKSPACES.get(key))
+    if known is not None or profiler_enabled():
+        return func(*args, **kwargs), known or 0
+    out, workspace = _measured_call(func, args, kwargs)
+    size = sum(a.untyped_storage().nbytes() for a in args if isinstance(a, torch.Tensor))
+    (_GEMM_WORKSPACES if size <= GEMM_PROBE_MAX_BYTES else _LIVE_GEMM_WORKSPACES)[key] = workspace
+    return out, workspace
 
 
 @functools.cache
@@ -165,7 +202,8 @@ def blas_ready(tensor: torch.Tensor) -> bool:
 
 
 def _probe_gemm(func: Any, args: tuple, kwargs: dict[str, Any]) -> int:
-    """Highest allocator bytes inside one real run of ``func`` beyond its output (see above)."""
+    """Highest allocator bytes inside one real run of ``func`` on copies of its operands beyond its
+    output (see above): for the estimate, whose operands are fake."""
     from ..compat.torch_internals import disable_current_modes
 
     size = sum(a.untyped_storage().nbytes() for a in args if isinstance(a, torch.Tensor))
@@ -174,19 +212,31 @@ def _probe_gemm(func: Any, args: tuple, kwargs: dict[str, Any]) -> int:
     with disable_current_modes():
         real = [torch.empty_strided(a.shape, a.stride(), dtype=a.dtype).zero_() if isinstance(a, torch.Tensor) else a
                 for a in args]
-        with warnings.catch_warnings(), _quiet_stderr():
-            warnings.simplefilter("ignore")
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
-                                        profile_memory=True) as prof:
-                out = func(*real, **kwargs)
-        cpu = torch.autograd.DeviceType.CPU
-        running = peak = 0
-        for event in sorted(prof.profiler.kineto_results.events(), key=lambda e: e.start_ns()):
-            if event.name() == "[memory]" and event.device_type() == cpu:
-                running += event.nbytes()
-                peak = max(peak, running)
+        out, workspace = _measured_call(func, tuple(real), kwargs)
         del out
-    return max(0, peak - running)
+    return workspace
+
+
+def _measured_call(func: Any, args: tuple, kwargs: dict[str, Any]) -> tuple[Any, int]:
+    """``func``'s output and the highest bytes its kernel held beyond that output, read from the
+    CPU allocator's events of this one call (this thread's only: a free on another thread in the
+    window, gloo's in a two-rank run, is not the kernel's)."""
+    with warnings.catch_warnings(), _quiet_stderr():
+        warnings.simplefilter("ignore")
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                    profile_memory=True) as prof:
+            out = func(*args, **kwargs)
+    cpu = torch.autograd.DeviceType.CPU
+    events = sorted(prof.profiler.kineto_results.events(), key=lambda e: e.start_ns())
+    name = func.name()
+    threads = {e.start_thread_id() for e in events if e.name() == name}
+    running = peak = 0
+    for event in events:
+        if event.name() == "[memory]" and event.device_type() == cpu and (
+                not threads or event.start_thread_id() in threads):
+            running += event.nbytes()
+            peak = max(peak, running)
+    return out, max(0, peak - running)
 
 
 @contextlib.contextmanager

@@ -27,7 +27,7 @@ from ..core.run_config import RunConfig
 from ..core.timeline import TimelineWriter
 from ..core.units import format_bytes
 from ..engines.registry import make_monitor
-from ..estimation.kernel_workspaces import cpu_kernel_workspace
+from ..estimation.kernel_workspaces import run_cpu_kernel
 from ..measure.backends import AllocatorBackend, CpuTrackedBackend, backend_for
 from ..measure.batches import FormedBatches
 from ..measure.leaks import HOST_RSS, LeakWatch
@@ -54,12 +54,13 @@ def open_timeline(directory: str | Path, rank: int, *, fresh: bool,
 
 def live_backend(device: torch.device) -> AllocatorBackend:
     """The allocator backend a run is watched with; on the CPU its tracker also counts what built-in
-    kernels allocate inside themselves (:func:`~hf_memwatch.estimation.kernel_workspaces.cpu_kernel_workspace`,
-    the estimate's rules): MemWatch's live peak of bf16 draws read up to 2.67% under the profiler
-    without it (oneDNN's packed operand blocks), 0.894% with it (150 draws) (``benchmarks/results/sweep.md``)."""
+    kernels allocate inside themselves (:func:`~hf_memwatch.estimation.kernel_workspaces.run_cpu_kernel`,
+    the estimate's rules, a product measured on its own call): MemWatch's live peak of bf16 draws read
+    up to 2.67% under the profiler without it (oneDNN's packed operand blocks), 0.894% with it (150
+    draws) (``benchmarks/results/sweep.md``)."""
     backend = backend_for(device)
     if isinstance(backend, CpuTrackedBackend):
-        backend.tracker.kernel_workspace = cpu_kernel_workspace
+        backend.tracker.kernel_call = run_cpu_kernel
     return backend
 
 

@@ -157,12 +157,12 @@ class StorageTracker(TorchDispatchMode):
         # them first in the middle of a backward. Off: no per-operator cost.
         self.resident_aliases = False
         self._args: Any = None
-        # Optional ``(func, args, kwargs) -> bytes`` a built-in operator's CPU kernel allocates and frees
-        # inside itself (oneDNN's packed operand blocks of a bf16 product, the flash-attention kernel's
-        # per-thread buffers): the allocator counts them, the dispatcher never sees them, so they are
-        # added to the peak at the operator's end as a transient. Set by the live monitor for a CPU run
-        # (``integration.session.live_backend``: ``estimation.kernel_workspaces.cpu_kernel_workspace``).
-        self.kernel_workspace: Any = None
+        # Optional ``(func, args, kwargs) -> (output, bytes)``: runs a built-in operator and says what its
+        # CPU kernel allocated and freed inside itself (oneDNN's packed operand blocks of a bf16 product,
+        # the flash-attention kernel's per-thread buffers): the allocator counts them, the dispatcher never
+        # sees them, so they are added to the peak at the operator's end as a transient. Set by the live
+        # monitor for a CPU run (``integration.session.live_backend``: ``estimation.kernel_workspaces.run_cpu_kernel``).
+        self.kernel_call: Any = None
 
     # -- accounting -------------------------------------------------------------------------
     def _free(self, ref: _StorageRef) -> None:
@@ -322,14 +322,16 @@ class StorageTracker(TorchDispatchMode):
 
     # -- dispatch ---------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        builtin = False
+        transient = 0
         if func in _UNPERTURBED:  # kernels a mode would change: as they run unobserved
             out = run_unperturbed(func, args, kwargs or {})
             if out is None:
                 out = func(*args, **(kwargs or {}))
         elif getattr(func, "namespace", "aten") in _BUILT_IN_NAMESPACES:  # (a wrapper of ours: plain)
-            out = func(*args, **(kwargs or {}))
-            builtin = True
+            if self.kernel_call is not None:
+                out, transient = self.kernel_call(func, args, kwargs or {})
+            else:
+                out = func(*args, **(kwargs or {}))
         elif self.device_type == "cpu" and func.name().partition(".")[0] in _OBSERVED_INSIDE:
             out = run_as_called(functools.partial(self._run_observed, func), args, kwargs or {})
         else:
@@ -342,8 +344,7 @@ class StorageTracker(TorchDispatchMode):
             self._track_outputs(out)
         finally:
             self._args = None  # never keep an input alive
-        if builtin and self.kernel_workspace is not None:
-            self.add_transient(self.kernel_workspace(func, args, kwargs or {}))
+        self.add_transient(transient)
         return out
 
     def _track_outputs(self, out: Any) -> None:
