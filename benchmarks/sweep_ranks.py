@@ -48,6 +48,8 @@ BUCKET = 100_000  # DeepSpeed's buckets, as tests/dist_scripts/deepspeed_zero.py
 STEPS = 2
 ESTIMATE_MARK = "sweep_ranks.estimate"
 SECTION = "# Two-rank draws"
+AUTO_EVERY = 3  # the auto mode on every third draw (seeds 0, 3, 6, ...), as benchmarks/sweep.py does
+AUTO_SHARE = 0.7  # its budget: this share of the highest rank's reconciled step peak
 
 
 @dataclass(frozen=True)
@@ -122,8 +124,9 @@ def _rows(d: RankDraw) -> list[dict[str, Any]]:
     return rows
 
 
-def build(d: RankDraw, out: str, callbacks: list[Any], profiler: Any) -> Any:
-    """The draw's Trainer; the profiler's window opens before the model is built."""
+def build(d: RankDraw, out: str, callbacks: list[Any], profiler: Any, **overrides: Any) -> Any:
+    """The draw's Trainer (``overrides``: TrainingArguments of a hand-made plan); the profiler's window opens
+    before the model is built."""
     from transformers import Trainer, TrainingArguments
 
     from hf_memwatch.testing.estimate_truth import ListDataset
@@ -136,11 +139,12 @@ def build(d: RankDraw, out: str, callbacks: list[Any], profiler: Any) -> Any:
     wrap = list(_model(single)._no_split_modules)  # FSDP2's units: the family's blocks
     prime = remembered_allocations()  # the frees of blocks made before the window are reported
     data = ListDataset(_rows(d))
-    args = TrainingArguments(
+    settings = dict(
         output_dir=out, per_device_train_batch_size=d.batch, gradient_accumulation_steps=d.accum, max_steps=STEPS,
         logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, seed=0, dataloader_num_workers=0,
         disable_tqdm=True, optim=d.optim, bf16=d.precision == "bf16", gradient_checkpointing=d.checkpointing == "on",
         **_engine_args(d, wrap))
+    args = TrainingArguments(**{**settings, **overrides})
     prime.stop()
     profiler.start()
     model = _model(single)  # after the arguments, as a user builds it: under ZeRO-3, by deepspeed.zero.Init
@@ -194,11 +198,57 @@ def measure(d: RankDraw, out: Path) -> dict[str, Any]:
         path = out / f"{d.seed}_watched" / TIMELINE_DIRNAME / timeline_filename(rank)
         records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         facts["live"] = [r["peak"] for r in records if r["event"] == "step"]
+        if d.seed % AUTO_EVERY == 0:
+            try:
+                facts["auto"] = run_auto(d, out, max(facts["plain"]["truth"]))
+            except Exception as exc:  # noqa: BLE001 - the auto run's failure is the draw's finding, reported
+                facts["auto"] = {"verdict": f"FAILED: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+                                 if str(exc) else f"FAILED: {type(exc).__name__}", "traceback": traceback.format_exc()[-3000:]}
     except Exception as exc:  # noqa: BLE001 - a configuration the libraries refuse: reported, not measured
         facts["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
         facts["traceback"] = traceback.format_exc()[-3000:]
     torch.distributed.barrier()  # a rank that failed waits for the other before the next draw
     return facts
+
+
+def _largest(value: int) -> int:
+    """The largest ``value`` over the ranks."""
+    import torch
+
+    tensor = torch.tensor([value], dtype=torch.int64)
+    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
+    return int(tensor.item())
+
+
+def run_auto(d: RankDraw, out: Path, peak: int) -> dict[str, Any]:
+    """``MemWatch(auto=True)`` at :data:`AUTO_SHARE` of the highest rank's reconciled peak, under the profiler:
+    ``fits`` (every rank's reconciled step peaks within the budget), ``OVER BUDGET``, or on "no plan fits" the
+    most conservative plan by hand (micro-batch 1, the same effective batch, checkpointing) measured: truthful
+    where it is over the budget on some rank."""
+    from hf_memwatch import MemWatch
+    from hf_memwatch.core.errors import PlanError
+    from hf_memwatch.testing.truth import cpu_memory_profile
+
+    budget = int(AUTO_SHARE * _largest(peak))
+    result: dict[str, Any] = {"budget": budget}
+    profiler = cpu_memory_profile(record_shapes=True)
+    watch = MemWatch(auto=True, budget=budget, detail="light", report=False, summary=False)
+    try:
+        measured = _train(build(d, str(out / f"{d.seed}_auto"), [watch], profiler), profiler, predict=False)
+    except PlanError as exc:
+        result["plan_error"] = str(exc).splitlines()[0][:200]
+    else:
+        result["peak"] = _largest(max(measured["truth"]))
+        result["verdict"] = "fits" if result["peak"] <= budget else "OVER BUDGET"
+        return result
+    torch_ckpt = d.checkpointing != "fsdp"  # FSDP's own switch stays on; transformers refuses both
+    least = {"per_device_train_batch_size": 1, "gradient_accumulation_steps": d.batch * d.accum,
+             "gradient_checkpointing": torch_ckpt}
+    profiler = cpu_memory_profile(record_shapes=True)
+    measured = _train(build(d, str(out / f"{d.seed}_least"), [], profiler, **least), profiler, predict=False)
+    result["peak"] = _largest(max(measured["truth"]))
+    result["verdict"] = "no plan fits (truthful)" if result["peak"] > budget else "no plan fits (UNTRUTHFUL)"
+    return result
 
 
 def worker(out: Path, seeds: list[int]) -> None:
@@ -329,6 +379,28 @@ def _distribution(values: list[float]) -> str:
             f"{sum(v > 0.03 for v in ordered)} over 3%)")
 
 
+AUTO_VERDICTS = ("fits", "no plan fits (truthful)", "OVER BUDGET", "no plan fits (UNTRUTHFUL)")
+
+
+def _auto_cell(rank_facts: list[dict[str, Any]]) -> str:
+    """A draw's auto verdict (the same on both ranks: peaks and budget taken over the ranks)."""
+    auto = next((f["auto"] for f in rank_facts if "auto" in f), None)
+    if auto is None:
+        return ""
+    if "peak" not in auto:
+        return auto["verdict"]
+    return f"{auto['verdict']} ({auto['peak']:,} / {auto['budget']:,})"
+
+
+def _autos(facts: list[dict[str, Any]]) -> str:
+    verdicts = [f["auto"]["verdict"] for f in facts if f["rank"] == 0 and "auto" in f]
+    if not verdicts:
+        return "none run"
+    failed = sum(v.startswith("FAILED") for v in verdicts)
+    return (f"{len(verdicts)} runs; " + ", ".join(f"{verdicts.count(v)} {v}" for v in AUTO_VERDICTS)
+            + f", {failed} FAILED")
+
+
 def report(facts: list[dict[str, Any]]) -> list[str]:
     """The two-rank section of ``sweep.md`` from every rank's facts (both ranks of a draw)."""
     by_seed: dict[int, list[dict[str, Any]]] = {}
@@ -344,9 +416,10 @@ def report(facts: list[dict[str, Any]]) -> list[str]:
              "truth: the profiler's per-rank step peaks from the model's construction on, frees on gloo's threads "
              "reconciled (`hf_memwatch/testing/truth.py`), the raw running sum beside it.", "",
              f"- `estimate(trainer)` before `train()` vs the rank's highest step peak, |error|: {_distribution(estimate)}",
-             f"- MemWatch's live step peaks vs the profiler's (worst step a rank): {_distribution(live)}", "",
-             "| seed | configuration | rank | truth, reconciled (B) | raw (B) | estimate | error | live |",
-             "|---|---|---|---|---|---|---|---|"]
+             f"- MemWatch's live step peaks vs the profiler's (worst step a rank): {_distribution(live)}",
+             f"- auto mode at {AUTO_SHARE} x the highest rank's peak (every {AUTO_EVERY}rd draw): {_autos(facts)}", "",
+             "| seed | configuration | rank | truth, reconciled (B) | raw (B) | estimate | error | live | auto |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for name in CATEGORIES:
         picked = [abs(r["estimate_error"]) for seed, rs in rows.items() if category(RankDraw(**measured[seed][0]["draw"]))
                   == name for r in rs]
@@ -359,12 +432,13 @@ def report(facts: list[dict[str, Any]]) -> list[str]:
         d = RankDraw(**by_seed[seed][0]["draw"])
         if seed not in rows:
             error = next(f["error"] for f in by_seed[seed] if "error" in f)
-            lines.append(f"| {seed} | {d.describe()} | | refused: {error} | | | | |")
+            lines.append(f"| {seed} | {d.describe()} | | refused: {error} | | | | | |")
             continue
         for rank, r in enumerate(rows[seed]):
             live = "n/a" if r["live_error"] is None else f"{100 * r['live_error']:.2f}%"
+            auto = _auto_cell(by_seed[seed]) if rank == 0 else ""
             lines.append(f"| {seed} | {d.describe()} | {rank} | {r['truth']:,} | {r['raw']:,} | {r['predicted']:,} | "
-                         f"{100 * r['estimate_error']:+.2f}% | {live} |")
+                         f"{100 * r['estimate_error']:+.2f}% | {live} | {auto} |")
     return lines + NOTES.splitlines()
 
 

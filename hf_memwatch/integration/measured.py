@@ -53,6 +53,7 @@ from ..core.errors import PlanError, is_oom_error
 from ..core.records import PlannedBatch
 from ..core.run_config import RunConfig, model_is_checkpointing
 from ..core.units import format_bytes
+from ..estimation.kernel_workspaces import run_cpu_kernel
 from ..estimation.trainer_replay import (
     RngStates,
     TrainerStateGuard,
@@ -194,6 +195,7 @@ def measure_micro_step(trainer: Any, items: list[Any], checkpointing: bool, accu
             backend = backend_for(device)
             tracker = StorageTracker(device.type) if device.type == "cpu" else None
             if tracker is not None:
+                tracker.kernel_call = run_cpu_kernel  # kernels' own allocations, as the live run counts them
                 tracker.register(_weights(trainer))
                 tracker.register(v for v in _tensors(batch))
                 tracker.register(grads)
