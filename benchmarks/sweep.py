@@ -176,8 +176,9 @@ def _worst_branch(measured: list[DrawResult]) -> list[str]:
     return [f"GKD at `lmbda` 0.5 {drawn} (profiler {half.truth:,} B); its estimate is the worst branch, the "
             f"generating step: {half.estimate:,} B against {always.truth:,} B measured at `lmbda` 1 "
             f"({_pct((half.estimate - always.truth) / always.truth)}). The table's figure for it compares the "
-            "worst branch with a run that did not take it. SFT over an `IterableDataset` fails the estimate (the "
-            "replayed streaming batch lacks `attention_mask`): `tests/test_sweep.py`'s strict xfail.", ""]
+            "worst branch with a run that did not take it. SFT over an `IterableDataset` streams rows of "
+            "`max_length` tokens: a stream is estimated, unread, at the longest the run can feed, on the batch "
+            "TRL's collator forms (`estimation/streaming.py`, `bounded_batch`).", ""]
 
 
 def variants_section(results: list[DrawResult], seconds: float, note: str = "") -> list[str]:

@@ -5,7 +5,6 @@ The benchmark runs 150 draws (``make bench``); here two of them, one with the au
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from hf_memwatch.testing.sweep import _lengths, draw, run_draw
@@ -79,11 +78,10 @@ def test_the_gkd_teacher_counts_in_the_truth_baseline(tmp_path) -> None:
     assert teacher > 0 and _baseline(trainer) == student + teacher
 
 
-@pytest.mark.xfail(strict=True, reason="SFT over an IterableDataset: the estimate's replayed streaming batch lacks "
-                   "attention_mask (the real batch TRL's collator forms has it), so TRL's compute_loss raises "
-                   "\"Expected 'attention_mask' or 'position_ids' in inputs.\" in the replay (MemWatchConfigError); "
-                   "the streaming estimate is #37.4's work (estimation/streaming.py)")
 def test_sft_over_an_iterable_dataset_is_estimated() -> None:
+    """A stream of 64-token rows under max_length 64: estimated at that bound, unread, on the batch TRL's
+    collator forms (``streaming.bounded_batch``). Failed before: the replayed synthetic batch had no
+    ``attention_mask`` and TRL's ``compute_loss`` raised inside the replay."""
     from hf_memwatch.testing.sweep import TrlDraw
 
     result = run_draw(TrlDraw(1000, "sft-iterable"))

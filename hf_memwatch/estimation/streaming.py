@@ -35,7 +35,7 @@ import copy
 import io
 import itertools
 import socket
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -62,6 +62,26 @@ def longest_fed_length(trainer: Any) -> tuple[int, str] | None:
         if isinstance(value, int) and value > 0:
             return value, f"the model's {name}"
     return None
+
+
+def bounded_batch(trainer: Any, batch_size: int, length: int) -> tuple[dict[str, Any], str] | None:
+    """(``batch_size`` items of ``length`` token ids as the run's collator forms them, a note) where the
+    collator is TRL's — it forms the labels and the attention mask (or the padding-free positions) from
+    the token ids alone, so the batch the run feeds at the bound is known without reading the stream;
+    None for other collators (which fields a stream's items carry is unknown unread: the synthetic
+    batch of the task is replayed). Without it, SFT over a stream was replayed on the task's synthetic
+    batch, which has no ``attention_mask``, and TRL's ``compute_loss`` raised "Expected
+    'attention_mask' or 'position_ids' in inputs" inside the replay (sweep draw ``sft-iterable``)."""
+    collator = getattr(trainer, "data_collator", None)
+    if not type(collator).__module__.startswith("trl."):
+        return None
+    try:
+        batch = collate(trainer, [{"input_ids": [0] * length} for _ in range(batch_size)])
+    except Exception:  # the collator wants fields a stream's items carry: the task's synthetic batch
+        return None
+    if not isinstance(batch, Mapping) or not isinstance(batch.get("input_ids"), torch.Tensor):
+        return None
+    return dict(batch), f"{batch_size} x {length} token ids as TRL's collator forms them"
 
 
 def first_items(dataset: Any, count: int) -> list[Any] | None:

@@ -16,7 +16,7 @@ import torch
 
 from ..core.sequence_length import sequence_length
 from .read_ahead import ReadAhead, read_ahead_batch
-from .streaming import fixed_shape_batch, longest_fed_length
+from .streaming import bounded_batch, fixed_shape_batch, longest_fed_length
 from .trainer_replay import (
     SCAN_ITEMS,
     collate,
@@ -48,6 +48,9 @@ def worst_case_batch(trainer: Any, batch_size: int, sample_index: int | None = N
             return read_ahead_batch(trainer, dataset, batch_size)
         bound = longest_fed_length(trainer)
         if bound is not None:
+            formed = bounded_batch(trainer, batch_size, bound[0])
+            if formed is not None:
+                return formed[0], bound[0], f"one-pass (iterable) dataset, not read: {formed[1]} at {bound[1]}"
             return None, None, f"one-pass (iterable) dataset, not read: synthetic batches at {bound[1]}"
         fixed = fixed_shape_batch(trainer, dataset, batch_size)  # no bound: items without a sequence need none
         if fixed is not None:

@@ -239,7 +239,9 @@ def builder(d: Draw, **overrides: Any) -> Any:
 @dataclass(frozen=True)
 class TrlDraw:
     """A TRL trainer on a tiny Llama (vocab of :func:`~.tokenizers.word_tokenizer`), 2 steps of 4 rows:
-    ``sft`` (a map dataset of token ids), ``sft-iterable`` (the same rows streamed: ``IterableDataset``),
+    ``sft`` (a map dataset of token ids), ``sft-iterable`` (rows streamed: ``IterableDataset``, each of ``max_length``
+    tokens — a stream is estimated at the longest the run can feed, never read, so its truth is a stream
+    that feeds that),
     ``dpo`` (a reference model), ``gkd`` (a teacher; on-policy generation of 8 tokens drawn per step
     with probability ``lmbda``)."""
 
@@ -280,7 +282,8 @@ def trl_builder(v: TrlDraw) -> Any:
         if v.trainer.startswith("sft"):
             from trl import SFTConfig, SFTTrainer
 
-            data = Dataset.from_list([{"input_ids": torch.randint(0, 1000, (48,), generator=gen).tolist()}
+            length = common["max_length"] if v.trainer == "sft-iterable" else 48
+            data = Dataset.from_list([{"input_ids": torch.randint(0, 1000, (length,), generator=gen).tolist()}
                                       for _ in range(16)])
             if v.trainer == "sft-iterable":
                 data = data.to_iterable_dataset()

@@ -6,7 +6,7 @@ accelerator falls back to gloo without oneCCL. Each rank writes ``deepspeed.rank
 accumulation 2, 2 steps, MemWatch full, the prediction ``estimate(trainer)`` made before ``train()``
 (no DeepSpeed engine exists yet):
 
-* ``zero1``, ``zero2``, ``zero3``, ``zero3_offload`` (``offload_optimizer: cpu``), ``zero3_offload_param``
+* ``zero1``, ``zero2``, ``zero3``, ``zero2_offload`` and ``zero3_offload`` (``offload_optimizer: cpu``), ``zero3_offload_param``
   (``offload_param: cpu`` too) at 32 tokens; without
   offload, what DeepSpeed itself holds (read from its ZeRO optimizer and parameters, not through
   hf_memwatch) at the first step's ``step_begin``, first micro-step end (gradients still held) and
@@ -315,6 +315,7 @@ def main() -> None:
     freeze_imported_objects()  # DeepSpeed imported too
     seconds: dict[str, list[float]] = {}
     facts = {f"zero{stage}": timed(seconds, f"zero{stage}", run, out, f"zero{stage}", stage) for stage in (1, 2, 3)}
+    facts["zero2_offload"] = timed(seconds, "zero2_offload", run, out, "zero2_offload", 2, offload=True)
     facts["zero3_offload"] = timed(seconds, "zero3_offload", run, out, "zero3_offload", 3, offload=True)
     facts["zero3_offload_param"] = timed(seconds, "zero3_offload_param", run, out, "zero3_offload_param", 3,
                                          offload="params")

@@ -25,6 +25,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for conftest's builders
 
@@ -90,7 +91,13 @@ class FsdpHoldings(TrainerCallback):
       kept reduce-scatter inputs (``comm_ctx.reduce_scatter_states``);
     * ``optimizer_states``: the optimizer's state tensors' local shards;
     * ``buffers``: the model's buffers;
-    * ``outputs`` (``after_forward``): the forward's output tensors (logits, loss).
+    * ``outputs`` (``after_forward``): the forward's output tensors (logits, loss);
+    * ``in_gloo``: ``[before, after]`` MemWatch's snapshot of the phase, the bytes of flat all-gather
+      outputs FSDP2 has dropped and gloo's worker still holds (its ``Work`` keeps its outputs until the
+      worker thread lets it go, a moment after the wait returned): alive, in no FSDP2 attribute, so in
+      MemWatch's ``other``. Seen through MemWatch's tracker, the same storage lifetime (its reference)
+      FSDP2 copied out of; read before and after the snapshot, as gloo's thread may free it in between.
+      A CI run failed on this race (rank 1, step 1, ``after_forward``: 803,332 B more in ``other``).
     """
 
     def __init__(self, watch: MemWatch | None = None) -> None:
@@ -98,6 +105,49 @@ class FsdpHoldings(TrainerCallback):
         self.model = None
         self.optimizer = None
         self.watch = watch  # its storage tracker's view of FSDP2's all-gather outputs is recorded too
+        self.gathered: dict[int, Any] = {}  # storage key -> the tracker's reference, per copied-out output
+        self.in_gloo: dict[str, list[int]] = {}  # "step:phase" -> [before, after] MemWatch's snapshot
+
+    def _tracker(self):
+        return getattr(getattr(self.watch.monitor, "backend", None), "tracker", None) if self.watch else None
+
+    def _dropped_gathers(self) -> int:
+        """Bytes of the flat all-gather outputs FSDP2 copied out of, no longer in its comm context and
+        still alive (the tracker holds the same storage lifetime)."""
+        tracker = self._tracker()
+        if tracker is None:
+            return 0
+        kept = set()
+        for group in self.groups():
+            state = getattr(group.comm_ctx, "all_gather_state", None)
+            if state is not None:
+                kept.add(state.all_gather_result.all_gather_output.untyped_storage()._cdata)
+        refs = tracker.live_refs()
+        return sum(ref.nbytes for key, ref in list(self.gathered.items())
+                   if key not in kept and refs.get(key) is ref)
+
+    def _observe(self, session) -> None:
+        """Note each group's flat all-gather output as FSDP2 copies it out, and the dropped ones still
+        alive around each MemWatch snapshot (observers only: each calls the original unchanged)."""
+        tracker = self._tracker()
+        for group in self.groups():
+            def wait_for_unshard(group=group, original=group.wait_for_unshard):
+                result = getattr(group, "_all_gather_result", None)
+                if result is not None and tracker is not None:
+                    key = result.all_gather_output.untyped_storage()._cdata
+                    ref = tracker.live_refs().get(key)
+                    if ref is not None:
+                        self.gathered[key] = ref
+                return original()
+            group.wait_for_unshard = wait_for_unshard
+        monitor = session.monitor
+
+        def snapshot(phase, original=monitor.snapshot):
+            before = self._dropped_gathers()
+            record = original(phase)
+            self.in_gloo[f"{record.step}:{record.phase}"] = [before, self._dropped_gathers()]
+            return record
+        monitor.snapshot = snapshot
 
     def groups(self):
         from torch.distributed.fsdp import FSDPModule
@@ -129,7 +179,7 @@ class FsdpHoldings(TrainerCallback):
             _storages([t for t in value.values() if isinstance(t, torch.Tensor)], states)
         # What MemWatch's storage tracker counts for those storages (FSDP2 resizes them to 0 in place,
         # outside any operator: a tracker that misses it keeps the sizes they were allocated at).
-        tracker = getattr(getattr(self.watch.monitor, "backend", None), "tracker", None) if self.watch else None
+        tracker = self._tracker()
         refs = tracker.live_refs() if tracker is not None else {}
         known = [refs[key].nbytes for key in unsharded if key in refs]
         figures = {name: sum(v for v in found.values()) for name, found in (
@@ -140,6 +190,7 @@ class FsdpHoldings(TrainerCallback):
                        unsharded_storages=len(unsharded))
         if output is not None:  # the forward's outputs (logits, loss): neither weights nor saved for backward
             figures["outputs"] = sum(_storages([v for v in output.values() if isinstance(v, torch.Tensor)], {}).values())
+        figures["in_gloo"] = self.in_gloo.get(f"{step}:{phase}", [0, 0])
         self.records[f"{step}:{phase}"] = figures
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
@@ -149,6 +200,8 @@ class FsdpHoldings(TrainerCallback):
         trainer = find_trainer()
         self.model = trainer.model_wrapped
         self.optimizer = unwrap_optimizer(trainer.optimizer)
+        if self.watch is not None and self.watch.session is not None:  # MemWatch's on_train_begin ran first
+            self._observe(self.watch.session)
         # After MemWatch's own forward hook (registered at its on_train_begin, before this one).
         self.model.register_forward_hook(
             lambda module, args, output: self._record("after_forward", state.global_step + 1, output))

@@ -111,7 +111,8 @@ def test_zero_step_peaks_per_rank_match_the_profiler(zero_runs, name):
             assert abs(measured - reference) / reference <= 0.02, (rank, ours, truth)
 
 
-ZERO_ENGINES = {"zero2": ("zero2", "none"), "zero3": ("zero3", "none"), "zero3_offload": ("zero3", "optimizer"),
+ZERO_ENGINES = {"zero2": ("zero2", "none"), "zero2_offload": ("zero2", "optimizer"), "zero3": ("zero3", "none"),
+                "zero3_offload": ("zero3", "optimizer"),
                 "zero3_offload_param": ("zero3", "params")}
 LONG_RUNS = ["zero2_long", "zero3_long", "zero3_offload_long"]  # deepspeed_zero.LONG_SEQ tokens
 
@@ -134,7 +135,8 @@ def test_zero_prediction_before_the_engine_exists_matches_the_measured_peak(zero
     fp32 master partition, ZeRO-1/2's buckets and gradient partitions as they flow
     (engines/zero/backward.py), ZeRO-3's resident gradient partition and gathered set, the offload
     gradient partition. Before the flow: ZeRO-1 -2.7% (its bucket), ZeRO-2 +2.1% (a bucket counted
-    outside the backward)."""
+    outside the backward). ZeRO-2 + offload replays its host path (the fp64 norm of each kept slice, the
+    16-bit host buffer, no ``grads_in_partition``; engines/zero/backward.py)."""
     out, facts = zero_runs
     for rank, fact in enumerate(facts):
         measured = max(step_peaks(out / name, rank))

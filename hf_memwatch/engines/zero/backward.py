@@ -106,11 +106,15 @@ def widest_partition(model: torch.nn.Module, world_size: int) -> RankPartition:
 def flow_applies(engine: Any, model: torch.nn.Module, precision: str = "fp32") -> bool:
     """Whether :class:`ZeroGradientFlow` replays this engine: DeepSpeed ZeRO-1/2 over 2+ ranks, trainable
     parameters of one dtype (fp32, or bf16: DeepSpeed's bf16 replays the module cast, ``precision`` fp32:
-    :mod:`.half`), the Trainer's optimizer, no offload (its host copies follow another path)."""
+    :mod:`.half`), the Trainer's optimizer, no offload or ZeRO-2's optimizer offload (:class:`ZeroGradientFlow`)."""
     if engine is None or engine.kind != "deepspeed" or engine.zero_stage not in (1, 2) or engine.world_size < 2:
         return False
-    if engine.offload != "none" or engine.engine_optimizer or precision in ("bf16", "fp16"):
+    if engine.engine_optimizer or precision in ("bf16", "fp16"):
         return False
+    if engine.offload != "none" and (engine.offload_optimizer == "none" or engine.zero_stage != 2):
+        return False  # ZeRO-2 with the optimizer offloaded is replayed (its host path); ZeRO-1's is not
+    if engine.offload_optimizer != "none" and engine.cpu_optimizer:
+        return False  # accelerate's DeepSpeedCPUAdam: the rules
     trainable = [p for p in model.parameters() if p.requires_grad]
     if not (bool(trainable) and len({p.dtype for p in trainable}) == 1 and trainable[0].dtype in FLOW_DTYPES):
         return False
@@ -118,7 +122,21 @@ def flow_applies(engine: Any, model: torch.nn.Module, precision: str = "fp32") -
 
 
 class ZeroGradientFlow:
-    """The context that replays ZeRO-1/2's gradient handling on ``model``'s backward (see the module doc)."""
+    """The context that replays ZeRO-1/2's gradient handling on ``model``'s backward (see the module doc).
+
+    ZeRO-2 with the optimizer offloaded (``stage_1_and_2.py``, ``cpu_offload``; contiguous gradients forced)
+    fills and reduces the same bucket, but keeps no ``grads_in_partition``: at the boundary each kept
+    gradient's slice in the rank's partition is cast to fp64 for its norm (``set_norm_for_param_grad_in_gpu``,
+    ``get_norm_dtype()``: a transient of the slice's elements x 8 B, its scalar kept), checked for inf/nan
+    and copied into the host fp32 gradient partition (resident, :func:`~.split.engine_classes`), then
+    dropped; a gradient larger than the bucket is cloned first (``_offload_gradient_safety_enabled``). With
+    accumulation each earlier micro-step copied its kept gradients into ``accumulated_grads_in_cpu`` (a
+    buffer of each kept parameter's elements, made once and kept) and the boundary adds them back in place
+    through the staging buffer. Measured on 2 gloo ranks (the two-rank sweep's ZeRO-2 + offload draws,
+    ``benchmarks/results/sweep.md``): MemWatch's peak tensors at the step's high are the embedding's
+    64,000-element fp64 norm copy, the 100,000-element bucket, the 16-bit host buffer, the fp32 master and
+    gradient partitions and the two staging buffers; the rules that stood in for this flow read -4.0..-8.0%.
+    """
 
     def __init__(self, model: torch.nn.Module, engine: Any) -> None:
         self.model, self.stage = model, engine.zero_stage
@@ -136,6 +154,9 @@ class ZeroGradientFlow:
         self.offset = 0
         self.accumulated: torch.Tensor | None = None  # all_grad_tensors: the kept partition across micro-steps
         self.started = False  # a backward is running (its bucket set up)
+        self.offload = engine.offload_optimizer != "none"  # ZeRO-2's host path (see the class doc)
+        self.offload_accumulated: torch.Tensor | None = None  # accumulated_grads_in_cpu, kept across steps
+        self.norms: list[torch.Tensor] = []  # norm_for_param_grads: one fp64 scalar per kept parameter
         self._handles: list[Any] = []
 
     def __enter__(self) -> ZeroGradientFlow:
@@ -147,8 +168,8 @@ class ZeroGradientFlow:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        self.bucket = self.buffer = self.accumulated = self.lingering = None
-        self.pending, self.started = [], False
+        self.bucket = self.buffer = self.accumulated = self.lingering = self.offload_accumulated = None
+        self.pending, self.started, self.norms = [], False, []
 
     def _on_forward(self, *_: Any) -> None:
         """A micro-step begins: gradients left resident by the earlier ones become what ZeRO keeps —
@@ -157,6 +178,15 @@ class ZeroGradientFlow:
         if all(p.grad is None for p in self.params):
             return
         ref = self.params[0]
+        if self.offload:  # the earlier micro-steps' kept gradients went to the host buffers, .grad cleared
+            for param in self.params:
+                param.grad = None
+            if self.offload_accumulated is None:
+                ref = self.params[0]
+                self.offload_accumulated = _held(torch.empty(sum(p.numel() for p in self.partition.kept),
+                                                             dtype=ref.dtype, device=ref.device))
+            _restart_high()
+            return
         if self.stage == 1:
             for param in self.params:  # gradients while they live, though not .grad when the phase closes
                 if param.grad is not None:
@@ -185,6 +215,8 @@ class ZeroGradientFlow:
         numel = param.numel()
         if self.filled + numel > self.bucket_numel:
             self._reduce()
+        if numel > self.bucket_numel and self.offload:  # reduced from a clone of its own gradient
+            param.grad = param.grad.detach().clone(memory_format=torch.contiguous_format)
         if numel <= self.bucket_numel:  # larger ones are reduced from their own gradient
             view = self.bucket.narrow(0, self.filled, numel)
             view.copy_(param.grad.reshape(-1))
@@ -203,7 +235,9 @@ class ZeroGradientFlow:
         for param in self.pending:
             if param.grad is None:
                 continue
-            if id(param) in self.keep:
+            if id(param) in self.keep and self.offload:
+                self._to_host(param)
+            elif id(param) in self.keep:
                 if self.buffer is None:
                     self.buffer = _held(torch.empty(self.partition.numel, dtype=param.dtype, device=param.device))
                     self.offset = 0
@@ -214,6 +248,18 @@ class ZeroGradientFlow:
             elif self.stage == 2:
                 param.grad = None
         self.pending, self.filled = [], 0
+
+    def _to_host(self, param: torch.nn.Parameter) -> None:
+        """``copy_grads_in_partition`` under offload at the boundary: the norm of the rank's slice in fp64,
+        the inf/nan check (``has_inf_or_nan``), the copy into the host fp32 partition (resident), dropped."""
+        index, size = self.spans[id(param)]
+        rank = self.partition.rank
+        low, high = max(index, rank * size), min(index + param.numel(), (rank + 1) * size)
+        flat = param.grad.reshape(-1)
+        if high > low:
+            self.norms.append(flat.narrow(0, low - index, high - low).to(torch.float64).norm(2))
+        torch.isfinite(flat.amax()).logical_and(torch.isfinite(flat.amin())).logical_not()
+        param.grad = None
 
     def _epilogue(self) -> None:
         """The backward's end (``independent_gradient_partition_epilogue``; ZeRO-1 first reduces every
