@@ -182,7 +182,6 @@ class ZeroGradientFlow:
             for param in self.params:
                 param.grad = None
             if self.offload_accumulated is None:
-                ref = self.params[0]
                 self.offload_accumulated = _held(torch.empty(sum(p.numel() for p in self.partition.kept),
                                                              dtype=ref.dtype, device=ref.device))
             _restart_high()

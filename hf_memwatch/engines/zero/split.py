@@ -142,13 +142,13 @@ def engine_classes(classes: dict[str, int], model: torch.nn.Module, engine: Any,
     if engine.offload_optimizer != "none":
         out["gradients"] += ceil_div(4 * numel, world)
         add_note(notes, f"offload optimizer: + the fp32 gradient partition for the host step ({ceil_div(4 * numel, world)} bytes)")
-    if engine.offload_optimizer != "none" and stage in (1, 2) and trainable and flowed:
-        # stage_1_and_2.py (__init__): a buffer of the rank's partition in the model's dtype per group, into
-        # which the host step's fp32 result is copied (``param_buffer_of_bit16_for_cpu_offload_groups``)
-        bit16 = ceil_div(size * numel, world)
-        out["weights"] += bit16
-        add_note(notes, f"offload optimizer: + the 16-bit host buffer of the rank's partition ({bit16} bytes)")
     if engine.offload_optimizer != "none" and stage in (1, 2) and trainable:
+        if flowed:
+            # stage_1_and_2.py (__init__): a buffer of the rank's partition in the model's dtype per group, into
+            # which the host step's fp32 result is copied (``param_buffer_of_bit16_for_cpu_offload_groups``)
+            bit16 = ceil_div(size * numel, world)
+            out["weights"] += bit16
+            add_note(notes, f"offload optimizer: + the 16-bit host buffer of the rank's partition ({bit16} bytes)")
         # stage_1_and_2.py (__init__): temp_grad_buffer_for_cpu_offload (host) and temp_grad_buffer_for_gpu_offload
         # (the device), each the largest parameter's numel in the model's dtype, resident from the engine on
         staging = max(p.numel() for p in trainable) * size

@@ -126,11 +126,11 @@ def zero_optimizer_step(per_phase: dict[str, dict[str, int]], model: torch.nn.Mo
     at_step = out[AFTER_OPTIMIZER]
     at_step["temporaries"] = step.temporaries
     size = trainable[0].element_size()  # the kept partition's dtype: the parameters' (bf16 under DeepSpeed's bf16)
-    if flow_applies(engine, model) and engine.offload_optimizer != "none":
-        pass  # the replay left no gradient; the host fp32 partition stepped is resident (split.engine_classes)
-    elif flow_applies(engine, model):  # the replay left no gradient: the kept partition DeepSpeed flattens
+    # offload: the host fp32 gradient partition is the one stepped, resident already (split.engine_classes)
+    if engine.offload_optimizer == "none" and flow_applies(engine, model):
+        # the replay left no gradient: the kept partition DeepSpeed flattens
         at_step["gradients"] = size * widest_partition(model, engine.world_size).numel + 4 * max(step.partitions)
-    elif engine.offload_optimizer == "none":  # offload: the host gradient partition is the one stepped
+    elif engine.offload_optimizer == "none":
         at_step["gradients"] += 4 * max(step.partitions)
     if engine.zero_stage == 3:  # gathered parameters are released by the backward's end
         at_step["weights"] -= zero3_gathered_bytes(model, engine)
