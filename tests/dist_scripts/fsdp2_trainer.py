@@ -92,60 +92,91 @@ class FsdpHoldings(TrainerCallback):
     * ``optimizer_states``: the optimizer's state tensors' local shards;
     * ``buffers``: the model's buffers;
     * ``outputs`` (``after_forward``): the forward's output tensors (logits, loss);
-    * ``in_gloo``: ``[before, after]`` MemWatch's snapshot of the phase, the bytes of flat all-gather
-      outputs FSDP2 has dropped and gloo's worker still holds (its ``Work`` keeps its outputs until the
-      worker thread lets it go, a moment after the wait returned): alive, in no FSDP2 attribute, so in
-      MemWatch's ``other``. Seen through MemWatch's tracker, the same storage lifetime (its reference)
-      FSDP2 copied out of; read before and after the snapshot, as gloo's thread may free it in between.
-      A CI run failed on this race (rank 1, step 1, ``after_forward``: 803,332 B more in ``other``).
+    * ``let_go``: ``[before, after]`` MemWatch's snapshot of the phase, the bytes of storages FSDP2 handed
+      off and no longer holds in any attribute, yet still alive by their C++ reference count
+      (``StorageWeakRef``, not MemWatch's tracker): the flat all-gather outputs it copied out of (gloo's
+      worker keeps its ``Work``'s outputs until its thread lets go, a moment after the wait returned), the
+      unsharded gradients it reduce-scattered and the reduce-scatter inputs it dropped (alive until whatever
+      else referenced them lets go). Alive, in no FSDP2 attribute, so in MemWatch's ``other``; read before
+      and after the snapshot, as another thread may free them in between. CI runs failed on this race
+      (rank 1, step 1: 803,332 B more in ``other`` after the forward, 513,024 B after the backward).
     """
 
     def __init__(self, watch: MemWatch | None = None) -> None:
         self.records: dict[str, dict] = {}
         self.model = None
         self.optimizer = None
-        self.watch = watch  # its storage tracker's view of FSDP2's all-gather outputs is recorded too
-        self.gathered: dict[int, Any] = {}  # storage key -> the tracker's reference, per copied-out output
-        self.in_gloo: dict[str, list[int]] = {}  # "step:phase" -> [before, after] MemWatch's snapshot
+        self.watch = watch  # MemWatch, whose snapshots are bracketed
+        self.handed: dict[int, Any] = {}  # storage key -> (StorageWeakRef, bytes) of what FSDP2 let go of
+        self.let_go: dict[str, list[int]] = {}  # "step:phase" -> [before, after] MemWatch's snapshot
+        self.handed_off = 0  # storages noted so far (the observers are wired: the test reads it)
 
     def _tracker(self):
         return getattr(getattr(self.watch.monitor, "backend", None), "tracker", None) if self.watch else None
 
-    def _dropped_gathers(self) -> int:
-        """Bytes of the flat all-gather outputs FSDP2 copied out of, no longer in its comm context and
-        still alive (the tracker holds the same storage lifetime)."""
-        tracker = self._tracker()
-        if tracker is None:
-            return 0
-        kept = set()
+    def _hand_off(self, tensors) -> None:
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        for tensor in tensors:
+            if tensor is not None:
+                storage = getattr(tensor, "_local_tensor", tensor).untyped_storage()
+                self.handed[storage._cdata] = (StorageWeakRef(storage), storage.nbytes())
+                self.handed_off += 1
+
+    def _still_alive(self) -> int:
+        """Bytes of the storages FSDP2 handed off, in none of its attributes now and not yet freed."""
+        held = self._holding()
+        alive = 0
+        for key, (ref, nbytes) in list(self.handed.items()):
+            if ref.expired():
+                del self.handed[key]
+            elif key not in held:
+                alive += nbytes
+        return alive
+
+    def _holding(self) -> set[int]:
+        """Storage keys in FSDP2's attributes now (as :meth:`_record` reads them)."""
+        keys: dict[int, int] = {}
         for group in self.groups():
-            state = getattr(group.comm_ctx, "all_gather_state", None)
+            comm = group.comm_ctx
+            for param in group.fsdp_params:
+                _storages([param.sharded_param, param.sharded_param.grad], keys)
+                _storages(getattr(param, "all_gather_outputs", []) or [], keys)
+                unsharded_param = getattr(param, "_unsharded_param", None)
+                if unsharded_param is not None:
+                    _storages([unsharded_param.grad], keys)
+            state = getattr(comm, "all_gather_state", None)
             if state is not None:
-                kept.add(state.all_gather_result.all_gather_output.untyped_storage()._cdata)
-        refs = tracker.live_refs()
-        return sum(ref.nbytes for key, ref in list(self.gathered.items())
-                   if key not in kept and refs.get(key) is ref)
+                _storages([state.all_gather_result.all_gather_output], keys)
+            _storages([s.reduce_scatter_input for s in getattr(comm, "reduce_scatter_states", None) or []], keys)
+        return set(keys)
 
     def _observe(self, session) -> None:
-        """Note each group's flat all-gather output as FSDP2 copies it out, and the dropped ones still
-        alive around each MemWatch snapshot (observers only: each calls the original unchanged)."""
-        tracker = self._tracker()
+        """Note what each group hands off — its flat all-gather output as it copies out, its unsharded
+        gradients and reduce-scatter input around its post-backward — and what of it is still alive around
+        each MemWatch snapshot (observers only: each calls the original unchanged)."""
         for group in self.groups():
             def wait_for_unshard(group=group, original=group.wait_for_unshard):
                 result = getattr(group, "_all_gather_result", None)
-                if result is not None and tracker is not None:
-                    key = result.all_gather_output.untyped_storage()._cdata
-                    ref = tracker.live_refs().get(key)
-                    if ref is not None:
-                        self.gathered[key] = ref
+                if result is not None:
+                    self._hand_off([result.all_gather_output])
                 return original()
+
+            def post_backward(*args, group=group, original=group.post_backward):
+                self._hand_off([p._unsharded_param.grad for p in group.fsdp_params
+                                if getattr(p, "_unsharded_param", None) is not None])
+                try:
+                    return original(*args)
+                finally:
+                    self._hand_off([s.reduce_scatter_input for s in group.comm_ctx.reduce_scatter_states])
             group.wait_for_unshard = wait_for_unshard
+            group.post_backward = post_backward
         monitor = session.monitor
 
         def snapshot(phase, original=monitor.snapshot):
-            before = self._dropped_gathers()
+            before = self._still_alive()
             record = original(phase)
-            self.in_gloo[f"{record.step}:{record.phase}"] = [before, self._dropped_gathers()]
+            self.let_go[f"{record.step}:{record.phase}"] = [before, self._still_alive()]
             return record
         monitor.snapshot = snapshot
 
@@ -190,7 +221,8 @@ class FsdpHoldings(TrainerCallback):
                        unsharded_storages=len(unsharded))
         if output is not None:  # the forward's outputs (logits, loss): neither weights nor saved for backward
             figures["outputs"] = sum(_storages([v for v in output.values() if isinstance(v, torch.Tensor)], {}).values())
-        figures["in_gloo"] = self.in_gloo.get(f"{step}:{phase}", [0, 0])
+        figures["let_go"] = self.let_go.get(f"{step}:{phase}", [0, 0])
+        figures["handed_off"] = self.handed_off
         self.records[f"{step}:{phase}"] = figures
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):

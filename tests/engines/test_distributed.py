@@ -403,8 +403,9 @@ def test_each_rank_s_classes_equal_what_fsdp2_holds(fsdp2_runs, run):
     """Weights = the rank's shards + the all-gathered unsharded parameters alive (the root's, after the
     forward; every unit's without resharding after it) + FSDP2's kept all-gather result; gradients and
     optimizer states = the local shards. Failed before: the shards of an unsharded module (not in
-    ``model.parameters()`` while it is unsharded) were ``other``. Flaky before the ``in_gloo`` figure (a CI
-    run: 803,332 B of all-gather outputs still held by gloo's worker in ``other``)."""
+    ``model.parameters()`` while it is unsharded) were ``other``. Flaky before the ``let_go`` figure (CI
+    runs: 803,332 B of all-gather outputs still held by gloo's worker in ``other`` after the forward,
+    513,024 B after the backward), which reads what FSDP2 handed off by C++ reference counts."""
     out, facts = fsdp2_runs
     for rank, fact in enumerate(facts):
         holdings = fact[run]["holdings"]
@@ -417,13 +418,15 @@ def test_each_rank_s_classes_equal_what_fsdp2_holds(fsdp2_runs, run):
             assert live["weights"] == weights, where
             assert live["gradients"] == held["gradients"], where
             assert live["optimizer_states"] == held["optimizer_states"], where
-            # Left in ``other``: the forward's outputs (logits), the batch and the flat all-gather outputs
-            # gloo's worker had not let go yet (``in_gloo``: before and after the snapshot; the live bytes
-            # lie between), no engine storage.
-            before, after = held["in_gloo"]
+            # Left in ``other``: the forward's outputs (logits), the batch and what FSDP2 handed off that
+            # was still alive (``let_go``: before and after the snapshot; the live bytes lie between), no
+            # engine storage.
+            before, after = held["let_go"]
             left = live["other"] - held.get("outputs", 0)
             assert left - after >= 0 and left - before <= 0.01 * record["allocated"], where
         assert holdings["1:after_forward"]["unsharded"] > 0  # the root stays unsharded after the forward
+        # the observers saw FSDP2 hand off: every unit's all-gather output, each unit's gradients and input
+        assert holdings["1:after_backward"]["handed_off"] > holdings["1:after_forward"]["handed_off"] > 0
 
 
 def test_the_tracker_sees_fsdp2_s_resize_to_zero_frees(fsdp2_runs):
