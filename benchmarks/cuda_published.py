@@ -529,6 +529,7 @@ class Row:
     seconds: float
     failure: str = ""
     auto_peak: int | None = None  # the estimate's default (depth extrapolated where it applies)
+    auto_reserved: int | None = None  # its peak reserved (the reserve carried from the deeper short depth)
     peak_phase: str = ""
 
 
@@ -561,7 +562,8 @@ def evaluate(case: Case) -> Row:
         return Row(case, None, "", None, None, None, None, time.process_time() - start, f"{type(exc).__name__}: {first}")
     row = compare(case, est, time.process_time() - start)
     row.peak_phase = est.peak_phase
-    row.auto_peak = auto.peak_bytes if any(n.startswith("depth extrapolated") for n in auto.notes) else None
+    if any(n.startswith("depth extrapolated") for n in auto.notes):
+        row.auto_peak, row.auto_reserved = auto.peak_bytes, auto.reserved_bytes
     return row
 
 
@@ -635,13 +637,22 @@ def pairs(rows: list[Row]) -> list[str]:
 
 
 def extrapolation(rows: list[Row]) -> list[str]:
-    """The default estimate (two short depths extrapolated) against the full-depth replay, per case."""
-    lines = ["| case | full depth peak allocated (MB) | extrapolated (MB) | difference |", "|---|---:|---:|---:|"]
+    """The default estimate (short depths extrapolated) against the full-depth replay, per case: peak allocated
+    and peak reserved (the extrapolated reserve carries the deeper short depth's gap: ``replay_reserve``)."""
+    lines = ["| case | checkpointed | full depth peak allocated (B) | extrapolated | full depth peak reserved (B) | "
+             "extrapolated | reserved difference |", "|---|---|---:|---:|---:|---:|---:|"]
     for r in rows:
         if r.auto_peak is not None and r.peak_bytes:
-            lines.append(f"| `{r.case.key}` | {r.peak_bytes / MB:,.0f} | {r.auto_peak / MB:,.0f} | "
-                         f"{(r.auto_peak - r.peak_bytes) / r.peak_bytes * 100:+.1f}% |")
+            reserved = "–" if not r.reserved_bytes or r.auto_reserved is None else \
+                f"{(r.auto_reserved - r.reserved_bytes) / r.reserved_bytes * 100:+.2f}%"
+            lines.append(f"| `{r.case.key}` | {'yes' if r.case.checkpointing else ''} | {r.peak_bytes:,} | "
+                         f"{_same(r.auto_peak, r.peak_bytes)} | {_mb(r.reserved_bytes, 1)} | "
+                         f"{_same(r.auto_reserved, r.reserved_bytes)} | {reserved} |")
     return lines
+
+
+def _same(value: int | None, full: int | None) -> str:
+    return "–" if value is None else "equal" if value == full else f"{value:,}"
 
 
 def _commit() -> str:
@@ -689,7 +700,8 @@ def report(rows: list[Row], wall: float) -> list[str]:
     lines += ["", "## Eager minus SDPA (same script, same loss: the attention path alone)", "", *pairs(rows)]
     lines += ["", "## The default estimate's depth extrapolation against the full-depth replay", "",
               "The table above replays every layer (`extrapolate_layers=False`); `estimate()`'s default "
-              "simulates two short depths and extrapolates. Where the two differ, the shortcut is off:", "",
+              "simulates two short depths (a checkpointed run 3 and 4 layers, its backward per recomputed layer) and "
+              "extrapolates:", "",
               *extrapolation(rows)]
     return lines
 

@@ -27,6 +27,7 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from hf_memwatch.estimation.layers import CHECKPOINTED_DEPTHS  # noqa: E402
 from hf_memwatch.testing.sweep import (  # noqa: E402
     AUTO_SHARE,
     Draw,
@@ -132,6 +133,7 @@ def depth_section(seeds: range, out: Path) -> None:
     """Each draw's configuration at a depth the estimate may extrapolate (``depth_check``): the extrapolated
     and the full-depth estimates, which must agree to the byte; the section replaces its earlier self in ``out``."""
     rows, taken, equal, refused = [], 0, 0, 0
+    checkpointed = {"taken": 0, "equal": 0, "at 4": 0}
     started = time.perf_counter()
     for seed in seeds:
         d = draw(seed)
@@ -143,6 +145,10 @@ def depth_section(seeds: range, out: Path) -> None:
             continue
         taken += shortcut is not None
         equal += shortcut == full
+        if d.checkpointing != "off":
+            checkpointed["taken"] += shortcut is not None
+            checkpointed["equal"] += shortcut == full
+            checkpointed["at 4"] += shortcut is None and depth <= max(CHECKPOINTED_DEPTHS)
         verdict = "not taken" if shortcut is None else "equal" if shortcut == full else f"{shortcut - full:+,} B"
         rows.append(f"| {seed} | {d.describe()} | {depth} | {full:,} | "
                     f"{'' if shortcut is None else f'{shortcut:,}'} | {verdict} |")
@@ -150,8 +156,11 @@ def depth_section(seeds: range, out: Path) -> None:
     lines = [DEPTH_SECTION, "",
              f"{len(seeds)} draws at a depth of 4-8 layers ({refused} refused), estimates only "
              f"({(time.perf_counter() - started) / 60:.0f} min): the shortcut taken on {taken}, equal to the "
-             f"full-depth replay to the byte on {equal} of them; elsewhere the stack is not homogeneous (per-layer "
-             "attention types, ...) and the full model is replayed.", "",
+             f"full-depth replay to the byte on {equal} of them. Checkpointed draws (3 and 4 layers replayed, the "
+             f"backward split where each layer's recomputation begins): taken on {checkpointed['taken']}, equal on "
+             f"{checkpointed['equal']}; {checkpointed['at 4']} at 4 layers, nothing to extrapolate. Elsewhere the "
+             "stack is not homogeneous (per-layer attention types, a shared layer) and the full model is replayed.",
+             "",
              "| seed | configuration (depth replaced) | depth | full depth (B) | extrapolated (B) | verdict |",
              "|---|---|---|---|---|---|", *rows]
     write_section(out, DEPTH_SECTION, lines)

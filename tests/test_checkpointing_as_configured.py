@@ -63,10 +63,11 @@ def test_the_replay_checkpoints_what_the_run_checkpoints(tmp_path: Path, case: s
         assert full < predicted  # a partial layout keeps more activations than full checkpointing
 
 
-def test_a_checkpointed_run_replays_every_layer():
+def test_a_checkpointed_run_is_extrapolated_per_recomputed_layer_and_equals_every_layer_replayed():
     """Under checkpointing the line through 2 and 3 replayed layers is not exact (issue 37's sweep: 6 of 68
     checkpointed draws off the full replay, -184,576 B to +4,137,796 B; this BERT was within 0.1%, not to
-    the byte): every layer is replayed, even where the extrapolation is asked for."""
+    the byte): 3 and 4 layers are replayed with the backward split where each layer's recomputation begins
+    (layers.extrapolate_backward), equal to every layer replayed in each phase and class."""
     from transformers import BertConfig
 
     from hf_memwatch import estimate
@@ -75,7 +76,10 @@ def test_a_checkpointed_run_replays_every_layer():
                         vocab_size=500, architectures=["BertForSequenceClassification"])
     kwargs = dict(task="seq-cls", micro_batch_size=4, seq_len=64, activation_checkpointing=True)
     asked = estimate(config, extrapolate_layers=True, **kwargs)
-    assert not any("depth extrapolated" in note for note in asked.notes)
-    assert asked.peak_bytes == estimate(config, extrapolate_layers=False, **kwargs).peak_bytes
+    assert any("per recomputed layer" in note for note in asked.notes), asked.notes
+    full = estimate(config, extrapolate_layers=False, **kwargs)
+    assert not any("depth extrapolated" in note for note in full.notes)
+    assert asked.phase_peaks == full.phase_peaks and asked.classes == full.classes
+    assert any("per recomputed layer" in note for note in estimate(config, **kwargs).notes)  # 8 layers: taken
     plain = estimate(config, **{**kwargs, "activation_checkpointing": False})
     assert any("depth extrapolated" in note for note in plain.notes)  # without checkpointing: the shortcut

@@ -41,16 +41,16 @@ def test_the_depth_extrapolated_estimate_equals_the_full_depth_replay() -> None:
     assert shortcut == full, (shortcut, full)
 
 
-def test_where_the_backward_high_moves_with_depth_every_layer_is_replayed() -> None:
+def test_where_the_checkpointed_backward_high_moves_with_depth_each_window_is_extended() -> None:
     """Draw 11 (Mistral-shaped, 1 x 128, reentrant checkpointing) at 8 layers: the backward's high moves
     from the logits' gradient to the last layers' gradients, and the line through 2 and 3 layers read
-    5,352,020 B against the full replay's 5,536,596 B (-3.3%). The shortcut is not taken for it now
-    (a checkpointed run replays every layer; layers.backward_high_stays guards the same move without)."""
+    5,352,020 B against the full replay's 5,536,596 B (-3.3%). Now 3 and 4 layers are replayed with the
+    backward split where each layer's recomputation begins, each window on its own line
+    (layers.extrapolate_backward): equal to the byte."""
     from hf_memwatch.testing.sweep import depth_check
 
     depth, shortcut, full = depth_check(draw(11))
-    assert depth == 8 and shortcut is None, (shortcut, full)
-    assert full == 5_536_596
+    assert depth == 8 and shortcut == full == 5_536_596, (shortcut, full)
 
 
 def test_the_variants_cover_the_issue_s_kinds_and_keep_the_seeded_draws() -> None:

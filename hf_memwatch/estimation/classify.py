@@ -88,7 +88,13 @@ def state_tensors(optimizer: Any) -> list[torch.Tensor]:
 
 
 class Phases:
-    """Closes phase intervals: classify the interval's highest snapshot, keep the best per phase."""
+    """Closes phase intervals: classify the interval's highest snapshot, keep the best per phase.
+
+    A phase may be split into windows (:meth:`split`: a checkpointed layer's recomputation begins inside the
+    backward, :func:`~hf_memwatch.estimation.layers.recompute_windows`): each window's high is classified on
+    its own, the phase's is the first of the highest, and every window's classes are kept in
+    ``windows[phase]`` (one list a closed interval, in time order) for the depth extrapolation.
+    """
 
     def __init__(self, tracker: EstimateTracker, model: torch.nn.Module, optimizer: Any,
                  weights: dict[int, Any], other: dict[int, Any]) -> None:
@@ -98,16 +104,44 @@ class Phases:
         self.details: dict[str, dict[str, dict[str, int]]] = {}
         self.tensors: dict[str, PeakTensors] = {}
         self.census: PeakCensusWatch | None = None
+        self.windows: dict[str, list[list[tuple[Any, dict[str, int]]]]] = {}
+        self._split: list[tuple[Any, dict[str, int], dict[str, dict[str, int]]]] = []  # the running interval's
+        self.window: Any = "head"  # the running window's label: "head" until the first split, then the split's
+
+    def _classified(self) -> tuple[dict[str, int], dict[str, dict[str, int]], set[int], set[int]] | None:
+        """The running interval's high, classified (None before any tracking)."""
+        tracker = self.tracker
+        if tracker.snapshot is None:
+            return None
+        grads = storage_keys(p.grad for p in self.model.parameters())
+        states = storage_keys(state_tensors(self.optimizer))
+        details: dict[str, dict[str, int]] = {}
+        classes = classify(tracker.snapshot, tracker.live_refs(), self.weights, grads, states, self.other,
+                           tracker.named, details, held=tracker.engine_gradients,
+                           held_weights=tracker.engine_weights)
+        return classes, details, grads, states
+
+    def split(self, label: Any) -> None:
+        """End the running window at its high; the next one is ``label``'s (not with a peak census)."""
+        found = self._classified()
+        if found is not None:
+            self._split.append((self.window, found[0], found[1]))
+        self.window = label
+        self.tracker.reset_peak()
 
     def close(self, phase: str) -> None:
         tracker = self.tracker
-        if tracker.snapshot is not None:
-            grads = storage_keys(p.grad for p in self.model.parameters())
-            states = storage_keys(state_tensors(self.optimizer))
-            details: dict[str, dict[str, int]] = {}
-            classes = classify(tracker.snapshot, tracker.live_refs(), self.weights, grads, states, self.other,
-                               tracker.named, details, held=tracker.engine_gradients,
-                               held_weights=tracker.engine_weights)
+        found = self._classified()
+        if self._split:  # a split interval: its last window, then the first of the highest
+            if found is not None:
+                self._split.append((self.window, found[0], found[1]))
+            self.windows.setdefault(phase, []).append([(label, classes) for label, classes, _ in self._split])
+            top = max(sum(classes.values()) for _, classes, _ in self._split)
+            _, classes, details = next(w for w in self._split if sum(w[1].values()) == top)
+            found = (classes, details, set(), set())
+            self._split, self.window = [], "head"
+        if found is not None:
+            classes, details, grads, states = found
             if sum(classes.values()) > sum(self.best.get(phase, {}).values() or [-1]):
                 self.best[phase] = classes
                 self.details[phase] = details

@@ -40,9 +40,9 @@ from .branches import worst_branch
 from .cuda_autocast import policy_notes
 from .cuda_device import cuda_step_reserve
 from .cuda_paged import recording_cuda_allocations
+from .depth import simulate_at_depth
 from .expert_loop import expert_loop_notes
 from .fake_model import auto_class, count_params, fake_copy, fake_model, load_config, resolve_adapter
-from .layers import AUTO_MIN_LAYERS, SHORT_DEPTHS, extrapolate, homogeneous_layers, truncated
 from .memo import built_model
 from .peft import LoraSpec
 from .quantized import QuantSpec
@@ -57,7 +57,7 @@ from .request import (
     check_choice,
     check_positive,
 )
-from .step import CUDA_BLOCK, LOGITS, LOGITS_FP32, StepInputs, StepSimulation, simulate_step
+from .step import CUDA_BLOCK, LOGITS, LOGITS_FP32, StepInputs, StepSimulation
 from .trainer_replay import TrainerStateGuard, held_models, is_trainer
 from .trl_replay import TrainerReplay, dataloader_batch_size
 from .user_optimizer import with_user_optimizer
@@ -285,7 +285,7 @@ def _replay_step(model: torch.nn.Module, fake_mode: Any, request: EstimateReques
     request = rules_for(request.shard, request.world_size, engine).replay_request(request, engine)  # its autocast
     try:
         with guard, recording as traces, flow:
-            simulation = worst_branch(lambda branch_notes: _simulate(model, fake_mode, request, inputs, branch_notes),
+            simulation = worst_branch(lambda branch_notes: simulate_at_depth(model, fake_mode, request, inputs, branch_notes),
                                       inputs.replay, trainer, notes, traces)  # GKD's lmbda: every branch
     except (MemWatchConfigError, KeyboardInterrupt):
         raise
@@ -466,33 +466,3 @@ def estimate_eval(model_or_config: Any, request: EvalRequest | None = None, /, *
 def _on_target(nbytes: int, device: str) -> int:
     """One storage's bytes as ``device``'s allocator holds them (CUDA rounds each block up to 512 B)."""
     return -(-nbytes // CUDA_BLOCK) * CUDA_BLOCK if device == "cuda" else nbytes
-
-
-def _simulate(model: torch.nn.Module, fake_mode: Any, request: EstimateRequest, inputs: StepInputs,
-              notes: list[str]) -> StepSimulation:
-    """The step's simulation: by depth extrapolation where exact and wanted.
-
-    The details (logits) do not depend on depth: the deeper short simulation's are kept; so are its
-    peak tensors (a note says so: the layers beyond hold more of the same).
-    """
-    config = inputs.config
-    # checkpointing: a layer's forward replayed inside the backward moves each phase's high between
-    # moments of the step as depth grows (layers.py's module doc): every layer replayed
-    stack = homogeneous_layers(model, config) if request.extrapolate_layers is not False and not request.activation_checkpointing \
-        else None
-    depth = getattr(config, "num_hidden_layers", 0) or 0
-    if stack is not None and (request.extrapolate_layers or depth >= AUTO_MIN_LAYERS):
-        short, simulation = {}, None
-        for layers in SHORT_DEPTHS:
-            with truncated(stack, config, layers):
-                simulation = simulate_step(model, fake_mode, request, inputs)
-            short[layers] = simulation.phase_classes
-        extended = extrapolate(short, depth, stack)
-        if extended is None:
-            notes.append("every layer replayed: a line through 2 and 3 layers is not exact here (layers.extrapolate)")
-        else:
-            notes.append(f"depth extrapolated from {SHORT_DEPTHS[0]} and {SHORT_DEPTHS[1]} simulated layers")
-            if simulation.phase_tensors:
-                notes.append(f"peak tensors: those of the {SHORT_DEPTHS[1]}-layer simulation")
-            return simulation.replace(phase_classes=extended)
-    return simulate_step(model, fake_mode, request, inputs)

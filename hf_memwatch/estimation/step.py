@@ -50,6 +50,7 @@ from .classify import Phases, refs
 from .cuda_libs import cublas_workspaces
 from .cuda_optim import step_scaler, steps_on_host
 from .fake_dispatch import CUDA_BLOCK, LOGITS, LOGITS_FP32, name_frozen_weights
+from .layers import recompute_windows
 from .peak import PeakCensusWatch
 from .replay import REPLAY_DEVICE, TRAINING, model_in_mode, new_tracker, tracked
 from .trainer_mirror import (
@@ -80,6 +81,8 @@ class StepSimulation:
     phase_details: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict)
     # per phase, the tensors alive at that high (with ``top`` > 0; :mod:`hf_memwatch.estimation.peak`)
     phase_tensors: dict[str, PeakTensors] = field(default_factory=dict)
+    # per split phase, each interval's windows in time order: (label, classes) (``simulate_step``'s ``windows``)
+    phase_windows: dict[str, list[list[tuple[Any, dict[str, int]]]]] = field(default_factory=dict)
 
     def replace(self, **changes: Any) -> StepSimulation:
         """A copy with ``changes`` applied."""
@@ -108,7 +111,7 @@ GENERATION_PHASE = "generation"  # a step that generates (TRL's online trainers)
 
 
 def simulate_step(model: torch.nn.Module, fake_mode: Any, request: Any, inputs: StepInputs,
-                  steps: int = 2) -> StepSimulation:
+                  steps: int = 2, windows: torch.nn.ModuleList | None = None) -> StepSimulation:
     """Run ``steps`` Trainer optimizer steps on the fake ``model``; the peak and its split.
 
     All but the last step only prime the optimizer (see :func:`_prime_optimizer`). With ``trainer``,
@@ -124,14 +127,16 @@ def simulate_step(model: torch.nn.Module, fake_mode: Any, request: Any, inputs: 
     ``replay`` (a :class:`~hf_memwatch.estimation.trl_replay.TrainerReplay`, with ``trainer``): the
     Trainer's models swapped for fakes around its micro-steps — generation inside the step, held
     models' forwards — and its first micro-steps replayed as they run where it asks
-    (``replay.micro_steps()``).
+    (``replay.micro_steps()``). ``windows`` (the checkpointed layer stack): the backward split where each
+    layer's recomputation begins, every window's classes kept (``phase_windows``; :mod:`.layers`).
     """
     sample = inputs.sample
     with model_in_mode(model, request, TRAINING):
         enabled = bool(request.activation_checkpointing) and enable_checkpointing(model, getattr(inputs.trainer, "args", None))
         run = _StepRun(model, request, inputs, optimizer_for(model, request, inputs.trainer))
         try:
-            with tracked(fake_mode, run.tracker, packed_rows(sample), padded_rows(sample)):
+            with tracked(fake_mode, run.tracker, packed_rows(sample), padded_rows(sample)), \
+                    recompute_windows(windows, run.phases):
                 run.saved.start()
                 try:
                     run.replay_step(steps)
@@ -302,12 +307,14 @@ class _StepRun:
         """The phases' highs (without the optimizer step: the forward/backward and generation phases)."""
         phases = self.phases
         if self.request.optimizer_step:
-            return StepSimulation(dict(phases.best), [], dict(phases.details), dict(phases.tensors))
+            return StepSimulation(dict(phases.best), [], dict(phases.details), dict(phases.tensors),
+                                  dict(phases.windows))
         kept = (*FORWARD_BACKWARD_PHASES, GENERATION_PHASE)
         return StepSimulation(
             {phase: phases.best[phase] for phase in kept if phase in phases.best},
             [], {phase: phases.details.get(phase, {}) for phase in kept if phase in phases.best},
-            {phase: t for phase, t in phases.tensors.items() if phase in kept})
+            {phase: t for phase, t in phases.tensors.items() if phase in kept},
+            {phase: w for phase, w in phases.windows.items() if phase in kept})
 
 
 def _close_after_forward(phases: Phases, replay: Any) -> Any:

@@ -216,9 +216,9 @@ class _Exact:
     @staticmethod
     def skips_floor(plan: Plan) -> bool:
         """Whether a forward/backward floor replay of ``plan`` is not worth its cost: under checkpointing
-        every layer is replayed (``estimation/estimate.py``'s ``_simulate``), so it costs about what the
-        full estimate does (Llama-3.1-70B-shaped, 8 x 2048 tokens: 6.4 s against 9.6 s) and a floor left
-        under the limit is paid twice. Off with :data:`~hf_memwatch.estimation.memo.SHORTCUTS`."""
+        it costs about what the full estimate does (Llama-3.1-70B-shaped, 8 x 2048 tokens: 6.4 s against
+        9.6 s when every layer was replayed) and a floor left under the limit is paid twice. Off with
+        :data:`~hf_memwatch.estimation.memo.SHORTCUTS`."""
         from ..estimation import memo
 
         return memo.SHORTCUTS and plan.activation_checkpointing
