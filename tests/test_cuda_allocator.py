@@ -472,3 +472,20 @@ def test_the_plan_is_made_against_the_predicted_reserve():
     assert planned.usable == pytest.approx(cuda.peak_bytes, rel=1e-6)  # the step's allocated peak just fits
     cpu = estimate(config, task="causal-lm", micro_batch_size=2, seq_len=32, device="cpu")
     assert with_predicted_reserve(budget, cpu) == budget
+
+
+def test_an_extrapolated_reserve_says_its_gap_is_carried_from_the_short_depth():
+    """Depth extrapolation keeps peak allocated exact but carries the short depth's cache gap (published
+    configurations: -7.8%..+6.0% of the full-depth replay's reserve): the estimate says so, a full replay not."""
+    from transformers import LlamaConfig
+
+    from hf_memwatch import estimate
+    from hf_memwatch.estimation.cuda_device import EXTRAPOLATED_RESERVE_NOTE
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=512)
+    kwargs = dict(micro_batch_size=2, seq_len=64, device="cuda", activation_checkpointing=True)
+    short = estimate(config, extrapolate_layers=True, **kwargs)
+    full = estimate(config, extrapolate_layers=False, **kwargs)
+    assert EXTRAPOLATED_RESERVE_NOTE in short.notes and EXTRAPOLATED_RESERVE_NOTE not in full.notes
+    assert short.peak_bytes == full.peak_bytes and short.reserved_bytes is not None

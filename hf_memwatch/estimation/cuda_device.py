@@ -295,6 +295,16 @@ def target_context(gpu: Any, overheads: Any, notes: list[str]) -> tuple[int | No
     return entry.context, gpu.memory
 
 
+# The reserve of a depth-extrapolated step: the short depth's cache gap carried (replay_reserve). Measured on
+# the 38 published configurations (benchmarks/results/cuda_published.md, its depth-extrapolation section):
+# peak allocated equal to the full-depth replay on all 38, peak reserved -7.80% (Mistral-7B full fine-tune,
+# checkpointed, at the A100's limit: the full depth's fragmentation grows with depth) to +5.99% of it.
+EXTRAPOLATED_RESERVE_NOTE = (
+    "CUDA reserve: the caching allocator replayed at the short depth, its gap to the allocated bytes carried to "
+    "the full depth (-7.8%..+6.0% of the full-depth replay's reserve on published configurations; "
+    "extrapolate_layers=False replays every layer)")
+
+
 def cuda_step_reserve(traces: Sequence[Sequence[tuple[object, int]]], *, peak: int, extrapolated: bool,
                       world_size: int | None, shard: str | None, held_bytes: int, notes: list[str],
                       gpu: Any = None, per_rank: bool = False, resident: Sequence[int] = (),
@@ -347,6 +357,8 @@ def cuda_step_reserve(traces: Sequence[Sequence[tuple[object, int]]], *, peak: i
     elif limit is not None and prediction.reserved > limit:
         notes.append(f"CUDA: the extrapolated reserve passes the {limit / MiB:,.0f} MiB the allocator may reserve "
                      f"on {card}: torch would free its cache and retry, which the short-depth replay does not reach")
+    if extrapolated and not sharded:
+        notes.append(EXTRAPOLATED_RESERVE_NOTE)
     if context is None:
         notes.append("CUDA: reserved bytes predicted by replaying the caching allocator; the CUDA context "
                      "(~0.3-1 GiB per process) is measured only where a CUDA device is at hand, so device_bytes is unknown")
