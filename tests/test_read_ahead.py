@@ -233,12 +233,84 @@ def test_a_stream_nothing_bounds_is_read_ahead_not_measured(tmp_path: Path) -> N
     assert plan["source"] == "predicted" and plan["sample"]["seq_len"] == 16
 
 
-def test_a_stream_read_by_dataloader_workers_is_not_read_ahead(tmp_path: Path) -> None:
-    """Each worker iterates its own copy of the dataset (sharded by ``get_worker_info``): a read in this
-    process would hand every worker the same first samples, so none is made (the bound's plan stands)."""
-    from hf_memwatch.estimation.read_ahead import start_read_ahead
+def _workers_trainer(out: Path, data: Tokens, callbacks: list[Any], max_steps: int = 4,
+                     positions: int = 512) -> tuple[Trainer, list[int]]:
+    """A Trainer whose stream one dataloader worker reads; the sequence length of each training forward (real
+    tensors: the estimates' fake copies of the model keep its hooks)."""
+    from torch._subclasses.fake_tensor import FakeTensor
 
-    data = Tokens([16] * 8)
-    trainer = Trainer(model=gpt2_model(n_embd=64), train_dataset=data,
-                      args=training_args(tmp_path, per_device_train_batch_size=BATCH, dataloader_num_workers=2))
-    assert start_read_ahead(trainer, BATCH, 1) is None and trainer.train_dataset is data and data.read == 0
+    lengths: list[int] = []
+
+    def record(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        ids = kwargs["input_ids"]
+        if module.training and not isinstance(ids, FakeTensor):
+            lengths.append(int(ids.shape[1]))
+
+    model = _model(positions)
+    model.register_forward_pre_hook(record, with_kwargs=True)
+    trainer = Trainer(model=model, train_dataset=data, callbacks=callbacks,
+                      args=training_args(out, max_steps=max_steps, per_device_train_batch_size=BATCH,
+                                         dataloader_num_workers=1))
+    return trainer, lengths
+
+
+def test_a_stream_read_by_dataloader_workers_is_planned_on_a_copy_and_trains_as_without_memwatch(
+        tmp_path: Path, caplog: Any) -> None:
+    """Each worker iterates its own copy of the dataset: nothing is read ahead of the Trainer here. A copy is
+    read in this process instead (the run's dataset untouched: nothing read from it in this process), its first
+    micro-batches planned on; the run trains as without MemWatch (was: ``PlanError``, the bound's 512 positions
+    ~150 MiB over a 12 MiB budget)."""
+    from hf_memwatch.estimation.read_ahead import stream_sample
+
+    plain, _ = _workers_trainer(tmp_path / "plain", Tokens([16] * 64), [])
+    plain.train()
+    data = Tokens([16] * 64)
+    trainer, lengths = _workers_trainer(tmp_path / "auto", data, [MemWatch(auto=True, budget="12MiB", **QUIET)])
+    with caplog.at_level(logging.WARNING, logger="hf_memwatch"):
+        trainer.train()
+    assert "read from a copy of the stream" in caplog.text
+    assert trainer.train_dataset is data and data.iterators == 0 and data.read == 0  # the workers read the run's
+    assert loss_history(trainer) == loss_history(plain) and lengths == [16] * 4
+    sample = stream_sample(trainer)
+    assert sample is not None and sample.items_read == READ_AHEAD_BATCHES * BATCH and sample.fetched_batches == 4
+    [plan] = [r for r in read_records(tmp_path / "auto") if r["event"] == "plan"]
+    assert plan["sample"]["seq_len"] == 16 and plan["predicted_peak"] < 12 * 2**20
+    assert any("dataloader workers" in note for note in plan["sample"]["notes"]), plan["sample"]["notes"]
+
+
+@pytest.mark.parametrize("case", ["fits", "checkpointing", "stop"])
+def test_a_longer_micro_batch_from_the_workers_is_predicted_before_its_step(tmp_path: Path, case: str,
+                                                                           caplog: Any) -> None:
+    """The workers' micro-batches are measured as the Trainer takes them (``get_batch_samples``, before the
+    step begins): a longer one than planned is predicted on before any step trains on it; checkpointing
+    turned on where that fits, else the run stops there with a ``PlanError`` (the step not taken)."""
+    long, short_batches = 256, READ_AHEAD_BATCHES + 2  # the long batches from step 11 on
+    short, checkpointed, plain = _long_sample_budgets(tmp_path, long)
+    budget = {"fits": plain + plain // 10, "checkpointing": (checkpointed + plain) // 2,
+              "stop": (short + checkpointed) // 2}[case]
+    ref: list[Any] = []
+    seen = Seen(ref)
+    trainer, lengths = _workers_trainer(tmp_path / case, Tokens([16] * (short_batches * BATCH) + [long] * (4 * BATCH)),
+                                        [seen, MemWatch(auto=True, budget=budget, **QUIET)], max_steps=14,
+                                        positions=2048)
+    ref.append(trainer)
+    with caplog.at_level(logging.WARNING, logger="hf_memwatch"):
+        if case == "stop":
+            with pytest.raises(PlanError, match="training stops before the step that trains on it"):
+                trainer.train()
+        else:
+            trainer.train()
+    first, *later = [r for r in read_records(tmp_path / case) if r["event"] == "plan"]
+    assert first["sample"]["seq_len"] == 16 and not first["activation_checkpointing"]
+    assert any(f"a sample of {long} tokens fetched by the dataloader workers" in r["reason"] for r in later), later
+    if case == "fits":
+        assert trainer.state.global_step == 14 and not any(seen.checkpointing)
+        assert "the plan stays" in later[-1]["reason"] and first["predicted_peak"] < later[-1]["predicted_peak"] <= budget
+    elif case == "checkpointing":
+        assert trainer.state.global_step == 14 and lengths == [16] * short_batches + [long] * 4
+        assert seen.checkpointing == [False] * short_batches + [True] * 4
+        assert later[-1]["activation_checkpointing"] and later[-1]["predicted_peak"] <= budget
+    else:  # no step trained on a long batch; MemWatch's patches and hooks gone with the error
+        assert trainer.state.global_step == short_batches and lengths == [16] * short_batches
+        assert later[-1]["status"] == "over_budget"
+        assert "get_batch_samples" not in vars(trainer) and len(trainer.model._forward_pre_hooks) == 1

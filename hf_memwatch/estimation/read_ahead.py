@@ -16,6 +16,12 @@ of the Trainer, so a longer sample is known before the step that trains on it: `
 ``planned`` and the auto mode predicts the plan in force again between steps
 (:meth:`~hf_memwatch.integration.between_steps.BetweenSteps.longer_sample`).
 
+Read by dataloader workers, the stream cannot be read ahead here: each worker iterates its own copy. A copy
+of the dataset is read in this process instead (:func:`sample_stream`: the same first samples where the
+stream is not sharded by worker, nothing of the run's stream consumed) and planned on; the batches the
+workers then fetch are measured as the Trainer takes them, before the step that trains on them
+(:meth:`~hf_memwatch.integration.between_steps.BetweenSteps.longer_fetched`).
+
 Example:
     >>> import torch
     >>> class Counting(torch.utils.data.IterableDataset):
@@ -31,6 +37,7 @@ Example:
 from __future__ import annotations
 
 import copy
+import weakref
 from collections import deque
 from collections.abc import Iterator
 from typing import Any
@@ -136,7 +143,8 @@ def _note(dataset: ReadAhead, batch_size: int) -> str:
 def start_read_ahead(trainer: Any, micro_batch_size: int, accumulation: int) -> ReadAhead | None:
     """The Trainer's one-pass ``train_dataset`` wrapped in a :class:`ReadAhead` whose first samples are read
     (None: not a one-pass dataset, wrapped already, nothing read, a distributed run, whose ranks each
-    read their shard of the stream, or dataloader workers, each iterating its own copy of the dataset)."""
+    read their shard of the stream, or dataloader workers, each iterating its own copy of the dataset:
+    :func:`sample_stream`)."""
     dataset = getattr(trainer, "train_dataset", None)
     if dataset is None or isinstance(dataset, ReadAhead) or not is_one_pass(dataset):
         return None
@@ -151,3 +159,85 @@ def start_read_ahead(trainer: Any, micro_batch_size: int, accumulation: int) -> 
     trainer.train_dataset = ahead
     ahead.planned_for(ahead.longest)
     return ahead
+
+
+class StreamSample:
+    """The first samples of a copy of a stream read by dataloader workers (:func:`sample_stream`), then each
+    micro-batch the workers deliver (:meth:`fetched`): what the plan in force was predicted for, and the
+    longest seen. ``longest_item`` is a sample (as read) or, once a fetched micro-batch was longer, that
+    micro-batch as collated (``longest_batch``)."""
+
+    def __init__(self, items: list[Any]) -> None:
+        self.items_read = len(items)
+        self.longest, self.longest_item, self.longest_batch = 0, None, None
+        for item in items:
+            length = sequence_length(item) or 0
+            if self.longest_item is None or length > self.longest:
+                self.longest, self.longest_item = length, item
+        self.planned = self.longest
+        self.fetched_batches = 0
+
+    def fetched(self, batches: list[Any]) -> bool:
+        """The micro-batches of a step as the Trainer took them; whether one is longer than planned."""
+        for batch in batches:
+            self.fetched_batches += 1
+            length = sequence_length(dict(batch)) if isinstance(batch, dict) else None
+            if length is not None and length > self.longest:
+                self.longest, self.longest_batch = length, batch
+        return self.longest > self.planned
+
+    def planned_for(self, length: int) -> None:
+        self.planned = length
+
+
+_SAMPLED: weakref.WeakKeyDictionary[Any, StreamSample] = weakref.WeakKeyDictionary()
+
+
+def stream_sample(trainer: Any) -> StreamSample | None:
+    """The :class:`StreamSample` the Trainer's stream was planned on (None: none)."""
+    return _SAMPLED.get(trainer)
+
+
+def sample_stream(trainer: Any, micro_batch_size: int, accumulation: int) -> StreamSample | None:
+    """For a one-pass ``train_dataset`` read by dataloader workers in a single process: its first samples,
+    read from a deep copy of the dataset (the run's dataset and its workers' copies untouched, random number
+    generators put back), as many as :func:`start_read_ahead` would read. None: not such a run, a dataset
+    that cannot be copied, or nothing read."""
+    dataset = getattr(trainer, "train_dataset", None)
+    if (dataset is None or isinstance(dataset, ReadAhead) or not is_one_pass(dataset)
+            or not isinstance(dataset, torch.utils.data.IterableDataset) or int(trainer.args.world_size) > 1
+            or int(getattr(trainer.args, "dataloader_num_workers", 0) or 0) <= 0):
+        return None
+    wanted = micro_batch_size * max(READ_AHEAD_BATCHES, accumulation + 2)
+    rng = RngStates.capture()
+    try:
+        copied = copy.deepcopy(dataset)
+        items = []
+        for item in copied:
+            items.append(item)
+            if len(items) >= wanted:
+                break
+    except Exception:  # noqa: BLE001 - a stream that cannot be copied or read here: not sampled
+        return None
+    finally:
+        rng.restore()
+    if not items:
+        return None
+    sample = _SAMPLED[trainer] = StreamSample(items)
+    return sample
+
+
+def stream_sample_batch(trainer: Any, sample: StreamSample, batch_size: int) -> tuple[Any, int | None, str]:
+    """(the micro-batch the plan is predicted on, its length, a note): the longest fetched micro-batch as the
+    workers formed it, else ``batch_size`` copies of the longest sample read from the copy, collated."""
+    if sample.longest_batch is not None:
+        return (dict(sample.longest_batch), sample.longest,
+                f"the longest micro-batch the dataloader workers fetched ({sample.longest} tokens, "
+                f"{sample.fetched_batches} fetched)")
+    batch = collate(trainer, [copy.deepcopy(sample.longest_item) for _ in range(batch_size)])
+    note = (f"iterable dataset read by dataloader workers: {batch_size} x the longest of the first "
+            f"{sample.items_read} samples of a copy of it ({sample.longest} tokens), the workers' micro-batches "
+            "measured as they arrive")
+    if isinstance(batch, (list, tuple)):
+        return list(batch), sample.longest or None, note
+    return dict(batch), sequence_length(dict(batch)) or None, note

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ..core.sequence_length import sequence_length
-from .read_ahead import ReadAhead, read_ahead_batch
+from .read_ahead import ReadAhead, read_ahead_batch, stream_sample, stream_sample_batch
 from .streaming import bounded_batch, fixed_shape_batch, longest_fed_length
 from .trainer_replay import (
     SCAN_ITEMS,
@@ -46,6 +46,9 @@ def worst_case_batch(trainer: Any, batch_size: int, sample_index: int | None = N
     if is_one_pass(dataset):
         if isinstance(dataset, ReadAhead) and dataset.longest_item is not None:  # its first samples, read ahead
             return read_ahead_batch(trainer, dataset, batch_size)
+        sampled = stream_sample(trainer)  # read by dataloader workers: a copy's first samples, the batches fetched
+        if sampled is not None:
+            return stream_sample_batch(trainer, sampled, batch_size)
         bound = longest_fed_length(trainer)
         if bound is not None:
             formed = bounded_batch(trainer, batch_size, bound[0])

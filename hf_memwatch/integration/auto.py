@@ -46,7 +46,7 @@ from ..core.errors import MemWatchConfigError, PlanError, is_oom_error
 from ..core.records import OomRecoveredRecord, PlanRecord, Record
 from ..core.run_config import RunConfig
 from ..core.units import format_bytes
-from ..estimation.read_ahead import start_read_ahead
+from ..estimation.read_ahead import sample_stream, start_read_ahead
 from ..estimation.trainer_replay import RngStates, is_one_pass
 from ..measure.attribution import weight_storages
 from ..measure.backends import backend_for
@@ -314,11 +314,17 @@ class AutoMode(BetweenSteps):
             return self._decide_with_peers(trainer, run, self.budget)
         except (PlanError, EstimatorUnavailable) as exc:
             ahead = start_read_ahead(trainer, run.micro_batch_size, run.gradient_accumulation_steps)
-            if ahead is None:
+            sampled = None if ahead is not None else sample_stream(trainer, run.micro_batch_size,
+                                                                   run.gradient_accumulation_steps)
+            if ahead is None and sampled is None:
                 raise
+            how = ("read ahead" if ahead is not None else
+                   "read from a copy of the stream (dataloader workers read the run's: their batches are measured "
+                   "as they arrive)")
+            read = ahead if ahead is not None else sampled
             logger.warning("hf-memwatch: the stream was not planned on its bound (%s); planning on its first %d "
-                           "samples, read ahead (longest %d tokens)", str(exc).splitlines()[0][:160],
-                           ahead.items_read, ahead.longest)
+                           "samples, %s (longest %d tokens)", str(exc).splitlines()[0][:160],
+                           read.items_read, how, read.longest)
         return self._decide_with_peers(trainer, run, self.budget)
 
     def _decide_with_peers(self, trainer: Any, run: RunConfig, budget: Budget) -> PlanRecord:

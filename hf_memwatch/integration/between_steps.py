@@ -127,38 +127,71 @@ class BetweenSteps:
         from ..estimation.read_ahead import ReadAhead
 
         ahead = getattr(trainer, "train_dataset", None)
-        if (not isinstance(ahead, ReadAhead) or ahead.longest <= ahead.planned or self.plan is None
-                or self.budget is None or not isinstance(self.predictor, EstimatorPredictor)):
+        if not isinstance(ahead, ReadAhead) or ahead.longest <= ahead.planned or not self._replannable():
             return None
         before, first_longer = ahead.planned, ahead.first_longer
         ahead.planned_for(ahead.longest)
-        self.predictor.estimates.clear()  # the worst batch is the longest sample read now
+        record, over = self._predict_longer(trainer, ahead.longest, before, "read ahead",
+                                            "training stops before the step that trains on the first longer sample")
+        if over is not None:
+            self._stop_before_sample = None if over else first_longer
+        return record
+
+    def longer_fetched(self, trainer: Any, fetched: Any) -> PlanRecord | None:
+        """The micro-batches dataloader workers delivered for the next step (``get_batch_samples``), of a stream
+        planned on a copy's first samples (:func:`~hf_memwatch.estimation.read_ahead.sample_stream`): one longer
+        than the plan in force was predicted for is predicted on before the step trains on it, as in
+        :meth:`longer_sample`; where no plan fits, the run stops here with a :class:`PlanError` (the step not
+        taken; ``allow_over_budget``: it goes on)."""
+        from ..core.errors import PlanError
+        from ..estimation.read_ahead import stream_sample
+
+        sample = stream_sample(trainer)
+        batches = fetched[0] if isinstance(fetched, tuple) and fetched else fetched
+        if sample is None or not isinstance(batches, list) or not sample.fetched(batches) or not self._replannable():
+            return None
+        before = sample.planned
+        sample.planned_for(sample.longest)
+        record, over = self._predict_longer(trainer, sample.longest, before, "fetched by the dataloader workers",
+                                            "training stops before the step that trains on it")
+        if over is False:
+            raise PlanError(f"hf-memwatch: {record.reason if record is not None else 'no plan fits'}")
+        return record
+
+    def _replannable(self) -> bool:
+        return self.plan is not None and self.budget is not None and isinstance(self.predictor, EstimatorPredictor)
+
+    def _predict_longer(self, trainer: Any, longest: int, before: int, how: str,
+                        stop: str) -> tuple[PlanRecord | None, bool | None]:
+        """The plan in force predicted again on the longest batch now known: (the record, None where a plan fits,
+        else whether training goes on over the budget: ``allow_over_budget``)."""
+        assert self.plan is not None and self.budget is not None and isinstance(self.predictor, EstimatorPredictor)
+        self.predictor.estimates.clear()  # the worst batch is the longest one known now
         self.predictor.floors.clear()
         if self.plan.sample is not None:
-            self.plan = self.plan.replace(sample=self.plan.sample.replace(seq_len=ahead.longest))
+            self.plan = self.plan.replace(sample=self.plan.sample.replace(seq_len=longest))
         peak = self.predictor.peak(self.plan.plan)
-        why = (f"a sample of {ahead.longest} tokens read ahead (the plan was predicted for {before}): the plan in "
+        why = (f"a sample of {longest} tokens {how} (the plan was predicted for {before}): the plan in "
                f"force predicted at {format_bytes(peak)}")
         if peak <= self.budget.usable:
             return self._replanned(self.plan.replace(predicted_peak=peak, reason=f"{why}, which fits the budget "
-                                                     f"{format_bytes(self.budget.usable)}: the plan stays"))
+                                                     f"{format_bytes(self.budget.usable)}: the plan stays")), None
         if not self.plan.activation_checkpointing and not RunConfig.from_trainer(trainer).checkpointing_unavailable:
             checkpointed = self.predictor.peak(self.plan.plan.replace(activation_checkpointing=True))
             if checkpointed <= self.budget.usable:
-                return self._switch_checkpointing(trainer, f"{why}, over the budget {format_bytes(self.budget.usable)}")
+                return self._switch_checkpointing(trainer, f"{why}, over the budget "
+                                                           f"{format_bytes(self.budget.usable)}"), None
             peak = checkpointed
-        over = getattr(self, "allow_over_budget", False)
+        over = bool(getattr(self, "allow_over_budget", False))
         record = self.plan.replace(predicted_peak=peak, status="over_budget", reason=(
             f"{why}, {format_bytes(peak - self.budget.usable)} over the budget {format_bytes(self.budget.usable)} "
             "with every remedy that can change between steps: " + ("training goes on (allow_over_budget=True)" if over
-                                                                   else "training stops before the step that trains on "
-                                                                   "the first longer sample; lower the micro-batch or "
+                                                                   else f"{stop}; lower the micro-batch or "
                                                                    "max_length")))
-        self._stop_before_sample = None if over else first_longer
         logger.error("hf-memwatch: %s", record.reason)
         self.plan = record
         self.record(record)
-        return record
+        return record, over
 
     def _stop_before_its_step(self, trainer: Any) -> None:
         """Training stops now when the next step trains on the sample no plan fits (its index in the stream

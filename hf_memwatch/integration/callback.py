@@ -30,7 +30,7 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
 from ..core.categories import AFTER_BACKWARD, AFTER_FORWARD, AFTER_OPTIMIZER
-from ..core.errors import MemWatchConfigError, is_oom_error, unknown_keywords
+from ..core.errors import MemWatchConfigError, PlanError, is_oom_error, unknown_keywords
 from ..measure.peak_tensors import DEFAULT_TOP
 from ..planning.budget import validate_budget
 from ..reporting.sinks import run_before_printer, strip_memory_keys
@@ -160,8 +160,21 @@ class MemWatch(TrainerCallback, ExportableState, WatchedRun):
         if self.session is not None:
             self.session.begin_step(state.global_step + 1, kwargs.get("optimizer"), self.detail, self.full_steps)
 
-    @guarded
     def batch_samples_fetched(self, fetched: Any) -> None:
+        self._batch_samples_fetched(fetched)
+        if self._auto is not None:
+            # A stream read by dataloader workers: a longer micro-batch is predicted on before its step;
+            # where no plan fits, the PlanError stops the run (the step not taken), a fault of ours does not.
+            try:
+                self._auto.longer_fetched(self.trainer, fetched)
+            except PlanError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the plan in force stays; training goes on
+                logger.warning("hf-memwatch: the fetched micro-batches were not predicted on (%s: %s); the plan stays",
+                               type(exc).__name__, exc)
+
+    @guarded
+    def _batch_samples_fetched(self, fetched: Any) -> None:
         if self.session is not None:
             self.session.batch_samples_fetched(fetched)
 
