@@ -345,6 +345,13 @@ Fixed at the cause (before -> after, this sweep's draws):
   bf16 gradients through its buckets and fp32 masters in its optimizer: +7.3..+27.4% on ZeRO-1/2, -0.6..-10.8%
   on ZeRO-3. Now the cast module is replayed without autocast through the ZeRO flow
   (``engines/zero/half.py``): worst 27.41% -> 3.13%, median 9.25% -> 0.04% (this run's figures in the table).
+- **ZeRO-1/2: each rank's estimate its own partition** (seed 2, OPT, ZeRO-2 bf16: +3.13% on rank 1, rank 0
+  -0.03%). The replay kept the widest rank's gradients on every rank: rank 0 keeps 97,344 elements, rank 1
+  66,112, and rank 1's profiler peak is 62,464 B (31,232 x 2 B) under rank 0's. On live ranks the replay keeps
+  the rank's own partition (``engines/zero/backward.py``, ``planned_partition``; the auto mode's agreement plans
+  for the rank that must cut most): seed 2 -0.03% / -0.03%, seed 4 rank 1 +1.29% -> -0.03%. The 15 ZeRO-1/2
+  draws (seeds 1, 2, 4, 9, 10, 12, 17, 18, 20, 25, 26, 28, 33, 34, 36) were launched again for it; the other
+  25 rows are the launch before.
 - **The harness**: FSDP2 forced on CPU ranks ran without the ``MixedPrecisionPolicy`` accelerate gives it on
   accelerator devices (``testing/fsdp_cpu.py`` now applies it), so bf16 FSDP2 draws measured an fp32 all-gather.
 - **FSDP2 in bf16** (4 draws): +12.2..+21.0%: bf16 fell back to the division rule of the autocast step.
@@ -354,10 +361,6 @@ Fixed at the cause (before -> after, this sweep's draws):
 
 Not fixed (the figures over 3% above):
 
-- **DeepSpeed in bf16, ZeRO-2 with checkpointing** (seed 2): +3.13% on rank 1 (rank 0 -0.03%); the same
-  over-count in ``tests/dist_scripts/zero_bf16.py``'s ``zero2_ckpt`` (+3.56% / +1.60%), where 165,376 B of it is
-  the flat copy of a reduction that gloo's thread may still hold, which the replay keeps on purpose
-  (``engines/zero/backward.py``, ``flat_slices``; without it +1.29% / -0.63%); the rest not found.
 - **ZeRO-1/2 with the optimizer offloaded, live**: MemWatch did not count DeepSpeed's host buffer of the rank's
   16-bit partition (``param_buffer_of_bit16_for_cpu_offload_groups``, made with the optimizer, before tracking):
   seeds 4 / 20 / 36 4.75% / 7.40% / 5.82% -> 0.00% (``engines/zero/live.py`` reads it).
@@ -366,10 +369,13 @@ Not fixed (the figures over 3% above):
   checked for inf, the 16-bit host buffer in weights); seeds 4 / 20 / 36 within 0.1%, seed 28 inside the truth's
   bounds. The reduction's flat ``torch.cat`` lives until gloo's thread lets it go: a race. Seed 28 rank 1 showed
   it alive in one launch (MemWatch 3,642,476 B = the high bound) and gone in the next. The replay keeps it alive
-  (the worst case), so where a launch frees it early the estimate reads over: seed 12 +12.04% / +10.59% in this
-  launch (its bounds collapsed to the low figure), inside the bounds in the launch before (3,450,840 B against a
-  high bound of 3,464,360 B). Not fixed: the race's outcome cannot be known before the run, and the planner
-  keeps the worst case.
+  (the worst case), so where a launch frees it early the estimate reads over: seed 12 +8.86% / +10.58% in the
+  relaunch (rank 0's bounds collapsed to the low figure; rank 1 inside its bounds), inside the bounds in an
+  earlier launch (3,450,840 B against a high bound of 3,464,360 B); seed 28 rank 0 +4.31% with its bounds
+  collapsed, rank 1 inside them. Not fixed: the race's outcome cannot be known before the run, and the planner
+  keeps the worst case. Without live ranks (the CLI) the replay keeps the partition of the rank that keeps the
+  most elements, which is not always the rank that peaks highest: seed 28's rank 1 keeps fewer and is replayed
+  316,504 B higher than rank 0 (the offloaded gradients' timing).
 - Within 3%: ZeRO-2 + Adafactor (seed 10) +2.07% (MemWatch 1.11-2.11% on step 1); ZeRO-3 + offload,
   accumulation 2 (seed 21) +2.80..+3.18% over two earlier launches, +1.55% / +2.53% in this one, the same estimate (its truth moves with the draws
   run before it).

@@ -9,7 +9,7 @@ from conftest import gpt2_model
 
 from hf_memwatch import estimate
 from hf_memwatch.engines.engine import Engine
-from hf_memwatch.engines.zero.backward import rank_partition, widest_partition
+from hf_memwatch.engines.zero.backward import planned_partition, rank_partition, widest_partition
 from hf_memwatch.estimation.optim import param_groups
 
 BUCKET = 100_000
@@ -31,6 +31,19 @@ def test_kept_parameters_are_deepspeeds_params_in_partition(world_size):
             theirs.extend(kept)
         assert [id(p) for p in ours.kept] == [id(p) for p in theirs], rank
         assert ours.numel == sum(p.numel() for p in theirs)
+
+
+def test_without_live_ranks_the_widest_partition_is_replayed_and_ranks_differ():
+    """No process group (the CLI, a layout asked for): the rank that keeps most. On live ranks each rank's
+    estimate keeps its own (the two-rank sweep's seed 2: rank 1 read +3.13% on rank 0's partition, -0.03% on
+    its own; exercised on 2 gloo ranks by tests/engines/test_deepspeed_zero.py)."""
+    import torch.distributed as dist
+
+    model = gpt2_model()
+    assert not dist.is_initialized()
+    assert planned_partition(model, 2) == widest_partition(model, 2)
+    groups = [g["params"] for g in param_groups(model) if g["params"]]
+    assert len({rank_partition(groups, 2, rank).numel for rank in range(2)}) == 2  # the ranks keep different counts
 
 
 def test_second_micro_step_backward_holds_two_gradient_partitions_and_the_bucket():

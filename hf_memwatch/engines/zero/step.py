@@ -36,7 +36,7 @@ from ...core.categories import AFTER_OPTIMIZER, STEP_END
 from ...estimation.fake_dispatch import EstimateTracker
 from ...estimation.optim import BNB_OPTIMS, optimizer_class_and_kwargs, param_groups
 from ...measure.saved_tensors import SavedTensorRegistry
-from .backward import FLOW_DTYPES, flow_applies, widest_partition
+from .backward import FLOW_DTYPES, flow_applies, planned_partition
 from .split import zero3_gathered_bytes
 
 
@@ -129,7 +129,7 @@ def zero_optimizer_step(per_phase: dict[str, dict[str, int]], model: torch.nn.Mo
     # offload: the host fp32 gradient partition is the one stepped, resident already (split.engine_classes)
     if engine.offload_optimizer == "none" and flow_applies(engine, model):
         # the replay left no gradient: the kept partition DeepSpeed flattens
-        at_step["gradients"] = size * widest_partition(model, engine.world_size).numel + 4 * max(step.partitions)
+        at_step["gradients"] = size * planned_partition(model, engine.world_size).numel + 4 * max(step.partitions)
     elif engine.offload_optimizer == "none":
         at_step["gradients"] += 4 * max(step.partitions)
     if engine.zero_stage == 3:  # gathered parameters are released by the backward's end
