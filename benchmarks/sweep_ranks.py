@@ -370,8 +370,9 @@ Not fixed (the figures over 3% above):
   bounds. The reduction's flat ``torch.cat`` lives until gloo's thread lets it go: a race. Seed 28 rank 1 showed
   it alive in one launch (MemWatch 3,642,476 B = the high bound) and gone in the next. The replay keeps it alive
   (the worst case), so where a launch frees it early the estimate reads over: seed 12 +8.86% / +10.58% in the
-  relaunch (rank 0's bounds collapsed to the low figure; rank 1 inside its bounds), inside the bounds in an
-  earlier launch (3,450,840 B against a high bound of 3,464,360 B); seed 28 rank 0 +4.31% with its bounds
+  relaunch (rank 0's bounds collapsed to the low figure; rank 1 inside its bounds): rank 0's estimate is over by
+  exactly that copy, 272,512 B (``[68128]`` fp32, the embedding's bucket, its peak tensors), which MemWatch's peak
+  tensors on rank 0 never held in three launches; inside the bounds in an earlier launch (3,450,840 B against a high bound of 3,464,360 B); seed 28 rank 0 +4.31% with its bounds
   collapsed, rank 1 inside them. Not fixed: the race's outcome cannot be known before the run, and the planner
   keeps the worst case. Without live ranks (the CLI) the replay keeps the partition of the rank that keeps the
   most elements, which is not always the rank that peaks highest: seed 28's rank 1 keeps fewer and is replayed
