@@ -215,10 +215,12 @@ class _Exact:
 
     @staticmethod
     def skips_floor(plan: Plan) -> bool:
-        """Whether a forward/backward floor replay of ``plan`` is not worth its cost: under checkpointing
-        it costs about what the full estimate does (Llama-3.1-70B-shaped, 8 x 2048 tokens: 6.4 s against
-        9.6 s when every layer was replayed) and a floor left under the limit is paid twice. Off with
-        :data:`~hf_memwatch.estimation.memo.SHORTCUTS`."""
+        """Whether a forward/backward floor replay of ``plan`` is not worth its cost: under checkpointing a
+        floor left under the limit is paid twice (Llama-3.1-70B-shaped, 8 x 2048 tokens: 6.4 s against 9.6 s
+        when every layer was replayed). Measured again since checkpointed runs are extrapolated in depth
+        (``benchmarks/planning_cost.py``'s plans, one process): with these floors each plan made one floor
+        replay more and no full estimate fewer (1B full 4.37 -> 5.40 s, 8B full 4.70 -> 5.86 s, the same
+        plans). Off with :data:`~hf_memwatch.estimation.memo.SHORTCUTS`."""
         from ..estimation import memo
 
         return memo.SHORTCUTS and plan.activation_checkpointing
