@@ -128,11 +128,15 @@ class ReadAhead(torch.utils.data.IterableDataset):
 
 def read_ahead_batch(trainer: Any, dataset: ReadAhead, batch_size: int) -> tuple[Any, int | None, str]:
     """(``batch_size`` copies of the longest sample read so far as collated, its length, a note)."""
-    batch = collate(trainer, [copy.deepcopy(dataset.longest_item) for _ in range(batch_size)])
+    return (*_collated_copies(trainer, dataset.longest_item, dataset.longest, batch_size), _note(dataset, batch_size))
+
+
+def _collated_copies(trainer: Any, item: Any, longest: int, batch_size: int) -> tuple[Any, int | None]:
+    """(``batch_size`` copies of ``item`` as the Trainer's collator forms them, their sequence length)."""
+    batch = collate(trainer, [copy.deepcopy(item) for _ in range(batch_size)])
     if isinstance(batch, (list, tuple)):
-        return list(batch), dataset.longest or None, _note(dataset, batch_size)
-    length = sequence_length(dict(batch)) or None
-    return dict(batch), length, _note(dataset, batch_size)
+        return list(batch), longest or None
+    return dict(batch), sequence_length(dict(batch)) or None
 
 
 def _note(dataset: ReadAhead, batch_size: int) -> str:
@@ -234,10 +238,7 @@ def stream_sample_batch(trainer: Any, sample: StreamSample, batch_size: int) -> 
         return (dict(sample.longest_batch), sample.longest,
                 f"the longest micro-batch the dataloader workers fetched ({sample.longest} tokens, "
                 f"{sample.fetched_batches} fetched)")
-    batch = collate(trainer, [copy.deepcopy(sample.longest_item) for _ in range(batch_size)])
     note = (f"iterable dataset read by dataloader workers: {batch_size} x the longest of the first "
             f"{sample.items_read} samples of a copy of it ({sample.longest} tokens), the workers' micro-batches "
             "measured as they arrive")
-    if isinstance(batch, (list, tuple)):
-        return list(batch), sample.longest or None, note
-    return dict(batch), sequence_length(dict(batch)) or None, note
+    return (*_collated_copies(trainer, sample.longest_item, sample.longest, batch_size), note)

@@ -155,14 +155,14 @@ class BetweenSteps:
         record, over = self._predict_longer(trainer, sample.longest, before, "fetched by the dataloader workers",
                                             "training stops before the step that trains on it")
         if over is False:
-            raise PlanError(f"hf-memwatch: {record.reason if record is not None else 'no plan fits'}")
+            raise PlanError(f"hf-memwatch: {record.reason}")
         return record
 
     def _replannable(self) -> bool:
         return self.plan is not None and self.budget is not None and isinstance(self.predictor, EstimatorPredictor)
 
     def _predict_longer(self, trainer: Any, longest: int, before: int, how: str,
-                        stop: str) -> tuple[PlanRecord | None, bool | None]:
+                        stop: str) -> tuple[PlanRecord, bool | None]:
         """The plan in force predicted again on the longest batch now known: (the record, None where a plan fits,
         else whether training goes on over the budget: ``allow_over_budget``)."""
         assert self.plan is not None and self.budget is not None and isinstance(self.predictor, EstimatorPredictor)

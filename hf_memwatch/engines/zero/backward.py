@@ -97,9 +97,14 @@ def rank_partition(groups: list[list[torch.nn.Parameter]], world_size: int, rank
     return RankPartition(rank, tuple(kept), sum(p.numel() for p in kept))
 
 
+def _groups(model: torch.nn.Module) -> list[list[torch.nn.Parameter]]:
+    """The optimizer's parameter groups DeepSpeed flattens (the non-empty ones)."""
+    return [list(group["params"]) for group in param_groups(model) if group["params"]]
+
+
 def widest_partition(model: torch.nn.Module, world_size: int) -> RankPartition:
     """The rank that keeps the most gradient elements (a rank unknown plans for it)."""
-    groups = [[p for p in group["params"]] for group in param_groups(model) if group["params"]]
+    groups = _groups(model)
     return max((rank_partition(groups, world_size, rank) for rank in range(world_size)), key=lambda r: r.numel)
 
 
@@ -113,8 +118,7 @@ def planned_partition(model: torch.nn.Module, world_size: int) -> RankPartition:
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() == world_size:
-        groups = [[p for p in group["params"]] for group in param_groups(model) if group["params"]]
-        return rank_partition(groups, world_size, dist.get_rank())
+        return rank_partition(_groups(model), world_size, dist.get_rank())
     return widest_partition(model, world_size)
 
 
