@@ -306,3 +306,35 @@ def test_lora_on_a_built_model_leaves_it_untouched_and_equals_the_config_path():
     assert all(p.requires_grad for p in model.parameters())
     with pytest.raises(MemWatchConfigError, match="not both"):
         estimate(model, micro_batch_size=2, seq_len=64, lora=spec, adapter="somewhere")
+
+
+def test_fake_in_place_twins_every_tensor_as_from_tensor_does_keeps_ties_and_copies_no_module():
+    from hf_memwatch.compat.torch_internals import FakeTensorMode, is_fake
+    from hf_memwatch.estimation.fake_model import fake_in_place
+
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Embedding(10, 8), torch.nn.Linear(8, 10, bias=False))
+    model[1].weight = model[0].weight  # tied
+    whole = torch.empty(6, 4, device="meta")
+    model.register_buffer("whole", whole)
+    model[1].register_buffer("rows", whole[2:4])  # a view of another buffer's storage
+    model.register_buffer("strided", torch.empty(4, 6, device="meta").t())
+    model.register_buffer("expanded", torch.empty(1, 4, device="meta").expand(3, 4))  # 16 B of storage
+    originals = dict(model.named_parameters()) | dict(model.named_buffers())
+    modules = list(model.modules())
+    reference_mode = FakeTensorMode(allow_non_fake_inputs=True)
+
+    def reference(tensor: torch.Tensor) -> torch.Tensor:  # the general path: from_tensor, then to the device
+        with reference_mode:
+            return reference_mode.from_tensor(tensor.detach()).to("cpu")
+
+    twin = fake_in_place(model, FakeTensorMode(allow_non_fake_inputs=True), "cpu")
+    assert twin is model and list(model.modules()) == modules  # nothing copied
+    twins = dict(twin.named_parameters()) | dict(twin.named_buffers())
+    assert twins.keys() == originals.keys()
+    for name, original in originals.items():
+        mine, theirs = twins[name], reference(original)
+        assert is_fake(mine) and mine.device.type == "cpu", name
+        assert (mine.shape, mine.stride(), mine.dtype, mine.storage_offset(), mine.untyped_storage().nbytes()) == \
+            (theirs.shape, theirs.stride(), theirs.dtype, theirs.storage_offset(), theirs.untyped_storage().nbytes()), name
+    assert isinstance(twin[0].weight, torch.nn.Parameter) and twin[1].weight is twin[0].weight

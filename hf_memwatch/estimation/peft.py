@@ -3,7 +3,8 @@
 The adapter is applied with PEFT's own ``get_peft_model`` to a *meta-device* copy of the base
 (PEFT moves each new adapter layer to its base layer's device, which a fake parameter refuses),
 and the result becomes the usual fake model through ``fake_copy`` — the path a built ``PeftModel``
-takes. The adapter layers, the frozen base, ``modules_to_save`` and PEFT's forward wrappers are
+takes — or, for a base built here from a config, its tensors swapped for fakes in place
+(``fake_in_place``: the same twins, no module copied). The adapter layers, the frozen base, ``modules_to_save`` and PEFT's forward wrappers are
 exactly what a real run builds; nothing is allocated.
 
 Usage:
