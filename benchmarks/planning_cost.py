@@ -8,7 +8,9 @@ hidden size, layers, heads, KV heads, intermediate size, vocabulary), bf16 on a 
 (b) one estimate of the run as configured, above that floor (hf-memwatch's imports and lazy imports
     included: what a user pays);
 (c) the full plan (:func:`hf_memwatch.planning.planner.plan_for`) with a budget of 60% of the run's
-    estimated peak (so a plan must be searched), above the floor.
+    estimated peak (so a plan must be searched), above the floor;
+(d) the same plan in a process that imported peft and bitsandbytes before its clock started (a Trainer run
+    that built its ``PeftModel`` or uses bitsandbytes has), and that import's own cost.
 
 Every measurement runs in its own fresh subprocess (process CPU time, ``time.process_time``), once
 with the planning shortcuts off (``hf_memwatch.estimation.memo.shortcuts(False)``: today's code
@@ -66,6 +68,12 @@ def child(spec: dict) -> dict:
     out: dict = {"floor": floor}
     if spec["kind"] == "floor":
         return out
+    if spec.get("preload"):  # as in a Trainer run that built its PeftModel / imported bitsandbytes already
+        import bitsandbytes  # noqa: F401
+        import peft  # noqa: F401
+
+        out["preload"] = time.process_time() - floor
+        floor = time.process_time()
     import warnings
 
     warnings.simplefilter("ignore")
@@ -156,10 +164,13 @@ def main() -> int:
             budget = int(est[False]["estimate"]["peak_bytes"] * BUDGET_SHARE)
             plan = {on: measure({**base, "kind": "plan", "shortcuts": on, "budget": budget}) for on in (False, True)}
             found = compare(est[False], est[True], "estimate") + compare(plan[False], plan[True], "plan")
+            preloaded = measure({**base, "kind": "plan", "shortcuts": True, "budget": budget, "preload": True})
+            found += compare(plan[True], preloaded, "plan")
             problems += [f"{shape} {variant}: {p}" for p in found]
-            floors += [m["floor"] for m in (*est.values(), *plan.values())]
+            floors += [m["floor"] for m in (*est.values(), *plan.values(), preloaded)]
             rows.append(f"| {shape} | {variant} | {budget / 2**30:.1f} GiB | {est[False]['cpu']:.2f} -> "
                         f"{est[True]['cpu']:.2f} | {plan[False]['cpu']:.2f} -> {plan[True]['cpu']:.2f} | "
+                        f"{preloaded['cpu']:.2f} ({preloaded['preload']:.2f}) | "
                         f"{plan[False]['predictions']} -> {plan[True]['predictions']} | "
                         f"{describe(plan[True]['chosen'])} | {'same' if not found else 'DIFFERENT'} |")
             print(rows[-1], flush=True)
@@ -177,9 +188,15 @@ def main() -> int:
         f"Import floor (torch + transformers.modeling_utils + modeling_llama): median "
         f"{statistics.median(floors):.2f} s CPU over {len(floors)} processes.",
         "",
-        "| shape | variant | budget | one estimate (s) | full plan (s) | estimates in the plan (full+floor) | chosen plan | "
-        "old vs new |",
-        "|---|---|---|---|---|---|---|---|",
+        "Full plan, libraries imported: the new path in a process that imported peft and bitsandbytes before "
+        "the clock started, as a Trainer run has that built its PeftModel or uses bitsandbytes (in brackets: "
+        "that import's own CPU seconds, peft importing bitsandbytes, whose `torch.compile` pulls in "
+        "`torch._inductor`); the estimate imports them itself where the replay needs them (LoRA: peft; a plan "
+        "weighing 8-bit AdamW: bitsandbytes).",
+        "",
+        "| shape | variant | budget | one estimate (s) | full plan (s) | full plan, libraries imported (s) | "
+        "estimates in the plan (full+floor) | chosen plan | old vs new |",
+        "|---|---|---|---|---|---|---|---|---|",
         *rows,
     ]
     publish(lines, args.out)
