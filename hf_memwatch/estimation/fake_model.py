@@ -157,10 +157,10 @@ def fake_in_place(model: torch.nn.Module, fake_mode: Any, device: str) -> torch.
     """
     memo = _fake_twins(model, fake_mode, device)
     for module in model.modules():
-        for store in (module._parameters, module._buffers):
-            for name, tensor in store.items():
-                if tensor is not None:
-                    store[name] = memo[id(tensor)]
+        named = [*module.named_parameters(recurse=False, remove_duplicate=False),
+                 *module.named_buffers(recurse=False, remove_duplicate=False)]
+        for name, tensor in named:  # Module.__setattr__: a parameter re-registered, a buffer keeps its persistence
+            setattr(module, name, memo[id(tensor)])
     return model
 
 
@@ -194,9 +194,9 @@ def _fake_twins(model: torch.nn.Module, fake_mode: Any, device: str) -> dict[int
 
 def _alone_on_meta(tensor: torch.Tensor, holders: Counter) -> bool:
     """A meta tensor that is all of a storage no other parameter or buffer shares: a fresh fake of its
-    shape and strides is its exact twin (a view or a shared storage goes through ``from_tensor``, which
-    keeps the sharing)."""
-    if tensor.device.type != "meta" or tensor.storage_offset() != 0 or tensor._base is not None:
+    shape and strides is its exact twin (a view into more storage, an expanded tensor or a shared storage
+    goes through ``from_tensor``)."""
+    if tensor.device.type != "meta" or tensor.storage_offset() != 0:
         return False
     return (holders[tensor_storage_key(tensor)] == 1
             and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size())
