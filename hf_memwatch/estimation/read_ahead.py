@@ -16,6 +16,13 @@ of the Trainer, so a longer sample is known before the step that trains on it: `
 ``planned`` and the auto mode predicts the plan in force again between steps
 (:meth:`~hf_memwatch.integration.between_steps.BetweenSteps.longer_sample`).
 
+On several ranks each rank reads its own copy's first samples, as many as the stream feeds every rank over
+those micro-batches, and after every step the ranks agree on the longest sample any of them read (under
+accelerate's dispatcher, the Trainer's default for an iterable dataset, only rank 0 reads the stream while
+training): every rank replays it and takes the same verdict
+(:meth:`~hf_memwatch.integration.between_steps.BetweenSteps.agree_longer_sample`; one ``all_gather_object``
+a step, only for such a run).
+
 Read by dataloader workers, the stream cannot be read ahead here: each worker iterates its own copy. A copy
 of the dataset is read in this process instead (:func:`sample_stream`: the same first samples where the
 stream is not sharded by worker, nothing of the run's stream consumed) and planned on; the batches the
@@ -113,6 +120,12 @@ class ReadAhead(torch.utils.data.IterableDataset):
         """The plan in force is predicted for samples of ``length`` tokens (later longer ones are tracked)."""
         self.planned, self.first_longer = length, None
 
+    def adopt(self, length: int, item: Any) -> None:
+        """Another rank read ``item``, of ``length`` tokens, longer than any read here: this rank's estimates
+        replay it too (the ranks' agreement between steps)."""
+        if item is not None and length > self.longest:
+            self.longest, self.longest_item = length, item
+
     def _pass(self, source: Iterator[Any], buffer: deque[Any]) -> Iterator[Any]:
         while True:
             self._fill(source, buffer)
@@ -146,23 +159,36 @@ def _note(dataset: ReadAhead, batch_size: int) -> str:
 
 def start_read_ahead(trainer: Any, micro_batch_size: int, accumulation: int) -> ReadAhead | None:
     """The Trainer's one-pass ``train_dataset`` wrapped in a :class:`ReadAhead` whose first samples are read
-    (None: not a one-pass dataset, wrapped already, nothing read, a distributed run, whose ranks each
-    read their shard of the stream, or dataloader workers, each iterating its own copy of the dataset:
-    :func:`sample_stream`)."""
+    (None: not a one-pass dataset, wrapped already, nothing read, or dataloader workers, each iterating its
+    own copy of the dataset: :func:`sample_stream`).
+
+    On several ranks every rank reads its own copy's first samples, as many as the stream feeds all ranks
+    over the same steps (:func:`samples_per_micro_step`): accelerate's dispatcher (the Trainer's default for an
+    iterable dataset) has rank 0 read every rank's micro-batches from its copy, ``dispatch_batches=False``
+    every rank read them all and keep its slice; either way each rank's copy is read from its start.
+    Between steps the ranks agree on the longest sample read
+    (:meth:`~hf_memwatch.integration.between_steps.BetweenSteps.agree_longer_sample`)."""
     dataset = getattr(trainer, "train_dataset", None)
     if dataset is None or isinstance(dataset, ReadAhead) or not is_one_pass(dataset):
         return None
-    if not isinstance(dataset, torch.utils.data.IterableDataset) or int(trainer.args.world_size) > 1:
+    if not isinstance(dataset, torch.utils.data.IterableDataset):
         return None
     if int(getattr(trainer.args, "dataloader_num_workers", 0) or 0) > 0:
         return None  # each worker iterates its own copy (sharded by get_worker_info): not read in this process
-    ahead = ReadAhead(dataset, micro_batch_size * max(READ_AHEAD_BATCHES, accumulation + 2))
+    ahead = ReadAhead(dataset, samples_per_micro_step(trainer, micro_batch_size)
+                      * max(READ_AHEAD_BATCHES, accumulation + 2))
     if ahead.read() == 0:
         trainer.train_dataset = ahead  # the iterator is opened: the Trainer takes it from the wrapper
         return None
     trainer.train_dataset = ahead
     ahead.planned_for(ahead.longest)
     return ahead
+
+
+def samples_per_micro_step(trainer: Any, micro_batch_size: int) -> int:
+    """Samples a rank's copy of the stream gives up per micro-step: every rank's micro-batch
+    (``micro_batch_size`` x world size, :func:`start_read_ahead`)."""
+    return int(micro_batch_size) * max(1, int(getattr(trainer.args, "world_size", 1) or 1))
 
 
 class StreamSample:

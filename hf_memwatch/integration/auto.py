@@ -316,6 +316,12 @@ class AutoMode(BetweenSteps):
             ahead = start_read_ahead(trainer, run.micro_batch_size, run.gradient_accumulation_steps)
             sampled = None if ahead is not None else sample_stream(trainer, run.micro_batch_size,
                                                                    run.gradient_accumulation_steps)
+            if distributed():  # every rank reads its copy ahead, or none plans on it; then agreed every step
+                from ..measure.ranks import gather_objects
+
+                if not all(gather_objects(ahead is not None)):
+                    raise
+                self._stream_agreement = True
             if ahead is None and sampled is None:
                 raise
             how = ("read ahead" if ahead is not None else

@@ -72,6 +72,7 @@ class BetweenSteps:
         self._agreements = 0  # distributed: between-step agreements joined (the first MEASURED_STEPS steps)
         self.stop_requested = False  # a sample read ahead fits no plan: training stops before its step
         self._stop_before_sample: int | None = None  # that sample's index in the stream
+        self._stream_agreement = False  # distributed, the stream read ahead on every rank: agreed every step
 
     def measure_against(self, kind: FootprintKind | None) -> None:
         """What the limit counts (:func:`~hf_memwatch.planning.budget.footprint_kind`): the first steps'
@@ -100,10 +101,13 @@ class BetweenSteps:
             logger.warning("hf-memwatch: the footprint of step %s was not measured (%s: %s)",
                            step_record.step, type(exc).__name__, exc)
             measured = None
-        replanned = self.longer_sample(trainer)
-        self._stop_before_its_step(trainer)
-        if replanned is not None or self._stop_before_sample is not None:  # nothing else changes before the stop
-            return replanned
+        if not distributed():  # several ranks: agreed on every rank (agree_longer_sample)
+            replanned = self.longer_sample(trainer)
+            self._stop_before_its_step(trainer)
+            if replanned is not None or self._stop_before_sample is not None:  # nothing else changes before the stop
+                return replanned
+        elif self._stop_before_sample is not None:  # the ranks agreed to stop: nothing else changes before it
+            return None
         why = self._pressure(step_record, measured)
         if why is None:
             return None
@@ -136,6 +140,43 @@ class BetweenSteps:
         if over is not None:
             self._stop_before_sample = None if over else first_longer
         return record
+
+    def agree_longer_sample(self, trainer: Any) -> PlanRecord | None:
+        """Distributed runs whose stream is read ahead, after every step: the ranks agree on the longest sample
+        any of them read (one ``all_gather_object``; under accelerate's dispatcher only rank 0 reads the stream
+        while training), every rank takes that sample, and the plan in force is predicted again on it on every
+        rank, as :meth:`longer_sample` does in one process, with the verdict the ranks' figures agree on: the
+        plan stays where it fits every rank, checkpointing is turned on where that fits every rank, else every
+        rank stops before the step that trains on the sample.
+
+        Called on every rank at every step end, whatever its own monitoring did, so no rank waits alone; where a
+        rank cannot predict, every rank raises the same error (the caller's WARNING: the plan stays)."""
+        from ..estimation.read_ahead import ReadAhead
+        from ..measure.ranks import gather_objects
+
+        ahead = getattr(trainer, "train_dataset", None) if trainer is not None else None
+        if not self._stream_agreement or not distributed() or not isinstance(ahead, ReadAhead):
+            return None
+        mine = ahead.longest > ahead.planned
+        seen = gather_objects((ahead.longest, ahead.planned, ahead.first_longer,
+                               ahead.longest_item if mine else None, self._replannable()))
+        longest, planned = max(entry[0] for entry in seen), max(entry[1] for entry in seen)
+        replanned = None
+        if longest > planned:
+            rank = min(r for r, entry in enumerate(seen) if entry[0] == longest)
+            _, _, first_longer, item, _ = seen[rank]
+            ahead.adopt(longest, item)
+            ahead.planned_for(longest)
+            if not all(entry[4] for entry in seen):
+                raise RuntimeError(f"a sample of {longest} tokens read ahead (rank {rank}) was not predicted on: "
+                                   "a rank has no estimator plan to predict it with")
+            replanned, over = self._predict_longer(
+                trainer, longest, planned, f"read ahead (rank {rank}; agreed by all ranks)",
+                "training stops before the step that trains on the first longer sample")
+            if over is not None:
+                self._stop_before_sample = None if over else first_longer
+        self._stop_before_its_step(trainer)
+        return replanned
 
     def longer_fetched(self, trainer: Any, fetched: Any) -> PlanRecord | None:
         """The micro-batches dataloader workers delivered for the next step (``get_batch_samples``), of a stream
@@ -170,15 +211,16 @@ class BetweenSteps:
         self.predictor.floors.clear()
         if self.plan.sample is not None:
             self.plan = self.plan.replace(sample=self.plan.sample.replace(seq_len=longest))
-        peak = self.predictor.peak(self.plan.plan)
+        peak, fits = self._agreed_fit(lambda: self.predictor.peak(self.plan.plan))
         why = (f"a sample of {longest} tokens {how} (the plan was predicted for {before}): the plan in "
                f"force predicted at {format_bytes(peak)}")
-        if peak <= self.budget.usable:
+        if fits:
             return self._replanned(self.plan.replace(predicted_peak=peak, reason=f"{why}, which fits the budget "
                                                      f"{format_bytes(self.budget.usable)}: the plan stays")), None
         if not self.plan.activation_checkpointing and not RunConfig.from_trainer(trainer).checkpointing_unavailable:
-            checkpointed = self.predictor.peak(self.plan.plan.replace(activation_checkpointing=True))
-            if checkpointed <= self.budget.usable:
+            checkpointed, fits = self._agreed_fit(
+                lambda: self.predictor.peak(self.plan.plan.replace(activation_checkpointing=True)))
+            if fits:
                 return self._switch_checkpointing(trainer, f"{why}, over the budget "
                                                            f"{format_bytes(self.budget.usable)}"), None
             peak = checkpointed
@@ -193,12 +235,35 @@ class BetweenSteps:
         self.record(record)
         return record, over
 
+    def _agreed_fit(self, predict: Callable[[], int]) -> tuple[int, bool]:
+        """(this rank's predicted peak, whether it fits the budget); on several ranks, whether every rank's
+        fits its own (one ``all_gather_object``: every rank decides alike), and a rank's failure to predict
+        raised on every rank."""
+        assert self.budget is not None
+        if not distributed():
+            peak = int(predict())
+            return peak, peak <= self.budget.usable
+        from ..measure.ranks import gather_objects
+
+        try:
+            peak, error = int(predict()), None
+        except Exception as exc:  # noqa: BLE001 - told to every rank, raised on every rank below
+            peak, error = 0, f"{type(exc).__name__}: {exc}"
+        seen = gather_objects((error is None and peak <= self.budget.usable, error))
+        failed = [(rank, text) for rank, (_, text) in enumerate(seen) if text]
+        if failed:
+            raise RuntimeError(f"rank {failed[0][0]} could not predict the plan on the longer sample ({failed[0][1]})")
+        return peak, all(fits for fits, _ in seen)
+
     def _stop_before_its_step(self, trainer: Any) -> None:
         """Training stops now when the next step trains on the sample no plan fits (its index in the stream
         below the samples trained through the next step: optimizer steps x micro-batch x accumulation)."""
         if self._stop_before_sample is None or self.plan is None:
             return
-        per_step = int(self.plan.micro_batch_size) * int(self.plan.gradient_accumulation_steps)
+        from ..estimation.read_ahead import samples_per_micro_step
+
+        per_step = samples_per_micro_step(trainer, int(self.plan.micro_batch_size)) * int(
+            self.plan.gradient_accumulation_steps)
         if self._stop_before_sample < (int(trainer.state.global_step) + 1) * per_step:
             self.stop_requested = True
             trainer.control.should_training_stop = True  # the Trainer's own control: checked after on_step_end

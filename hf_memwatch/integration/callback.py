@@ -215,6 +215,11 @@ class MemWatch(TrainerCallback, ExportableState, WatchedRun):
             except Exception as exc:  # noqa: BLE001 - the plan in force stays; training goes on
                 logger.warning("hf-memwatch: the ranks did not agree between steps (%s: %s); the plan stays",
                                type(exc).__name__, exc)
+            try:  # a stream read ahead on several ranks: the longest sample agreed, after every step
+                self._auto.agree_longer_sample(self.trainer)
+            except Exception as exc:  # noqa: BLE001 - the plan in force stays; training goes on
+                logger.warning("hf-memwatch: the ranks' longest sample read ahead was not predicted on (%s: %s); "
+                               "the plan stays, not known to fit that sample", type(exc).__name__, exc)
 
     @guarded
     def _step_end(self) -> None:

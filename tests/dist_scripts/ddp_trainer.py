@@ -20,8 +20,8 @@ Runs, each in its own output dir under OUT_DIR:
 * ``ckpt_bnb``: accumulation 2, checkpointing and 8-bit AdamW, 16 tokens on rank 0 and 64 on rank 1,
   MemWatch full, under the profiler (issue 19's planned run, by hand).
 
-Then, on the same process group, ``agreement.py``'s scenarios and ``fsdp2_shards.py``'s FSDP2 step
-(their files beside ``facts.rank<N>.json``), and last ``fsdp2_trainer.py``'s FSDP2 runs through the
+Then, on the same process group, ``agreement.py``'s scenarios, ``fsdp2_shards.py``'s FSDP2 step and
+``stream_ranks.py``'s stream read ahead on both ranks (their files beside ``facts.rank<N>.json``), and last ``fsdp2_trainer.py``'s FSDP2 runs through the
 Trainer (in OUT_DIR/fsdp2_trainer; last because it lets accelerate build FSDP on these CPU ranks).
 """
 
@@ -185,9 +185,11 @@ def main() -> None:
     from agreement import scenarios
     from fsdp2_shards import shards
     from fsdp2_trainer import runs as fsdp2_runs
+    from stream_ranks import runs as stream_runs
 
     scenarios(out)
     shards(out)
+    stream_runs(out)
     fsdp2_runs(out / "fsdp2_trainer")  # FSDP2 through the Trainer, last: it changes accelerate's state
     # Tear gloo down before interpreter exit: left to atexit, its threads can abort the process
     # ("terminate called without an active exception", seen intermittently).

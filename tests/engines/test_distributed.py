@@ -64,6 +64,13 @@ def fsdp2(ddp_runs) -> list[dict[str, Any]]:
     return [json.loads((out / f"fsdp2.rank{rank}.json").read_text()) for rank in (0, 1)]
 
 
+@pytest.fixture(scope="module")
+def stream(ddp_runs) -> list[dict[str, Any]]:
+    """``stream_ranks.py``'s runs of a token stream read ahead on both ranks, at the end of the DDP launch."""
+    out, _ = ddp_runs
+    return [json.loads((out / f"stream.rank{rank}.json").read_text()) for rank in (0, 1)]
+
+
 # -- without a process group ------------------------------------------------------------------
 
 
@@ -254,6 +261,48 @@ def test_a_rank_that_cannot_plan_stops_every_rank_without_a_hang(ddp_runs):
     assert "below what the weights alone need" in facts[1]["auto_fail"]["message"]
     assert facts[0]["auto_fail"]["raised"] == "PlanError"
     assert "rank 1: PlanError" in facts[0]["auto_fail"]["message"]
+
+
+def test_a_stream_over_its_bound_is_read_ahead_on_every_rank_and_trains_as_without_memwatch(stream):
+    """Planned for GPT-2's 2,048 positions nothing fits: each rank reads its copy's first samples ahead, both
+    plan on 16 tokens, and the run trains the same batches with the same losses as without MemWatch (was:
+    PlanError on every rank, the read-ahead being for one process only)."""
+    for rank_facts in stream:
+        short, checkpointed, plain = rank_facts["budgets"]
+        assert short < checkpointed < plain
+        for case in ("checkpointing", "stop"):
+            run = rank_facts[case]
+            assert run["raised"] is None and run["dataset"] == "ReadAhead", run["raised"]
+            first = run["plans"][0]
+            assert first["sample"]["seq_len"] == 16 and not first["activation_checkpointing"]
+            assert run["losses"] == rank_facts["plain"]["losses"][:len(run["losses"])]
+        assert rank_facts["checkpointing"]["lengths"] == rank_facts["plain"]["lengths"]
+
+
+def test_a_longer_sample_one_rank_reads_switches_every_rank_before_its_step(stream):
+    """Rank 0 alone reads the stream while training (accelerate's dispatcher): the ranks agree on its 256-token
+    sample after a step and both turn checkpointing on, the same plan, before the first step that trains on it."""
+    switched = []
+    for rank_facts in stream:
+        run = rank_facts["checkpointing"]
+        assert run["global_step"] == 12
+        [_, later] = run["plans"]
+        assert later["activation_checkpointing"] and later["predicted_peak"] <= run["budget"]
+        assert "a sample of 256 tokens read ahead (rank 0; agreed by all ranks)" in later["reason"]
+        assert all(on for on, lengths in zip(run["checkpointing"], run["lengths"], strict=True) if 256 in lengths)
+        switched.append(run["checkpointing"].index(True))
+    assert switched[0] == switched[1] < 10
+
+
+def test_a_longer_sample_no_plan_fits_stops_every_rank_before_its_step(stream):
+    """The 256-token sample fits no plan: both ranks stop after step 10 (its index 40 over the 4 samples every
+    step takes from rank 0's copy: 2 ranks x 2), with the same over-budget record, and change nothing before."""
+    for rank_facts in stream:
+        run = rank_facts["stop"]
+        assert run["global_step"] == 10 and all(lengths == [16] for lengths in run["lengths"])
+        assert not any(run["checkpointing"])
+        [_, later] = run["plans"]
+        assert later["status"] == "over_budget" and "training stops before the step" in later["reason"]
 
 
 # -- FSDP2 (fully_shard) on gloo ----------------------------------------------------------------
