@@ -119,7 +119,8 @@ def test_between_steps_state_is_declared_by_the_class_that_owns_it() -> None:
 
     own = set(vars(BetweenSteps()))
     assert own == {"kind", "baseline", "measured", "advised", "_checkpointing_refused", "_pending_why", "_agreements",
-                   "stop_requested", "_stop_before_sample"}  # the last two: a stream's longer sample (read_ahead)
+                   "stop_requested", "_stop_before_sample", "_stream_agreement"}  # the last three: a stream's longer
+    # sample (read_ahead), agreed by the ranks
     auto = AutoMode("1GiB", lambda record: None)
     assert {"plan", "budget", "predictor", "budget_spec", "record"} <= set(vars(auto)) - own
     auto_source = inspect.getsource(AutoMode)

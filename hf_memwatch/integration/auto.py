@@ -321,7 +321,7 @@ class AutoMode(BetweenSteps):
 
                 if not all(gather_objects(ahead is not None)):
                     raise
-                self._stream_agreement = True
+                self.agree_on_the_stream()
             if ahead is None and sampled is None:
                 raise
             how = ("read ahead" if ahead is not None else

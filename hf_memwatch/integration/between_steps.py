@@ -141,6 +141,11 @@ class BetweenSteps:
             self._stop_before_sample = None if over else first_longer
         return record
 
+    def agree_on_the_stream(self) -> None:
+        """Every rank reads its copy of the stream ahead (the auto mode's plan, before training): from now on the
+        ranks agree on the longest sample read after every step (:meth:`agree_longer_sample`)."""
+        self._stream_agreement = True
+
     def agree_longer_sample(self, trainer: Any) -> PlanRecord | None:
         """Distributed runs whose stream is read ahead, after every step: the ranks agree on the longest sample
         any of them read (one ``all_gather_object``; under accelerate's dispatcher only rank 0 reads the stream
