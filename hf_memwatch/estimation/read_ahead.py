@@ -27,7 +27,8 @@ Read by dataloader workers, the stream cannot be read ahead here: each worker it
 of the dataset is read in this process instead (:func:`sample_stream`: the same first samples where the
 stream is not sharded by worker, nothing of the run's stream consumed) and planned on; the batches the
 workers then fetch are measured as the Trainer takes them, before the step that trains on them
-(:meth:`~hf_memwatch.integration.between_steps.BetweenSteps.longer_fetched`).
+(:meth:`~hf_memwatch.integration.between_steps.BetweenSteps.longer_fetched`; on several ranks every rank reads
+a copy, and the ranks agree on the longest micro-batch any of them fetched, at the fetch).
 
 Example:
     >>> import torch
@@ -219,6 +220,12 @@ class StreamSample:
     def planned_for(self, length: int) -> None:
         self.planned = length
 
+    def adopt(self, length: int, batch: Any) -> None:
+        """Another rank fetched ``batch``, a micro-batch of ``length`` tokens, longer than any fetched here: this
+        rank's estimates replay it too (the ranks' agreement at the fetch)."""
+        if batch is not None and length > self.longest:
+            self.longest, self.longest_batch = length, batch
+
 
 _SAMPLED: weakref.WeakKeyDictionary[Any, StreamSample] = weakref.WeakKeyDictionary()
 
@@ -229,16 +236,16 @@ def stream_sample(trainer: Any) -> StreamSample | None:
 
 
 def sample_stream(trainer: Any, micro_batch_size: int, accumulation: int) -> StreamSample | None:
-    """For a one-pass ``train_dataset`` read by dataloader workers in a single process: its first samples,
-    read from a deep copy of the dataset (the run's dataset and its workers' copies untouched, random number
-    generators put back), as many as :func:`start_read_ahead` would read. None: not such a run, a dataset
-    that cannot be copied, or nothing read."""
+    """For a one-pass ``train_dataset`` read by dataloader workers: its first samples, read from a deep copy of
+    the dataset (the run's dataset and its workers' copies untouched, random number generators put back), as
+    many as :func:`start_read_ahead` would read (on several ranks, every rank's). None: not such a run, a
+    dataset that cannot be copied, or nothing read."""
     dataset = getattr(trainer, "train_dataset", None)
     if (dataset is None or isinstance(dataset, ReadAhead) or not is_one_pass(dataset)
-            or not isinstance(dataset, torch.utils.data.IterableDataset) or int(trainer.args.world_size) > 1
+            or not isinstance(dataset, torch.utils.data.IterableDataset)
             or int(getattr(trainer.args, "dataloader_num_workers", 0) or 0) <= 0):
         return None
-    wanted = micro_batch_size * max(READ_AHEAD_BATCHES, accumulation + 2)
+    wanted = samples_per_micro_step(trainer, micro_batch_size) * max(READ_AHEAD_BATCHES, accumulation + 2)
     rng = RngStates.capture()
     try:
         copied = copy.deepcopy(dataset)

@@ -316,12 +316,14 @@ class AutoMode(BetweenSteps):
             ahead = start_read_ahead(trainer, run.micro_batch_size, run.gradient_accumulation_steps)
             sampled = None if ahead is not None else sample_stream(trainer, run.micro_batch_size,
                                                                    run.gradient_accumulation_steps)
-            if distributed():  # every rank reads its copy ahead, or none plans on it; then agreed every step
+            if distributed():  # every rank reads its copy the same way, or none plans on it; then agreed each step
                 from ..measure.ranks import gather_objects
 
-                if not all(gather_objects(ahead is not None)):
+                paths = gather_objects((ahead is not None, sampled is not None))
+                if len(set(paths)) != 1:
                     raise
-                self.agree_on_the_stream()
+                if ahead is not None:
+                    self.agree_on_the_stream()
             if ahead is None and sampled is None:
                 raise
             how = ("read ahead" if ahead is not None else

@@ -12,7 +12,7 @@ steps' footprints and the between-step agreement are this class's (:meth:`Betwee
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -43,6 +43,17 @@ CHECKPOINT_TRIGGER = 0.95
 # The first steps whose footprint is measured against the limit: the first allocates the optimizer
 # states, the second is the first to hold them through a whole step, the third confirms the gap.
 MEASURED_STEPS = 3
+
+
+def _on_cpu(value: Any) -> Any:
+    """``value`` (a sample or a collated micro-batch) with every tensor in it moved to the CPU, to cross ranks."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, Mapping):
+        return {key: _on_cpu(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_on_cpu(item) for item in value)
+    return value
 
 
 def distributed() -> bool:
@@ -162,24 +173,20 @@ class BetweenSteps:
         ahead = getattr(trainer, "train_dataset", None) if trainer is not None else None
         if not self._stream_agreement or not distributed() or not isinstance(ahead, ReadAhead):
             return None
-        mine = ahead.longest > ahead.planned
-        seen = gather_objects((ahead.longest, ahead.planned, ahead.first_longer,
-                               ahead.longest_item if mine else None, self._replannable()))
-        longest, planned = max(entry[0] for entry in seen), max(entry[1] for entry in seen)
+        longer = ahead.longest > ahead.planned
+        first_longers = gather_objects(ahead.first_longer if longer else None)
+        agreed = self._agreed_longest(ahead.longest, ahead.planned, ahead.longest_item if longer else None)
         replanned = None
-        if longest > planned:
-            rank = min(r for r, entry in enumerate(seen) if entry[0] == longest)
-            _, _, first_longer, item, _ = seen[rank]
+        if agreed is not None:
+            longest, rank, item = agreed
+            before = ahead.planned
             ahead.adopt(longest, item)
             ahead.planned_for(longest)
-            if not all(entry[4] for entry in seen):
-                raise RuntimeError(f"a sample of {longest} tokens read ahead (rank {rank}) was not predicted on: "
-                                   "a rank has no estimator plan to predict it with")
             replanned, over = self._predict_longer(
-                trainer, longest, planned, f"read ahead (rank {rank}; agreed by all ranks)",
+                trainer, longest, before, f"read ahead (rank {rank}; agreed by all ranks)",
                 "training stops before the step that trains on the first longer sample")
             if over is not None:
-                self._stop_before_sample = None if over else first_longer
+                self._stop_before_sample = None if over else first_longers[rank]
         self._stop_before_its_step(trainer)
         return replanned
 
@@ -188,21 +195,49 @@ class BetweenSteps:
         planned on a copy's first samples (:func:`~hf_memwatch.estimation.read_ahead.sample_stream`): one longer
         than the plan in force was predicted for is predicted on before the step trains on it, as in
         :meth:`longer_sample`; where no plan fits, the run stops here with a :class:`PlanError` (the step not
-        taken; ``allow_over_budget``: it goes on)."""
+        taken; ``allow_over_budget``: it goes on). On several ranks every rank's fetch joins one
+        ``all_gather_object``: the ranks agree on the longest micro-batch any fetched and take the same verdict."""
         from ..core.errors import PlanError
         from ..estimation.read_ahead import stream_sample
 
         sample = stream_sample(trainer)
         batches = fetched[0] if isinstance(fetched, tuple) and fetched else fetched
-        if sample is None or not isinstance(batches, list) or not sample.fetched(batches) or not self._replannable():
+        if sample is None or not isinstance(batches, list):
+            return None
+        longer = sample.fetched(batches)
+        how = "fetched by the dataloader workers"
+        if distributed():
+            agreed = self._agreed_longest(sample.longest, sample.planned, sample.longest_batch if longer else None)
+            if agreed is None:
+                return None
+            longest, rank, batch = agreed
+            sample.adopt(longest, batch)
+            how = f"fetched by the dataloader workers (rank {rank}; agreed by all ranks)"
+        elif not longer or not self._replannable():
             return None
         before = sample.planned
         sample.planned_for(sample.longest)
-        record, over = self._predict_longer(trainer, sample.longest, before, "fetched by the dataloader workers",
+        record, over = self._predict_longer(trainer, sample.longest, before, how,
                                             "training stops before the step that trains on it")
         if over is False:
             raise PlanError(f"hf-memwatch: {record.reason}")
         return record
+
+    def _agreed_longest(self, longest: int, planned: int, item: Any) -> tuple[int, int, Any] | None:
+        """Several ranks: (the longest sample or micro-batch any rank holds, that rank, it) where it is longer than
+        every rank's plan was predicted for, else None; one ``all_gather_object`` (tensors cross on the CPU).
+        Raised on every rank where a rank has no estimator plan to predict it with."""
+        from ..measure.ranks import gather_objects
+
+        seen = gather_objects((longest, planned, _on_cpu(item), self._replannable()))
+        most, planned = max(entry[0] for entry in seen), max(entry[1] for entry in seen)
+        if most <= planned:
+            return None
+        rank = min(r for r, entry in enumerate(seen) if entry[0] == most)
+        if not all(entry[3] for entry in seen):
+            raise RuntimeError(f"a sample of {most} tokens (rank {rank}) was not predicted on: a rank has no "
+                               "estimator plan to predict it with")
+        return most, rank, seen[rank][2]
 
     def _replannable(self) -> bool:
         return self.plan is not None and self.budget is not None and isinstance(self.predictor, EstimatorPredictor)

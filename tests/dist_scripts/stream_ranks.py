@@ -5,7 +5,9 @@ GPT-2 with 2,048 positions fed an ``IterableDataset`` of 16-token samples, then 
 2,048 positions nothing fits the budget; each rank reads its copy's first samples ahead and the run is planned
 on them. Rank 0 reads the first long sample while training; the ranks agree on it after a step and predict
 the plan again on it on both ranks: checkpointing turned on (``checkpointing``) or both ranks stopping before
-step 11 (``stop``); ``plain``: the same stream without MemWatch. Each rank writes ``stream.rank<N>.json`` (the test asserts on it).
+step 11 (``stop``); ``workers``: the stream read by a dataloader worker (each rank plans on a copy's first
+samples, and the ranks agree on the longest micro-batch fetched, before its step); ``plain``: the same stream
+without MemWatch. Each rank writes ``stream.rank<N>.json`` (the test asserts on it).
 """
 
 from __future__ import annotations
@@ -83,14 +85,15 @@ def budgets(out: Path) -> tuple[int, int, int]:
     return peak(SHORT, False), peak(LONG, True), peak(LONG, False)
 
 
-def run(out: Path, budget: int | None) -> dict[str, Any]:
-    """The stream trained with ``MemWatch(auto=True, budget=budget)`` (None: without MemWatch)."""
+def run(out: Path, budget: int | None, workers: int = 0) -> dict[str, Any]:
+    """The stream trained with ``MemWatch(auto=True, budget=budget)`` (None: without MemWatch), read by
+    ``workers`` dataloader workers."""
     steps = Steps()
     data = Tokens([SHORT] * (SHORT_STEPS * BATCH * 2) + [LONG] * ((STEPS - SHORT_STEPS) * BATCH * 2))
     watch = [] if budget is None else [MemWatch(auto=True, budget=budget, report=False, summary=False)]
     trainer = Trainer(model=model(), train_dataset=data, data_collator=collate,
                       args=training_args(out, ddp_backend="gloo", per_device_train_batch_size=BATCH,
-                                         max_steps=STEPS), callbacks=[steps, *watch])
+                                         max_steps=STEPS, dataloader_num_workers=workers), callbacks=[steps, *watch])
     steps.trainer = trainer
     trainer.model.register_forward_pre_hook(steps.record, with_kwargs=True)
     try:
@@ -112,6 +115,8 @@ def runs(out: Path) -> None:
     facts: dict[str, Any] = {"budgets": [short, checkpointed, plain], "plain": run(out / "stream_plain", None)}
     for case, budget in (("checkpointing", (checkpointed + plain) // 2), ("stop", (short + checkpointed) // 2)):
         facts[case] = {"budget": budget, **run(out / f"stream_{case}", budget)}
+    budget = (checkpointed + plain) // 2  # read by a dataloader worker: planned on a copy, measured as fetched
+    facts["workers"] = {"budget": budget, **run(out / "stream_workers", budget, workers=1)}
     (out / f"stream.rank{rank}.json").write_text(json.dumps(facts))
 
 

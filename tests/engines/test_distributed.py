@@ -294,6 +294,21 @@ def test_a_longer_sample_one_rank_reads_switches_every_rank_before_its_step(stre
     assert switched[0] == switched[1] < 10
 
 
+def test_a_stream_read_by_dataloader_workers_is_planned_and_agreed_on_every_rank(stream):
+    """Read by a dataloader worker: each rank plans on a copy's first samples (nothing of the run's stream read
+    here), and the 256-token micro-batches fetched for step 11 are agreed on by both ranks before that step:
+    checkpointing on both from step 11, the same losses as without MemWatch (was: PlanError on every rank)."""
+    for rank_facts in stream:
+        run = rank_facts["workers"]
+        assert run["raised"] is None and run["dataset"] == "Tokens" and run["global_step"] == 12, run["raised"]
+        first, later = run["plans"]
+        assert first["sample"]["seq_len"] == 16 and not first["activation_checkpointing"]
+        assert later["activation_checkpointing"] and later["predicted_peak"] <= run["budget"]
+        assert "a sample of 256 tokens fetched by the dataloader workers (rank 0; agreed by all ranks)" in later["reason"]
+        assert run["checkpointing"] == [False] * 10 + [True] * 2
+        assert run["losses"] == rank_facts["plain"]["losses"] and run["lengths"] == rank_facts["plain"]["lengths"]
+
+
 def test_a_longer_sample_no_plan_fits_stops_every_rank_before_its_step(stream):
     """The 256-token sample fits no plan: both ranks stop after step 10 (its index 40 over the 4 samples every
     step takes from rank 0's copy: 2 ranks x 2), with the same over-budget record, and change nothing before."""
