@@ -168,17 +168,16 @@ class BetweenSteps:
         Called on every rank at every step end, whatever its own monitoring did, so no rank waits alone; where a
         rank cannot predict, every rank raises the same error (the caller's WARNING: the plan stays)."""
         from ..estimation.read_ahead import ReadAhead
-        from ..measure.ranks import gather_objects
 
         ahead = getattr(trainer, "train_dataset", None) if trainer is not None else None
         if not self._stream_agreement or not distributed() or not isinstance(ahead, ReadAhead):
             return None
         longer = ahead.longest > ahead.planned
-        first_longers = gather_objects(ahead.first_longer if longer else None)
-        agreed = self._agreed_longest(ahead.longest, ahead.planned, ahead.longest_item if longer else None)
+        agreed = self._agreed_longest(ahead.longest, ahead.planned,
+                                      (ahead.longest_item, ahead.first_longer) if longer else None)
         replanned = None
         if agreed is not None:
-            longest, rank, item = agreed
+            longest, rank, (item, first_longer) = agreed
             before = ahead.planned
             ahead.adopt(longest, item)
             ahead.planned_for(longest)
@@ -186,7 +185,7 @@ class BetweenSteps:
                 trainer, longest, before, f"read ahead (rank {rank}; agreed by all ranks)",
                 "training stops before the step that trains on the first longer sample")
             if over is not None:
-                self._stop_before_sample = None if over else first_longers[rank]
+                self._stop_before_sample = None if over else first_longer
         self._stop_before_its_step(trainer)
         return replanned
 
@@ -297,7 +296,8 @@ class BetweenSteps:
 
     def _stop_before_its_step(self, trainer: Any) -> None:
         """Training stops now when the next step trains on the sample no plan fits (its index in the stream
-        below the samples trained through the next step: optimizer steps x micro-batch x accumulation)."""
+        below the samples trained through the next step: optimizer steps x every rank's micro-batch x
+        accumulation)."""
         if self._stop_before_sample is None or self.plan is None:
             return
         from ..estimation.read_ahead import samples_per_micro_step
