@@ -17,11 +17,11 @@ of the Trainer, so a longer sample is known before the step that trains on it: `
 (:meth:`~hf_memwatch.integration.between_steps.BetweenSteps.longer_sample`).
 
 On several ranks each rank reads its own copy's first samples, as many as the stream feeds every rank over
-those micro-batches, and after every step the ranks agree on the longest sample any of them read (under
+those micro-batches, and every few steps the ranks agree on the longest sample any of them read (under
 accelerate's dispatcher, the Trainer's default for an iterable dataset, only rank 0 reads the stream while
 training): every rank replays it and takes the same verdict
 (:meth:`~hf_memwatch.integration.between_steps.BetweenSteps.agree_longer_sample`; one ``all_gather_object``
-a step, only for such a run).
+every few steps, as often as the samples read ahead require, only for such a run).
 
 Read by dataloader workers, the stream cannot be read ahead here: each worker iterates its own copy. A copy
 of the dataset is read in this process instead (:func:`sample_stream`: the same first samples where the

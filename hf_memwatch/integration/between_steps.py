@@ -154,23 +154,27 @@ class BetweenSteps:
 
     def agree_on_the_stream(self) -> None:
         """Every rank reads its copy of the stream ahead (the auto mode's plan, before training): from now on the
-        ranks agree on the longest sample read after every step (:meth:`agree_longer_sample`)."""
+        ranks agree on the longest sample read every few steps (:meth:`agree_longer_sample`)."""
         self._stream_agreement = True
 
     def agree_longer_sample(self, trainer: Any) -> PlanRecord | None:
-        """Distributed runs whose stream is read ahead, after every step: the ranks agree on the longest sample
-        any of them read (one ``all_gather_object``; under accelerate's dispatcher only rank 0 reads the stream
-        while training), every rank takes that sample, and the plan in force is predicted again on it on every
+        """Distributed runs whose stream is read ahead, after every :meth:`_agreement_period` steps: the ranks
+        agree on the longest sample any of them read (one ``all_gather_object``; under accelerate's dispatcher
+        only rank 0 reads the stream while training), every rank takes that sample, and the plan in force is predicted again on it on every
         rank, as :meth:`longer_sample` does in one process, with the verdict the ranks' figures agree on: the
         plan stays where it fits every rank, checkpointing is turned on where that fits every rank, else every
         rank stops before the step that trains on the sample.
 
-        Called on every rank at every step end, whatever its own monitoring did, so no rank waits alone; where a
-        rank cannot predict, every rank raises the same error (the caller's WARNING: the plan stays)."""
+        Called on every rank at every step end, whatever its own monitoring did, so no rank waits alone (the
+        period is the same on every rank); where a rank cannot predict, every rank raises the same error (the
+        caller's WARNING: the plan stays)."""
         from ..estimation.read_ahead import ReadAhead
 
         ahead = getattr(trainer, "train_dataset", None) if trainer is not None else None
-        if not self._stream_agreement or not distributed() or not isinstance(ahead, ReadAhead):
+        if not self._stream_agreement or self.plan is None or not distributed() or not isinstance(ahead, ReadAhead):
+            return None
+        if int(trainer.state.global_step) % self._agreement_period(trainer, ahead):
+            self._stop_before_its_step(trainer)
             return None
         longer = ahead.longest > ahead.planned
         agreed = self._agreed_longest(ahead.longest, ahead.planned,
@@ -188,6 +192,19 @@ class BetweenSteps:
                 self._stop_before_sample = None if over else first_longer
         self._stop_before_its_step(trainer)
         return replanned
+
+    def _agreement_period(self, trainer: Any, ahead: Any) -> int:
+        """Every how many steps the ranks agree on the stream (:meth:`agree_longer_sample`), the same on every
+        rank: the samples read ahead cover ``ahead.ahead // per_step`` optimizer steps beyond the one trained, so a
+        sample first read just after an agreement is trained on no sooner than that many steps on; two are kept
+        in hand (the buffer's refill lags a sample, the step that reads it may be the next). 8 micro-batches read
+        ahead, no accumulation: every 6th step; accumulation 4 or more: every step."""
+        assert self.plan is not None
+        from ..estimation.read_ahead import samples_per_micro_step
+
+        per_step = samples_per_micro_step(trainer, int(self.plan.micro_batch_size)) * int(
+            self.plan.gradient_accumulation_steps)
+        return max(1, int(ahead.ahead) // max(1, per_step) - 2)
 
     def longer_fetched(self, trainer: Any, fetched: Any) -> PlanRecord | None:
         """The micro-batches dataloader workers delivered for the next step (``get_batch_samples``), of a stream
