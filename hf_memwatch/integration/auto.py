@@ -316,7 +316,7 @@ class AutoMode(BetweenSteps):
             ahead = start_read_ahead(trainer, run.micro_batch_size, run.gradient_accumulation_steps)
             sampled = None if ahead is not None else sample_stream(trainer, run.micro_batch_size,
                                                                    run.gradient_accumulation_steps)
-            if distributed():  # every rank reads its copy the same way, or none plans on it; then agreed each step
+            if distributed():  # every rank reads its copy the same way, or none plans on it; then agreed as it trains
                 from ..measure.ranks import gather_objects
 
                 paths = gather_objects((ahead is not None, sampled is not None))

@@ -215,7 +215,7 @@ class MemWatch(TrainerCallback, ExportableState, WatchedRun):
             except Exception as exc:  # noqa: BLE001 - the plan in force stays; training goes on
                 logger.warning("hf-memwatch: the ranks did not agree between steps (%s: %s); the plan stays",
                                type(exc).__name__, exc)
-            try:  # a stream read ahead on several ranks: the longest sample agreed, after every step
+            try:  # a stream read ahead on several ranks: the longest sample agreed (every few steps)
                 self._auto.agree_longer_sample(self.trainer)
             except Exception as exc:  # noqa: BLE001 - the plan in force stays; training goes on
                 logger.warning("hf-memwatch: the ranks' longest sample read ahead was not predicted on (%s: %s); "
