@@ -176,8 +176,7 @@ def start_read_ahead(trainer: Any, micro_batch_size: int, accumulation: int) -> 
         return None
     if int(getattr(trainer.args, "dataloader_num_workers", 0) or 0) > 0:
         return None  # each worker iterates its own copy (sharded by get_worker_info): not read in this process
-    ahead = ReadAhead(dataset, samples_per_micro_step(trainer, micro_batch_size)
-                      * max(READ_AHEAD_BATCHES, accumulation + 2))
+    ahead = ReadAhead(dataset, _samples_to_read(trainer, micro_batch_size, accumulation))
     if ahead.read() == 0:
         trainer.train_dataset = ahead  # the iterator is opened: the Trainer takes it from the wrapper
         return None
@@ -190,6 +189,12 @@ def samples_per_micro_step(trainer: Any, micro_batch_size: int) -> int:
     """Samples a rank's copy of the stream gives up per micro-step: every rank's micro-batch
     (``micro_batch_size`` x world size, :func:`start_read_ahead`)."""
     return int(micro_batch_size) * max(1, int(getattr(trainer.args, "world_size", 1) or 1))
+
+
+def _samples_to_read(trainer: Any, micro_batch_size: int, accumulation: int) -> int:
+    """Samples read before training: :data:`READ_AHEAD_BATCHES` micro-steps, or one optimizer step's and two
+    micro-steps more, whichever is more (every rank's micro-batches)."""
+    return samples_per_micro_step(trainer, micro_batch_size) * max(READ_AHEAD_BATCHES, accumulation + 2)
 
 
 class StreamSample:
@@ -245,7 +250,7 @@ def sample_stream(trainer: Any, micro_batch_size: int, accumulation: int) -> Str
             or not isinstance(dataset, torch.utils.data.IterableDataset)
             or int(getattr(trainer.args, "dataloader_num_workers", 0) or 0) <= 0):
         return None
-    wanted = samples_per_micro_step(trainer, micro_batch_size) * max(READ_AHEAD_BATCHES, accumulation + 2)
+    wanted = _samples_to_read(trainer, micro_batch_size, accumulation)
     rng = RngStates.capture()
     try:
         copied = copy.deepcopy(dataset)

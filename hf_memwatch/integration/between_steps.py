@@ -199,12 +199,16 @@ class BetweenSteps:
         sample first read just after an agreement is trained on no sooner than that many steps on; two are kept
         in hand (the buffer's refill lags a sample, the step that reads it may be the next). 8 micro-batches read
         ahead, no accumulation: every 6th step; accumulation 4 or more: every step."""
+        return max(1, int(ahead.ahead) // max(1, self._samples_per_step(trainer)) - 2)
+
+    def _samples_per_step(self, trainer: Any) -> int:
+        """Samples one optimizer step of the plan in force takes from a rank's copy of the stream: every rank's
+        micro-batch x accumulation (:func:`~hf_memwatch.estimation.read_ahead.samples_per_micro_step`)."""
         assert self.plan is not None
         from ..estimation.read_ahead import samples_per_micro_step
 
-        per_step = samples_per_micro_step(trainer, int(self.plan.micro_batch_size)) * int(
+        return samples_per_micro_step(trainer, int(self.plan.micro_batch_size)) * int(
             self.plan.gradient_accumulation_steps)
-        return max(1, int(ahead.ahead) // max(1, per_step) - 2)
 
     def longer_fetched(self, trainer: Any, fetched: Any) -> PlanRecord | None:
         """The micro-batches dataloader workers delivered for the next step (``get_batch_samples``), of a stream
@@ -317,11 +321,7 @@ class BetweenSteps:
         accumulation)."""
         if self._stop_before_sample is None or self.plan is None:
             return
-        from ..estimation.read_ahead import samples_per_micro_step
-
-        per_step = samples_per_micro_step(trainer, int(self.plan.micro_batch_size)) * int(
-            self.plan.gradient_accumulation_steps)
-        if self._stop_before_sample < (int(trainer.state.global_step) + 1) * per_step:
+        if self._stop_before_sample < (int(trainer.state.global_step) + 1) * self._samples_per_step(trainer):
             self.stop_requested = True
             trainer.control.should_training_stop = True  # the Trainer's own control: checked after on_step_end
             logger.error("hf-memwatch: training stops after step %s: the next step trains on sample %s of the stream, "
