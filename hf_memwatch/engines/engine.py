@@ -66,6 +66,9 @@ class Engine:
     max_live_parameters: int | None = None
     param_persistence_threshold: int | None = None
     max_reuse_distance: int | None = None
+    # ZeRO-1/2 reduce a bucket in one all-reduce of all its slices (``use_multi_rank_bucket_allreduce``,
+    # DeepSpeed 0.19's default), else one reduce per destination rank (engines/zero/backward.py, flat_copies)
+    multi_rank_bucket_allreduce: bool = True
     offload_optimizer: str = "none"  # DeepSpeed's device: none | cpu | nvme
     offload_param: str = "none"
     engine_optimizer: bool = False  # DeepSpeed's JSON builds its own optimizer (its "optimizer" section)
@@ -153,6 +156,7 @@ def engine_from_deepspeed_config(config: Mapping[str, Any], world_size: int, hid
     return Engine(kind="deepspeed", world_size=world_size, zero_stage=stage, offload_optimizer=offload_optimizer,
                   offload_param=_device_of(zero.get("offload_param")) if stage == 3 else "none",
                   engine_optimizer=engine_optimizer,
+                  multi_rank_bucket_allreduce=_true(zero.get("use_multi_rank_bucket_allreduce", True)),
                   cpu_optimizer=(offload_optimizer != "none" and not engine_optimizer
                                  and _true(config.get("zero_force_ds_cpu_optimizer", True))),
                   source=source, **buckets)

@@ -295,6 +295,7 @@ def _replay_step(model: torch.nn.Module, fake_mode: Any, request: EstimateReques
             f"{type(model).__name__} cannot run a {request.task} training step with these settings: "
             f"{type(exc).__name__}: {first}"
         ) from exc
+    notes.extend(getattr(flow, "notes", ()))  # an engine's race whose worst branch was replayed (at its exit)
     return simulation, traces
 
 

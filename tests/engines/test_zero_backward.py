@@ -67,3 +67,58 @@ def test_second_micro_step_backward_holds_two_gradient_partitions_and_the_bucket
                      world_size=2, shard="zero1", engine=engine.replace(zero_stage=1), top_tensors=12)
     assert zero1.peak_phase == "after_backward"
     assert [kept] not in [t.shape for t in zero1.peak_tensors.tensors], [t.shape for t in zero1.peak_tensors.tensors]
+
+
+@pytest.mark.parametrize(("count", "bucket_numel"), [(4, 200), (6, 150), (6, 100)])
+def test_flat_copies_are_deepspeeds_chunks(count, bucket_numel):
+    """``flat_copies`` against DeepSpeed's own ``allreduce_and_scatter`` (the default multi-rank all-reduce):
+    the chunks it hands to one all-reduce, each flattened by torch's ``_flatten_dense_tensors`` (a copy for
+    two slices or more, the slice's own view for one). Before 2026-12-04 the replay copied the largest
+    destination's slices alone (seed 12 of the two-rank sweep: 82,560 of the 97,024 elements copied)."""
+    import torch
+    from torch._utils import _flatten_dense_tensors
+
+    from hf_memwatch.engines.zero.backward import _slices, flat_copies
+
+    stage_1_and_2 = pytest.importorskip("deepspeed.runtime.zero.stage_1_and_2")
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (60, 30, 20, 50, 90, 5)]
+    size = 128  # the group's 255 elements padded to 256, 2 partitions
+    spans, offset = {}, 0
+    for param in params:
+        spans[id(param)] = (offset, size)
+        offset += param.numel()
+    pending = params[:count]  # slices 128 (rank 0) and 32 / 127 (rank 1)
+    flat = torch.zeros(sum(p.numel() for p in pending))
+    slices, at = [], 0
+    for numel, rank in _slices(pending, spans, 2):
+        slices.append((rank, flat.narrow(0, at, numel)))
+        at += numel
+    chunks: list[list[torch.Tensor]] = []
+
+    class Optimizer:  # the one method allreduce_and_scatter calls on its optimizer, recording each chunk
+        def allreduce_and_copy_with_multiple_ranks(self, small_bucket, *args, **kwargs):
+            chunks.append(list(small_bucket))
+
+    stage_1_and_2.DeepSpeedZeroOptimizer.allreduce_and_scatter(Optimizer(), slices, torch.float32,
+                                                               numel_per_bucket=bucket_numel, divide=False)
+    theirs = []
+    for chunk in chunks:
+        flattened = _flatten_dense_tensors(chunk)
+        if flattened.data_ptr() != chunk[0].data_ptr() or len(chunk) > 1:
+            theirs.append(flattened.numel())
+    assert flat_copies(pending, spans, 2, bucket_numel) == theirs
+    if bucket_numel > 100:  # one chunk of both destinations' slices: more than either destination's
+        assert theirs == [sum(p.numel() for p in pending)]
+    else:  # each chunk passes the bucket with its first slice: views, no copy
+        assert theirs == []
+
+
+def test_the_multi_rank_all_reduce_is_deepspeeds_default_and_read_from_the_json():
+    """DeepSpeed's default for ``use_multi_rank_bucket_allreduce`` (the flat copy's size depends on it)."""
+    config = pytest.importorskip("deepspeed.runtime.zero.config")
+    from hf_memwatch.engines.engine import engine_from_deepspeed_config
+
+    assert config.DeepSpeedZeroConfig().use_multi_rank_bucket_allreduce is True
+    assert Engine().multi_rank_bucket_allreduce is True
+    json = {"zero_optimization": {"stage": 2, "use_multi_rank_bucket_allreduce": False}}
+    assert engine_from_deepspeed_config(json, world_size=2).multi_rank_bucket_allreduce is False

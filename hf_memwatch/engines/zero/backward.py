@@ -36,8 +36,8 @@ gradient class and adds no bucket (:func:`~hf_memwatch.engines.zero.split.engine
 optimizer step holds the kept partition and its flat fp32 copy (:mod:`~hf_memwatch.engines.zero.step`).
 Measured against MemWatch on the 2-rank runs: ZeRO-1 4 x 2 predicted 14,734,232 B, measured
 14,735,268; ZeRO-2 4 x 2 13,290,776 vs 13,279,524 / 13,291,812 (ranks 0 / 1); 1 x 8 + checkpointing
-10,741,772 vs 10,734,116 / 10,746,404. Each reduction's flat copy (``torch.cat`` of a destination
-rank's slices) may outlive it, held by gloo's worker thread (:func:`flat_slices`): the replay keeps
+10,741,772 vs 10,734,116 / 10,746,404. Each reduction's flat copy (``torch.cat`` of the bucket's
+slices) may outlive it, held by gloo's worker thread (:func:`flat_copies`): the replay keeps
 the largest until the next reduction, so a plan's margin covers the run-to-run spread it makes.
 Not modelled: ``overlap_comm`` (a second bucket),
 ``contiguous_gradients: false``, ``round_robin_gradients``, 16-bit ZeRO and offload (other paths).
@@ -170,6 +170,9 @@ class ZeroGradientFlow:
         self.world_size = engine.world_size
         self.spans = _partition_spans(self.params, model, engine.world_size)
         self.lingering: torch.Tensor | None = None  # the last reduction's flat copy, on gloo's thread
+        self.multi_rank = engine.multi_rank_bucket_allreduce  # one all-reduce per bucket (flat_copies)
+        self.largest_copy = 0  # bytes of the largest flat copy kept alive: the race's worst branch
+        self.notes: list[str] = []  # what the estimate says of that race, filled at the exit
         self.offset = 0
         self.accumulated: torch.Tensor | None = None  # all_grad_tensors: the kept partition across micro-steps
         self.started = False  # a backward is running (its bucket set up)
@@ -186,6 +189,11 @@ class ZeroGradientFlow:
     def __exit__(self, *exc: Any) -> None:
         for handle in self._handles:
             handle.remove()
+        if self.largest_copy:  # the race of :func:`flat_copies`
+            self.notes.append(f"zero{self.stage}: each reduction's flat copy (up to {self.largest_copy:,} bytes) "
+                              f"counted alive until the next reduction: the worst branch of a race (the "
+                              f"collective's thread frees it later or sooner); freed first, the peak is up to that "
+                              f"much lower")
         self._handles = []
         self.bucket = self.buffer = self.accumulated = self.lingering = self.offload_accumulated = None
         self.pending, self.started, self.norms = [], False, []
@@ -244,12 +252,13 @@ class ZeroGradientFlow:
 
     def _reduce(self) -> None:
         """``reduce_ipg_grads``: the rank's gradients into ``grads_in_partition``, ZeRO-2 drops the others;
-        the flat copy of the largest destination's slices may outlive it (see :func:`flat_slices`)."""
-        flats = flat_slices(self.pending, self.spans, self.world_size)
+        the largest flat copy may outlive it (see :func:`flat_copies`)."""
+        copies = flat_copies(self.pending, self.spans, self.world_size, self.bucket_numel, self.multi_rank)
         self.lingering = None
-        if flats and self.pending:
+        if copies and self.pending:
             ref = self.pending[0]
-            self.lingering = torch.empty(max(flats), dtype=ref.dtype, device=ref.device)
+            self.lingering = torch.empty(max(copies), dtype=ref.dtype, device=ref.device)
+            self.largest_copy = max(self.largest_copy, max(copies) * ref.element_size())
         for param in self.pending:
             if param.grad is None:
                 continue
@@ -318,33 +327,69 @@ def _partition_spans(params: list[torch.nn.Parameter], model: torch.nn.Module,
     return {key: spans[key] for key in map(id, params) if key in spans}
 
 
-def flat_slices(pending: list[torch.nn.Parameter], spans: dict[int, tuple[int, int]], world_size: int) -> list[int]:
-    """Elements of the flat copy DeepSpeed makes for each destination rank of one bucket reduction.
-
-    ``average_tensor`` cuts the bucket's gradients at the partition boundaries and reduces each
-    destination's slices as one ``torch.cat`` (``allreduce_bucket``'s flatten, then a synchronous
-    ``dist.reduce``). Gloo's work object holds that tensor too, and its worker thread drops it after
-    the training thread went on: the block is freed a moment later, at a time that depends on how the
-    threads are scheduled. Measured on 2 gloo ranks (test GPT-2, buckets of 100,000 elements, ZeRO-2,
-    2 x 4 + checkpointing): rank 0's step-2 peak was 10,809,764 B in one launch and 11,007,908 B in
-    another — 198,144 B, the 49,536-element ``aten.cat`` of one such reduction, still held at the
-    next micro-step's high (MemWatch's peak tensors). The replay keeps the largest until the next
-    reduction or the backward's end, so a plan covers it.
-
-    Example:
-        >>> a, b = torch.nn.Parameter(torch.zeros(5)), torch.nn.Parameter(torch.zeros(5))
-        >>> flat_slices([a, b], {id(a): (0, 6), id(b): (5, 6)}, 2)  # b straddles the boundary at 6
-        [6, 4]
-    """
-    per_rank = [0] * world_size
+def _slices(pending: list[torch.nn.Parameter], spans: dict[int, tuple[int, int]],
+            world_size: int) -> list[tuple[int, int]]:
+    """``(elements, destination rank)`` of each slice ``average_tensor`` reduces, in the bucket's order,
+    consecutive slices of one destination merged as DeepSpeed merges them."""
+    out: list[tuple[int, int]] = []
     for param in pending:
         if id(param) not in spans:
             continue
         offset, size = spans[id(param)]
         for rank in range(world_size):
             low, high = max(offset, rank * size), min(offset + param.numel(), (rank + 1) * size)
-            per_rank[rank] += max(0, high - low)
-    return [n for n in per_rank if n > 0]
+            if high <= low:
+                continue
+            if out and out[-1][1] == rank:
+                out[-1] = (out[-1][0] + high - low, rank)
+            else:
+                out.append((high - low, rank))
+    return out
+
+
+def flat_copies(pending: list[torch.nn.Parameter], spans: dict[int, tuple[int, int]], world_size: int,
+                bucket_numel: int, multi_rank: bool = True) -> list[int]:
+    """Elements of each flat copy DeepSpeed makes to reduce one bucket (``allreduce_bucket``'s flatten).
+
+    With ``use_multi_rank_bucket_allreduce`` (DeepSpeed 0.19's default) every slice of the bucket goes
+    into one all-reduce (``allreduce_and_scatter``), else each destination's slices into one reduce
+    (``allreduce_no_retain``); either cuts its list into chunks, closing one where the elements
+    gathered pass ``reduce_bucket_size``, and flattens each chunk: ``torch.cat`` of its slices, or no
+    copy for a chunk of one slice (``flatten_dense_tensors`` returns that slice's view). Gloo's work
+    object holds the copy too, and its worker thread drops it after the training thread went on: the
+    block is freed a moment later, at a time that depends on how the threads are scheduled (a race).
+    Measured on 2 gloo ranks (the two-rank sweep's seed 12: Qwen2, ZeRO-2 with the optimizer
+    offloaded, buckets of 100,000 elements; ``benchmarks/results/sweep.md``): rank 1's step-2 peak was
+    3,120,740 B in one launch and 3,508,836 B in two — 388,096 B, the 97,024-element ``aten.cat`` of
+    the reduction before the high (the embedding's 64,000 elements and the layer's: 14,464 for rank 0,
+    82,560 for rank 1), still held at the high (MemWatch's peak tensors). The replay keeps the largest
+    until the next reduction or the backward's end: the race's worst branch, which the plan covers.
+    (Before: the largest destination's slices alone, 82,560 elements: 1.68% under that launch.)
+
+    Example:
+        >>> a, b = torch.nn.Parameter(torch.zeros(5)), torch.nn.Parameter(torch.zeros(5))
+        >>> spans = {id(a): (0, 6), id(b): (5, 6)}  # b straddles the partition boundary at 6
+        >>> flat_copies([a, b], spans, 2, bucket_numel=100)  # one all-reduce of the slices 6 + 4
+        [10]
+        >>> flat_copies([a, b], spans, 2, bucket_numel=100, multi_rank=False)  # each rank's slices: one view
+        []
+        >>> flat_copies([a, b], spans, 2, bucket_numel=8)  # 6 + 4 passes 8: one chunk of both
+        [10]
+    """
+    slices = _slices(pending, spans, world_size)
+    lists = [[n for n, _ in slices]] if multi_rank else [
+        [n for n, rank in slices if rank == dst] for dst in dict.fromkeys(rank for _, rank in slices)]
+    copies: list[int] = []
+    for numels in lists:
+        chunk: list[int] = []
+        for numel in numels:
+            chunk.append(numel)
+            if sum(chunk) > bucket_numel:
+                copies.append(sum(chunk) if len(chunk) > 1 else 0)
+                chunk = []
+        if chunk:
+            copies.append(sum(chunk) if len(chunk) > 1 else 0)
+    return [n for n in copies if n > 0]
 
 
 def _trackers() -> list[EstimateTracker]:

@@ -72,7 +72,8 @@ class ZeroRules(EngineRules):
         if deepspeed_half(engine, request.precision):  # DeepSpeed's bf16: the fp32 flow on the module cast
             stack = contextlib.ExitStack()
             stack.enter_context(half_module(model))
-            stack.enter_context(zero_gradient_flow(model, engine))
+            flow = stack.enter_context(zero_gradient_flow(model, engine))  # None where no flow applies (ZeRO-3)
+            stack.notes = getattr(flow, "notes", [])  # filled at the flow's exit
             return stack
         return zero_gradient_flow(model, engine, request.precision)  # ZeRO-1/2's buckets and partitions
 
