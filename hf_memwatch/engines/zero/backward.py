@@ -381,14 +381,14 @@ def flat_copies(pending: list[torch.nn.Parameter], spans: dict[int, tuple[int, i
         [n for n, rank in slices if rank == dst] for dst in dict.fromkeys(rank for _, rank in slices)]
     copies: list[int] = []
     for numels in lists:
-        chunk: list[int] = []
+        total, count = 0, 0  # the chunk being gathered (DeepSpeed's ``numel`` and ``small_bucket``)
         for numel in numels:
-            chunk.append(numel)
-            if sum(chunk) > bucket_numel:
-                copies.append(sum(chunk) if len(chunk) > 1 else 0)
-                chunk = []
-        if chunk:
-            copies.append(sum(chunk) if len(chunk) > 1 else 0)
+            total, count = total + numel, count + 1
+            if total > bucket_numel:
+                copies.append(total if count > 1 else 0)
+                total, count = 0, 0
+        if count:
+            copies.append(total if count > 1 else 0)
     return [n for n in copies if n > 0]
 
 
