@@ -155,10 +155,11 @@ def _train(trainer: Any, profiler: Any, predict: bool) -> dict[str, Any]:
     from hf_memwatch import estimate
     from hf_memwatch.testing.truth import alive_storages, left_alive, ops_unrecorded, step_peaks
 
-    predicted = None
+    predicted, branches = None, {}
     if predict:
         with ops_unrecorded(profiler, ESTIMATE_MARK):
-            predicted = estimate(trainer).peak_bytes
+            result = estimate(trainer)
+        predicted, branches = result.peak_bytes, dict(result.branches)  # a race's two branches (estimation/branches.py)
     alive = None
     try:
         trainer.train()
@@ -166,7 +167,7 @@ def _train(trainer: Any, profiler: Any, predict: bool) -> dict[str, Any]:
         profiler.stop()
         alive = alive_storages()
     left = left_alive(profiler, ESTIMATE_MARK) if predict else 0
-    return {"predicted": predicted, "truth": step_peaks(profiler, -left, reconcile=True, alive=alive),
+    return {"predicted": predicted, "branches": branches, "truth": step_peaks(profiler, -left, reconcile=True, alive=alive),
             "high": step_peaks(profiler, -left, reconcile=True, alive=alive, late=True),  # truth.step_peak_bounds
             "raw": step_peaks(profiler, -left), "distributed_type": str(trainer.accelerator.distributed_type)}
 
@@ -294,9 +295,18 @@ def launch(out: Path, seeds: list[int], timeout_s: int) -> None:
 
 
 # -- the report ------------------------------------------------------------------------------------------
+def freed_first(plain: dict[str, Any]) -> int:
+    """The estimate's branch the reconciled truth is: each free on gloo's thread made at once (a race's
+    freed-first branch, ``MemoryEstimate.branches``; the estimate itself where the step has no race)."""
+    from hf_memwatch.estimation.branches import RACE_FREED
+
+    return (plain.get("branches") or {}).get(RACE_FREED, plain["predicted"])
+
+
 def rank_errors(fact: dict[str, Any]) -> dict[str, Any]:
-    """The figures of one rank of one draw: estimate vs the highest reconciled step peak, the raw one,
-    MemWatch's worst step vs the profiler's of the watched run."""
+    """The figures of one rank of one draw: the estimate's branch that frees gloo's blocks at once vs the
+    highest reconciled step peak (which places those frees there), the estimate (the worst branch) against
+    the truth's bounds, MemWatch's worst step vs the profiler's of the watched run."""
     plain = fact["plain"]
     truth = max(plain["truth"])
     high = max(plain.get("high") or plain["truth"])
@@ -306,8 +316,8 @@ def rank_errors(fact: dict[str, Any]) -> dict[str, Any]:
     live_error = max((abs(a - b) / b for a, b in zip(live, live_truth, strict=False)), default=None)
     live_outside = max((outside(a, b, h) for a, b, h in zip(live, live_truth, live_high, strict=False)), default=None)
     return {"truth": truth, "high": high, "raw": max(plain["raw"]), "predicted": plain["predicted"],
-            "estimate_error": plain["predicted"] / truth - 1, "live_error": live_error,
-            "estimate_outside": outside(plain["predicted"], truth, high), "live_outside": live_outside,
+            "freed": freed_first(plain), "estimate_error": freed_first(plain) / truth - 1, "live_error": live_error,
+            "estimate_outside": apart(freed_first(plain), plain["predicted"], truth, high), "live_outside": live_outside,
             "distributed_type": plain["distributed_type"]}
 
 
@@ -322,6 +332,18 @@ def outside(value: int, low: int, high: int) -> float:
     """
     high = max(low, high)
     return 0.0 if low <= value <= high else (value - high) / high if value > high else (value - low) / low
+
+
+def apart(low: int, high: int, truth_low: int, truth_high: int) -> float:
+    """How far the estimate's branches ``[low, high]`` (a race's freed-first and held peaks; one figure
+    without a race) lie from the truth's bounds (0 where they overlap: a peak both allow), as
+    :func:`outside` measures it.
+
+        >>> apart(100, 120, 110, 130), round(apart(100, 104, 110, 130), 3), round(apart(140, 150, 110, 130), 3)
+        (0.0, -0.055, 0.077)
+    """
+    return 0.0 if low <= truth_high and truth_low <= high else outside(high if high < truth_low else low,
+                                                                         truth_low, truth_high)
 
 
 NOTES = """
@@ -379,20 +401,29 @@ Not fixed (the figures over 3% above):
   rank 0 3,349,152 B against MemWatch's 3,349,152 in one of three launches; seed 28 rank 1 3,642,480 B
   against 3,642,492 (was 3,581,856), rank 0 3,163,344 B against 3,163,348 (was 3,265,352, +4.31%); seed 10
   3,314,280 B against 3,315,316.
+- **The race's other branch** (2026-12-05). Where gloo's thread lets the copy go before the training
+  thread's next allocations the peak is lower by up to the copy, and the reconciled truth is that branch
+  (it places every free on gloo's thread at the block's last reader): seeds 12 and 28 read +8.87% / +12.44%
+  and +1.05% / +11.55% against it, seed 10 +2.08%. Now a direct estimate replays that branch too (the copy
+  made for the all-reduce and let go at once) and gives both peaks (``MemoryEstimate.branches``,
+  ``estimation/branches.py``): the table's error is that branch against the reconciled truth, -0.03..0.00%
+  on these draws (seed 28 rank 0 -3.87% while the branch did not make the copy at all: it is made for the
+  all-reduce either way, and the reduction that makes it can be the high). The estimate itself stays the
+  worst branch, which plans use; the spread section compares it with the highest launch.
+- **Without live ranks** (the CLI) the replay kept the partition of the rank that keeps the most elements,
+  which is not always the rank that peaks highest: seed 28's rank 1 keeps fewer and peaks 15% higher (it
+  keeps the last parameters, whose gradients the backward makes first; the mechanism not traced): the CLI's
+  estimate was rank 0's, 3,163,348 B, against rank 1's 3,642,472. Now every rank's partition is replayed
+  (up to 8 ranks) and the highest kept: the section above, equal to the highest live rank's estimate on
+  all 15 ZeRO-1/2 draws (within 0.12%: seed 12's 4,096 B below).
 
 Not fixed (the figures over 3% above):
 
-- **The race's other branch.** Where gloo's thread lets the copy go before the training thread's next
-  allocations the peak is lower by up to the copy, and the reconciled truth is that branch: seeds 12 and 28
-  read +8.87% / +12.44% and +1.05% / +11.55% against it in this launch, whose runs all let the copy go
-  first, seed 10 +2.08%; the spread section below shows the other branch reached (the estimate within 0.03%
-  of the highest launch). The estimate is the worst branch and says so in a note (the copy's bytes); it does
-  not replay the other branch, so the 3% goal against the reconciled truth is missed on these
-  draws. Without live ranks (the CLI) the replay keeps the partition of the rank that keeps the most
-  elements, which is not always the rank that peaks highest (seed 28's rank 1 keeps fewer and peaks higher).
-- **ZeRO-3 + offload, accumulation 2** (seed 21): +3.18% / +3.04% in this launch, +1.55% / +2.53% and
+- **ZeRO-3 + offload, accumulation 2** (seed 21): +3.18% / +3.18% in this launch, +1.55% / +2.53% and
   +2.80..+3.18% in earlier ones, the same estimate each time: its truth moves with the draws run before it in
-  the process (not explained).
+  the process (not explained). ZeRO-3 is estimated by rules over the single-process replay (two layers
+  all-gathered, gloo's staging copies of 2 all-gathers in flight), not replayed as ZeRO-1/2's buckets are;
+  a replay of its gathering would replace the rules; not done.
 """
 
 
@@ -410,13 +441,13 @@ def category(d: RankDraw) -> str:
     return CATEGORIES[1] if d.engine == "zero2_offload" else CATEGORIES[0]
 
 
-def _distribution(values: list[float]) -> str:
+def _distribution(values: list[float], unit: str = "rank figures") -> str:
     if not values:
         return "none"
     ordered = sorted(values)
     p95 = ordered[min(len(ordered) - 1, int(round(0.95 * (len(ordered) - 1))))]
     return (f"median {100 * statistics.median(ordered):.3f}%, p95 {100 * p95:.3f}%, worst {100 * ordered[-1]:.3f}%"
-            f" ({len(ordered)} rank figures, {sum(v > 0.01 for v in ordered)} over 1%, "
+            f" ({len(ordered)} {unit}, {sum(v > 0.01 for v in ordered)} over 1%, "
             f"{sum(v > 0.03 for v in ordered)} over 3%)")
 
 
@@ -458,14 +489,18 @@ def report(facts: list[dict[str, Any]]) -> list[str]:
              f"{len(by_seed) - len(measured)} refused by the libraries. Generated by `benchmarks/sweep_ranks.py`; "
              "truth: the profiler's per-rank step peaks from the model's construction on, frees on gloo's threads "
              "reconciled (`hf_memwatch/testing/truth.py`), the raw running sum beside it.", "",
-             f"- `estimate(trainer)` before `train()` vs the rank's highest step peak, |error|: {_distribution(estimate)}",
+             f"- `estimate(trainer)` before `train()` vs the rank's highest step peak, |error|: {_distribution(estimate)} "
+             "(where the step has a race of gloo's thread, its branch that frees the block at once, as the reconciled "
+             "truth places that free: `MemoryEstimate.branches`; the estimate, its worst branch, against the truth's "
+             "bounds below and the highest launch in the spread section)",
              f"- MemWatch's live step peaks vs the profiler's (worst step a rank): {_distribution(live)}",
-             f"- outside the truth's bounds (reconciled to high, a race of gloo's thread between them): estimate "
+             f"- outside the truth's bounds (reconciled to high, a race of gloo's thread between them; the estimate's "
+             f"branches, freed first to held, against them): estimate "
              f"{_distribution(bounded)}; MemWatch {_distribution(live_bounded)}",
              f"- auto mode at {AUTO_SHARE} x the highest rank's peak (every {AUTO_EVERY}rd draw): {_autos(facts)}", "",
-             "| seed | configuration | rank | truth, reconciled (B) | high bound (B) | raw (B) | estimate | error | "
-             "outside the bounds | live | auto |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| seed | configuration | rank | truth, reconciled (B) | high bound (B) | raw (B) | estimate | freed first | "
+             "error | outside the bounds | live | auto |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name in CATEGORIES:
         picked = [abs(r["estimate_error"]) for seed, rs in rows.items() if category(RankDraw(**measured[seed][0]["draw"]))
                   == name for r in rs]
@@ -481,15 +516,52 @@ def report(facts: list[dict[str, Any]]) -> list[str]:
         d = RankDraw(**by_seed[seed][0]["draw"])
         if seed not in rows:
             error = next(f["error"] for f in by_seed[seed] if "error" in f)
-            lines.append(f"| {seed} | {d.describe()} | | refused: {error} | | | | | | | |")
+            lines.append(f"| {seed} | {d.describe()} | | refused: {error} | | | | | | | | |")
             continue
         for rank, r in enumerate(rows[seed]):
             live = "n/a" if r["live_error"] is None else f"{100 * r['live_error']:.2f}%"
             auto = _auto_cell(by_seed[seed]) if rank == 0 else ""
             lines.append(f"| {seed} | {d.describe()} | {rank} | {r['truth']:,} | {r['high']:,} | {r['raw']:,} | "
-                         f"{r['predicted']:,} | {100 * r['estimate_error']:+.2f}% | "
+                         f"{r['predicted']:,} | {'' if r['freed'] == r['predicted'] else format(r['freed'], ',')} | "
+                         f"{100 * r['estimate_error']:+.2f}% | "
                          f"{100 * r['estimate_outside']:+.2f}% | {live} | {auto} |")
-    return lines + NOTES.splitlines()
+    return lines + without_live_ranks(measured) + NOTES.splitlines()
+
+
+def without_live_ranks(measured: dict[int, list[dict[str, Any]]]) -> list[str]:
+    """The ZeRO-1/2 draws estimated as the CLI estimates them, without live ranks (one process, the draw's
+    DeepSpeed JSON; each rank's partition replayed, the highest kept) against each live rank's ``estimate(trainer)``
+    and the highest rank's reconciled truth."""
+    from hf_memwatch import estimate
+    from hf_memwatch.engines.engine import engine_from_deepspeed_config
+    from hf_memwatch.testing.sweep import Draw, _model
+
+    lines = ["## Without live ranks (the CLI's estimate)", "",
+             "Each ZeRO-1/2 draw estimated in one process from its DeepSpeed JSON, as `hf-memwatch estimate` does "
+             "without the run's ranks: every rank's partition replayed, the estimate the highest "
+             "(`engines/zero/backward.py`, `replayed_ranks`; until 2026-12-05 the partition that keeps the most "
+             "elements alone).", "",
+             "| seed | configuration | each rank replayed (B) | estimate (B) | the live ranks' estimates (B) | vs the "
+             "highest live estimate |", "|---|---|---|---|---|---|"]
+    errors = []
+    for seed, facts in sorted(measured.items()):
+        d = RankDraw(**facts[0]["draw"])
+        if d.engine not in ("zero1", "zero2", "zero2_offload"):
+            continue
+        single = Draw(seed=d.seed, family=d.family, layers=d.layers, hidden=None, batch=d.batch, seq_len=d.seq_len,
+                      shape="fixed", precision=d.precision, optim=d.optim, checkpointing="off", accum=d.accum,
+                      lora=False)
+        result = estimate(_model(single), micro_batch_size=d.batch, seq_len=d.seq_len, optim=d.optim,
+                          precision=d.precision, activation_checkpointing=d.checkpointing == "on",
+                          gradient_accumulation_steps=d.accum, world_size=2, shard=d.engine[:5],
+                          engine=engine_from_deepspeed_config(_deepspeed(d), 2))
+        note = next((n for n in result.notes if "partitions replayed" in n), "")
+        each = note[note.find("(") + 1:note.find(")")] if note else "one replay"
+        live = [f["plain"]["predicted"] for f in sorted(facts, key=lambda f: f["rank"])]
+        errors.append(abs(result.peak_bytes / max(live) - 1))
+        lines.append(f"| {seed} | {d.describe()} | {each} | {result.peak_bytes:,} | "
+                     f"{', '.join(f'{p:,}' for p in live)} | {100 * (result.peak_bytes / max(live) - 1):+.3f}% |")
+    return lines + ["", f"Against the highest live rank's estimate, |error|: {_distribution(errors, 'draws')}.", ""]
 
 
 def spread(runs: list[list[dict[str, Any]]]) -> list[str]:
@@ -503,17 +575,21 @@ def spread(runs: list[list[dict[str, Any]]]) -> list[str]:
                 continue
             key = (fact["draw"]["seed"], fact["rank"])
             draws[key[0]] = RankDraw(**fact["draw"])
-            entry = peaks.setdefault(key, {"reconciled": [], "high": [], "raw": [], "live": [], "predicted": []})
+            entry = peaks.setdefault(key, {"reconciled": [], "high": [], "raw": [], "live": [], "predicted": [],
+                                           "freed": []})
             entry["reconciled"].append(max(fact["plain"]["truth"]))
             entry["high"].append(max(fact["plain"].get("high") or fact["plain"]["truth"]))
             entry["raw"].append(max(fact["plain"]["raw"]))
             entry["live"].append(max(fact.get("live") or [0]))
             entry["predicted"].append(fact["plain"]["predicted"])
+            entry["freed"].append(freed_first(fact["plain"]))
     lines = [f"## Run-to-run spread ({len(runs)} launches of the same draws)", "",
              "| seed | configuration | rank | reconciled peaks (B) | spread | high bounds (B) | spread | raw peaks (B) | "
-             "spread | MemWatch's live peaks (B) | spread | estimate (B) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "spread | MemWatch's live peaks (B) | spread | estimate (B) | freed first (B) | estimate vs the highest "
+             "live peak | freed first vs reconciled |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     worst = {"reconciled": 0.0, "high": 0.0, "raw": 0.0, "live": 0.0}
+    held_errors, freed_errors = [], []
     for (seed, rank), entry in sorted(peaks.items()):
         cells = []
         for name in ("reconciled", "high", "raw", "live"):
@@ -521,12 +597,24 @@ def spread(runs: list[list[dict[str, Any]]]) -> list[str]:
             share = (max(values) - min(values)) / min(values)
             worst[name] = max(worst[name], share)
             cells += [", ".join(f"{v:,}" for v in values), f"{100 * share:.2f}%"]
-        predicted = sorted(set(entry["predicted"]))
+        predicted, freed = sorted(set(entry["predicted"])), sorted(set(entry["freed"]))
+        # the estimate (the worst branch) against the highest MemWatch's live peak reached (it sees gloo's frees
+        # when they happen; the high bound only bounds them); its freed-first branch against the reconciled
+        highest = max(entry["live"]) or max(entry["high"])
+        held_error = max(predicted) / highest - 1
+        freed_error = max(abs(f / r - 1) for f in freed for r in entry["reconciled"])
+        held_errors.append(abs(held_error))
+        freed_errors.append(freed_error)
         lines.append(f"| {seed} | {draws[seed].describe()} | {rank} | {' | '.join(cells)} | "
-                     f"{', '.join(f'{p:,}' for p in predicted)} |")
+                     f"{', '.join(f'{p:,}' for p in predicted)} | "
+                     f"{'' if freed == predicted else ', '.join(f'{f:,}' for f in freed)} | "
+                     f"{100 * held_error:+.2f}% | {100 * freed_error:.2f}% |")
     lines += ["", f"Worst spread over the launches: reconciled {100 * worst['reconciled']:.2f}%, high bound "
                   f"{100 * worst['high']:.2f}%, raw {100 * worst['raw']:.2f}%, MemWatch live "
-                  f"{100 * worst['live']:.2f}%.", *SPREAD_NOTES.splitlines()]
+                  f"{100 * worst['live']:.2f}%. The estimate (a race's worst branch) against the highest live peak of "
+                  f"the launches, |error|: "
+                  f"{_distribution(held_errors)}; its freed-first branch against the reconciled peaks: "
+                  f"{_distribution(freed_errors)}.", *SPREAD_NOTES.splitlines()]
     return lines
 
 
@@ -538,16 +626,18 @@ gloo's thread is not reported). The high bound places each such free at the late
 (``truth.step_peak_bounds``). MemWatch's live peak (its own run beside the plain one) sees each free when it happens,
 and it shows that the memory itself spreads where a collective's tensors are let go by gloo's worker thread: the
 thread drops the finished work (its input, the reduction's flat copy) when it is scheduled, before or after the
-main thread's next allocations, a race on 2 busy cores. It spread on 3 of the 13 draws above: seed 6 (FSDP2 bf16)
-4.41% (its highest launch 4.45% over the estimate: not replayed), seed 10 (ZeRO-2 + Adafactor) 1.11%, seed 12 (ZeRO-2
-with the optimizer offloaded) 12.44% on rank 1. The ZeRO-1/2 estimates keep the reduction's flat copy alive, the
-race's worst branch (``engines/zero/backward.py``, ``flat_copies``: since 2026-12-04 the copy of all the bucket's
-slices, DeepSpeed's one all-reduce): seed 12 rank 1 3,504,600 B against the highest launch's 3,504,740 B (was 1.67%
-under it), and 1.0-12.4% over the launches that let the copy go first (seeds 12 and 28; seed 28 kept it in none of
-these three, 3,642,492 B in an earlier relaunch against 3,642,472 predicted). The planner plans from that worst branch,
-so its margin (1.5% of the estimate) covers the ZeRO-1/2 spread; it does not cover seed 6's FSDP2 launch (not removed;
-on CUDA ranks NCCL frees through the caching allocator's streams instead, not measured
-here). Not explained: a draw's truth can depend on what ran before it in the process (seed 27, ZeRO-3: 26,958,441 B
+main thread's next allocations, a race on 2 busy cores. In these launches it spread on 2 of the 13 draws
+(seed 10, ZeRO-2 + Adafactor: 2.11% on both ranks in one launch; seed 28, ZeRO-2 with the optimizer offloaded:
+11.55% on rank 1); in earlier ones on seed 12's rank 1 (12.44%) and seed 6's rank 0 (FSDP2 bf16, 4.41%). The
+ZeRO-1/2 estimate is the race's worst branch, the reduction's flat copy held (``engines/zero/backward.py``,
+``flat_copies``), and since 2026-12-05 a direct estimate replays the other branch too (``MemoryEstimate.branches``):
+where a launch took the worst branch the estimate is its live peak to 0.03% (seed 10 3,314,024 B against 3,315,060;
+seed 28 rank 1 3,642,472 B against 3,642,476; seed 12 rank 1 3,504,600 B against 3,504,732 in an earlier launch),
+where none did it reads over (seed 12 +8.87% / +12.44%, seed 28 rank 0 +1.05%: no launch here made those
+ranks hold the copy at the high), and the freed-first branch is the reconciled truth to 0.03% on every rank of
+the three (seeds 10, 12, 28). The planner plans from the worst branch, so its margin (1.5% of the estimate)
+covers the ZeRO-1/2 spread; it does not cover seed 6's FSDP2 launch (its race not replayed; on CUDA ranks NCCL
+frees through the caching allocator's streams instead, not measured here). Not explained: a draw's truth can depend on what ran before it in the process (seed 27, ZeRO-3: 26,958,441 B
 as the 28th draw of a launch, 27,086,441 B as the 9th, +128,000 B: one rank's partition of the embedding), the same
 in every launch of the same sequence.
 """

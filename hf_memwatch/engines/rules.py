@@ -46,6 +46,15 @@ class EngineRules:
         """A context the step is replayed in, holding what the rank holds while it runs."""
         return contextlib.nullcontext()
 
+    def ranks(self, model: torch.nn.Module, engine: Any, request: Any) -> list[int | None]:
+        """The ranks whose step is replayed one by one, the estimate the highest (ranks that hold different
+        things and are not live); this base: ``[None]``, one replay, the rank the replay plans for."""
+        return [None]
+
+    def for_rank(self, rank: int | None) -> Any:
+        """A context within which the replay and its split are ``rank``'s (:meth:`ranks`); this base: nothing."""
+        return contextlib.nullcontext()
+
     def replay_request(self, request: Any, engine: Any) -> Any:
         """The request the step is replayed under (DeepSpeed's bf16: no autocast, :mod:`.zero.half`); this base:
         ``request`` as it is."""

@@ -16,17 +16,35 @@ Measured (tests/test_branches.py, 1-layer Llama student and teacher, 4 x (12-wor
 7,239,920 B. With ``lmbda`` 0.5 the run's step peaks were 5,917,368 / 17,634,992 / 7,239,920 B: the
 estimate was 7,239,904 B (on-policy replayed alone, -58.9%), now 17,634,976 B (off-policy, the worst);
 with ``lmbda`` 0 and 1 (one branch) it is the run's peak within 16 B.
+
+A race between threads is a branch too: an engine's collective hands a block to its worker thread,
+which lets it go before or after the training thread's next allocations, as the two threads happen
+to be scheduled (DeepSpeed ZeRO-1/2's flat copy of a reduced bucket on gloo's thread,
+:func:`~hf_memwatch.engines.zero.backward.flat_copies`). The engine's replay asks :func:`race_held`
+which branch it replays (the block held: the worst, what the estimate and its plan take) and
+reports the race with :func:`report_race`; :func:`races` collects the reports of one replay and sets
+the branch. A direct estimate replays the other branch beside it (the block freed at once: the
+profiler's reconciled truth places every free on a worker thread there, ``testing/truth.py``) and
+gives both peaks (``MemoryEstimate.branches``); a plan's estimates replay the worst alone.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 ON_POLICY = "on-policy (the student generates)"
 SEQ_KD = "sequence-level KD (the teacher generates)"
 OFF_POLICY = "off-policy (the dataset's completions)"
+RACE_HELD = "held"  # the worker thread lets the block go after the training thread's next allocations
+RACE_FREED = "freed first"  # ... before them
+
+# The reports of the replay in progress (None: no :func:`races` block) and the race's branch it replays.
+_RACES: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("hf_memwatch_races", default=None)
+_HELD: contextvars.ContextVar[bool] = contextvars.ContextVar("hf_memwatch_race_held", default=True)
 
 
 @dataclass(frozen=True)
@@ -77,3 +95,34 @@ def worst_branch(simulate: Callable[[list[str]], Any], replay: Any, trainer: Any
     else:
         notes.append(f"GKD, lmbda={lmbda}: every step takes the {branch.name} branch")
     return simulation
+
+
+def race_held() -> bool:
+    """Whether the replay in progress takes a race's worst branch (the block held: the default)."""
+    return _HELD.get()
+
+
+def report_race(note: str) -> None:
+    """An engine's replay met a race (``note`` says what and how much): kept for :func:`races`."""
+    log = _RACES.get()
+    if log is not None and note not in log:
+        log.append(note)
+
+
+@contextlib.contextmanager
+def races(held: bool = True) -> Iterator[list[str]]:
+    """Within, a race's block is ``held`` (the worst branch) or freed first; yields the races reported.
+
+    Example:
+        >>> with races(held=False) as met:
+        ...     race_held(), report_race("a copy"), met
+        (False, None, ['a copy'])
+        >>> race_held()
+        True
+    """
+    log_token, held_token = _RACES.set([]), _HELD.set(held)
+    try:
+        yield _RACES.get()
+    finally:
+        _RACES.reset(log_token)
+        _HELD.reset(held_token)

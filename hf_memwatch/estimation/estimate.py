@@ -36,14 +36,14 @@ from ..core.units import format_bytes
 from ..engines.registry import rules_for
 from ..measure.attribution import weight_storages
 from ..measure.peak_tensors import PeakTensors
-from .branches import worst_branch
+from .branches import RACE_FREED, RACE_HELD, races, worst_branch
 from .cuda_autocast import policy_notes
 from .cuda_device import cuda_step_reserve
 from .cuda_paged import recording_cuda_allocations
 from .depth import simulate_at_depth
 from .expert_loop import expert_loop_notes
 from .fake_model import auto_class, count_params, fake_copy, fake_model, load_config, resolve_adapter
-from .memo import built_model
+from .memo import active, built_model
 from .peft import LoraSpec
 from .quantized import QuantSpec
 from .request import (
@@ -110,6 +110,10 @@ class MemoryEstimate:
     device_overheads: dict[str, int | None] = field(default_factory=dict)
     # The tensors alive at the predicted peak (``top_tensors`` > 0): the largest, by module and operator.
     peak_tensors: PeakTensors | None = None
+    # A step whose memory takes one of two branches of a race between threads (ZeRO-1/2's reduction
+    # copy on gloo's thread: estimation/branches.py): each branch's peak, ``peak_bytes`` the highest.
+    # Empty where the step has no such race, or inside a plan (it replays the worst alone).
+    branches: dict[str, int] = field(default_factory=dict)
     # What this estimate itself cost: wall seconds and this process's CPU seconds (issue 36's budget for
     # the replay; a plan's estimates after its first share the fake model, estimation/memo.py).
     seconds: float = 0.0
@@ -243,10 +247,32 @@ def _estimate_request(model_or_config: Any, request: EstimateRequest) -> MemoryE
         if replay is not None:
             notes.extend(replay.notes)
         inputs = StepInputs(config=config, trainer=trainer, sample=sample, replay=replay)
-        simulation, traces = _replay_step(model, fake_mode, request, inputs, notes)
-    frozen_models = _frozen_models(trainer, replay, request.device, simulation.phase_classes, notes)
-    return _result(model, fake_mode, request, inputs, simulation, traces,
-                   _Counts(params, trainable, frozen_models), notes)
+        engine = _engine_of(request, trainer)
+        rules = rules_for(request.shard, request.world_size, engine)
+        replays = []  # each rank's where the ranks hold different things and are not live (rules.ranks)
+        for rank in rules.ranks(model, engine, request):
+            rank_notes = list(notes)
+            with rules.for_rank(rank):
+                replays.append((rank, rank_notes, *_replay_step(model, fake_mode, request, inputs, rank_notes)))
+    results = []
+    for rank, rank_notes, simulation, traces, race in replays:
+        with rules.for_rank(rank):
+            frozen_models = _frozen_models(trainer, replay, request.device, simulation.phase_classes, rank_notes)
+            if race.freed is not None:
+                _frozen_models(trainer, replay, request.device, race.freed.phase_classes, [])
+            results.append((rank, _result(model, fake_mode, request, inputs, simulation, traces,
+                                          _Counts(params, trainable, frozen_models), rank_notes, race)))
+    return _highest_rank(results, request)
+
+
+def _highest_rank(results: list[tuple[int | None, MemoryEstimate]], request: EstimateRequest) -> MemoryEstimate:
+    """The estimate of the rank that peaks highest, where each rank was replayed (noted), else the one."""
+    rank, result = max(results, key=lambda item: item[1].peak_bytes)
+    if len(results) > 1:
+        each = ", ".join(f"rank {r}: {e.peak_bytes:,} B" for r, e in results)
+        result.notes.append(f"{request.shard} without live ranks: each of the {len(results)} ranks' partitions "
+                            f"replayed ({each}); the estimate is rank {rank}'s, the highest")
+    return result
 
 
 def _trainer_batch(trainer: Any, request: EstimateRequest, notes: list[str]) -> tuple[EstimateRequest, Any]:
@@ -272,21 +298,41 @@ def _check_quantization(quantization: Any, model_or_config: Any) -> None:
                                   "was loaded (its bitsandbytes layers are read)")
 
 
+@dataclass
+class _Race:
+    """The races between threads the step's replay met (their reports) and, for a direct estimate,
+    the step replayed on their other branch, each block freed at once (:mod:`.branches`)."""
+
+    met: list[str] = field(default_factory=list)
+    freed: StepSimulation | None = None
+
+
 def _replay_step(model: torch.nn.Module, fake_mode: Any, request: EstimateRequest, inputs: StepInputs,
-                 notes: list[str]) -> tuple[StepSimulation, list]:
-    """The step replayed (Trainer state guarded, CUDA allocations recorded), errors in one line."""
+                 notes: list[str]) -> tuple[StepSimulation, list, _Race]:
+    """The step replayed (Trainer state guarded, CUDA allocations recorded), errors in one line; where
+    it meets a race, on its worst branch, and outside a plan on the other branch too."""
     trainer = inputs.trainer
-    guard = TrainerStateGuard(trainer, request.gradient_accumulation_steps) if trainer is not None \
-        else contextlib.nullcontext()
-    recording = recording_cuda_allocations() if request.device == "cuda" else contextlib.nullcontext([])
     engine = _engine_of(request, trainer)
-    # what the rank holds while the step runs (FSDP2's shards and gathers, ZeRO-1/2's buckets): its engine's
-    flow = rules_for(request.shard, request.world_size, engine).flow(model, engine, trainer, request)
-    request = rules_for(request.shard, request.world_size, engine).replay_request(request, engine)  # its autocast
+    rules = rules_for(request.shard, request.world_size, engine)
+    race = _Race()
+
+    def replay(held: bool, branch_notes: list[str], recording: Any) -> tuple[StepSimulation, list]:
+        guard = TrainerStateGuard(trainer, request.gradient_accumulation_steps) if trainer is not None \
+            else contextlib.nullcontext()
+        # what the rank holds while the step runs (FSDP2's shards and gathers, ZeRO-1/2's buckets): its engine's
+        flow = rules.flow(model, engine, trainer, request)
+        replayed = rules.replay_request(request, engine)  # its autocast
+        with races(held) as met, guard, recording as traces, flow:
+            simulation = worst_branch(lambda gkd_notes: simulate_at_depth(model, fake_mode, replayed, inputs, gkd_notes),
+                                      inputs.replay, trainer, branch_notes, traces)  # GKD's lmbda: every branch
+        race.met = met
+        return simulation, traces
+
     try:
-        with guard, recording as traces, flow:
-            simulation = worst_branch(lambda branch_notes: simulate_at_depth(model, fake_mode, request, inputs, branch_notes),
-                                      inputs.replay, trainer, notes, traces)  # GKD's lmbda: every branch
+        recording = recording_cuda_allocations() if request.device == "cuda" else contextlib.nullcontext([])
+        simulation, traces = replay(True, notes, recording)
+        if race.met and active() is None:  # a plan needs the worst branch alone (estimation/memo.py)
+            race.freed, _ = replay(False, [], contextlib.nullcontext([]))
     except (MemWatchConfigError, KeyboardInterrupt):
         raise
     except Exception as exc:  # the model cannot run this configuration: say so in one line
@@ -295,8 +341,7 @@ def _replay_step(model: torch.nn.Module, fake_mode: Any, request: EstimateReques
             f"{type(model).__name__} cannot run a {request.task} training step with these settings: "
             f"{type(exc).__name__}: {first}"
         ) from exc
-    notes.extend(getattr(flow, "notes", ()))  # an engine's race whose worst branch was replayed (at its exit)
-    return simulation, traces
+    return simulation, traces, race
 
 
 def _frozen_models(trainer: Any, replay: Any, device: str, phase_classes: dict[str, dict[str, int]],
@@ -338,8 +383,9 @@ def _engine_of(request: EstimateRequest, trainer: Any) -> Any:
 
 
 def _result(model: torch.nn.Module, fake_mode: Any, request: EstimateRequest, inputs: StepInputs,
-            simulation: StepSimulation, traces: list, counts: _Counts, notes: list[str]) -> MemoryEstimate:
-    """The :class:`MemoryEstimate`: per-rank classes, the peak, CUDA's reserve, the eval loop."""
+            simulation: StepSimulation, traces: list, counts: _Counts, notes: list[str],
+            race: _Race) -> MemoryEstimate:
+    """The :class:`MemoryEstimate`: per-rank classes, the peak, CUDA's reserve, the eval loop, a race's branches."""
     if not request.optimizer_step:
         notes.append("forward and backward only (optimizer_step=False): no optimizer state or step, "
                      "a floor under the step's peak")
@@ -351,6 +397,8 @@ def _result(model: torch.nn.Module, fake_mode: Any, request: EstimateRequest, in
     phase_peaks = {phase: sum(classes.values()) for phase, classes in per_phase.items()}
     peak_phase = max(phase_peaks, key=lambda p: phase_peaks[p])
     peak = phase_peaks[peak_phase]
+    branches = _race_branches(race, peak, lambda phase_classes: rules.rank_classes(
+        phase_classes, model, engine, request, []), notes)
     reserved_bytes = device_bytes = None
     device_overheads: dict[str, int | None] = {}
     if device == "cuda":
@@ -379,8 +427,23 @@ def _result(model: torch.nn.Module, fake_mode: Any, request: EstimateRequest, in
         eval_peak_phase=None if evaluation is None else evaluation.peak_phase,
         eval_classes=None if evaluation is None else evaluation.classes,
         reserved_bytes=reserved_bytes, device_bytes=device_bytes, device_overheads=device_overheads,
-        peak_tensors=simulation.phase_tensors.get(peak_phase),
+        peak_tensors=simulation.phase_tensors.get(peak_phase), branches=branches,
     )
+
+
+def _race_branches(race: _Race, peak: int, per_rank: Any, notes: list[str]) -> dict[str, int]:
+    """Each branch's peak of the races the replay met (empty: none, or the other not replayed), noted."""
+    if not race.met:
+        return {}
+    what = "; ".join(race.met)
+    if race.freed is None:
+        notes.append(f"race: {what}: estimated at its worst branch, {RACE_HELD} (the other is not replayed "
+                     f"for a plan)")
+        return {}
+    freed = max(sum(classes.values()) for classes in per_rank(race.freed.phase_classes).values())
+    notes.append(f"race: {what}: estimated at its worst branch, {RACE_HELD}, {peak:,} B; {RACE_FREED}, "
+                 f"{freed:,} B" + (" (the same peak)" if freed == peak else ""))
+    return {RACE_HELD: peak, RACE_FREED: freed}
 
 
 def _config_record(model: torch.nn.Module, request: EstimateRequest) -> dict[str, Any]:

@@ -122,3 +122,60 @@ def test_the_multi_rank_all_reduce_is_deepspeeds_default_and_read_from_the_json(
     assert Engine().multi_rank_bucket_allreduce is True
     json = {"zero_optimization": {"stage": 2, "use_multi_rank_bucket_allreduce": False}}
     assert engine_from_deepspeed_config(json, world_size=2).multi_rank_bucket_allreduce is False
+
+
+def test_a_direct_estimate_gives_both_branches_of_the_flat_copys_race_and_a_plan_the_worst():
+    """The reduction's flat copy is let go by gloo's thread after or before the training thread's next
+    allocations (``flat_copies``): the estimate is the branch that holds it, ``branches`` gives both peaks.
+    Held, the copy alive at the step's high is one of the peak tensors, and the branch that frees it first
+    peaks lower, by at most that copy. A plan's estimates (inside
+    ``memo.sharing``) replay the worst branch alone: the same peak, no branches. Without a race (ZeRO-3,
+    no bucket flow) there are none. (The branches against the profiler's bounds on 2 gloo ranks: the
+    two-rank sweep, ``benchmarks/results/sweep.md``.)"""
+    from hf_memwatch.estimation.branches import RACE_FREED, RACE_HELD
+    from hf_memwatch.estimation.memo import sharing
+
+    model = gpt2_model()
+    engine = Engine(kind="deepspeed", world_size=2, zero_stage=2, reduce_bucket_size=BUCKET)
+    kwargs = dict(micro_batch_size=4, gradient_accumulation_steps=2, seq_len=32, activation_checkpointing=True,
+                  optim="adamw_torch", world_size=2, shard="zero2", engine=engine)
+    result = estimate(model.config, top_tensors=60, **kwargs)
+    held, freed = result.branches[RACE_HELD], result.branches[RACE_FREED]
+    assert held == result.peak_bytes and freed < held, result.branches
+    # the copy held at the high: a flat buffer of the flow's smaller than the bucket (49,536 elements here;
+    # the others are the bucket and the kept partitions); freed first, the high is another moment's,
+    # between the held one less the copy and the held one
+    copies = [t for t in result.peak_tensors.tensors
+              if t.operator == "aten.empty" and len(t.shape) == 1 and t.shape[0] < BUCKET]
+    assert len(copies) == 1 and held - copies[0].bytes <= freed, [(t.shape, t.bytes) for t in copies]
+    assert any("race: zero2" in note and f"{freed:,} B" in note for note in result.notes), result.notes
+    with sharing():
+        planned = estimate(model.config, **kwargs)
+    assert planned.peak_bytes == held and planned.branches == {}
+    assert any("not replayed for a plan" in note for note in planned.notes)
+    zero3 = estimate(model.config, **{**kwargs, "shard": "zero3", "engine": engine.replace(zero_stage=3)})
+    assert zero3.branches == {} and not any(note.startswith("race") for note in zero3.notes)
+
+
+def test_without_live_ranks_each_ranks_partition_is_replayed_and_the_highest_kept(monkeypatch):
+    """A layout asked for without its ranks (the CLI): each rank's partition is replayed and the estimate is
+    the highest rank's, which need not be the rank that keeps most (its buffer is made when its first kept
+    gradient arrives: the two-rank sweep's seed 28 peaks 13% higher on the rank that keeps fewer). On 4
+    ranks of the test GPT-2 the widest partition's replay alone is under the highest rank's."""
+    from hf_memwatch.engines.zero import backward
+
+    model = gpt2_model()
+    engine = Engine(kind="deepspeed", world_size=4, zero_stage=2, reduce_bucket_size=BUCKET)
+    kwargs = dict(micro_batch_size=4, gradient_accumulation_steps=2, seq_len=32, activation_checkpointing=True,
+                  optim="adamw_torch", world_size=4, shard="zero2", engine=engine)
+    result = estimate(model.config, **kwargs)
+    note = next(note for note in result.notes if "without live ranks" in note)
+    ranks = {int(part.split(":")[0].split()[-1]): int(part.split(":")[1].strip().split()[0].replace(",", ""))
+             for part in note.split("(")[1].split(")")[0].split(", ")}
+    assert sorted(ranks) == [0, 1, 2, 3] and result.peak_bytes == max(ranks.values()), note
+    widest = widest_partition(model, 4).rank
+    assert ranks[widest] < result.peak_bytes, (widest, ranks)  # the widest is not the highest here
+    monkeypatch.setattr(backward, "MAX_RANKS_REPLAYED", 2)  # beyond the cap: the widest partition alone
+    alone = estimate(model.config, **kwargs)
+    assert alone.peak_bytes == ranks[widest] and not any("partitions replayed" in n for n in alone.notes)
+    assert any("replayed alone; another rank may peak higher" in n for n in alone.notes), alone.notes

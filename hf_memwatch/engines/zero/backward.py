@@ -29,8 +29,8 @@ backward (``reduce_gradients``), through the same bucket into the same buffer.
 
 The replay's micro-step after the first starts with every ``.grad`` resident (the earlier
 micro-steps'); at the model's forward the flow turns them into what ZeRO keeps: ZeRO-2 the kept
-partition (the rank's own on live ranks, else the widest: :func:`planned_partition`; 329,472 elements on
-rank 1 of the run above), ZeRO-1 the whole ``.grad`` and the earlier backward's bucket. The
+partition (the rank's own on live ranks, else each rank's in turn, the estimate the highest:
+:func:`planned_partition`; 329,472 elements on rank 1 of the run above), ZeRO-1 the whole ``.grad`` and the earlier backward's bucket. The
 replayed micro-step is the step's last (the boundary). With the flow, the estimate divides no
 gradient class and adds no bucket (:func:`~hf_memwatch.engines.zero.split.engine_classes`); the
 optimizer step holds the kept partition and its flat fp32 copy (:mod:`~hf_memwatch.engines.zero.step`).
@@ -46,6 +46,8 @@ Not modelled: ``overlap_comm`` (a second bucket),
 from __future__ import annotations
 
 import contextlib
+import contextvars
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +58,7 @@ from ...compat.torch_internals import (
     current_dispatch_modes,
     queue_backward_callback,
 )
+from ...estimation.branches import race_held, report_race
 from ...estimation.classify import refs
 from ...estimation.fake_dispatch import EstimateTracker
 from ...estimation.optim import param_groups
@@ -108,18 +111,55 @@ def widest_partition(model: torch.nn.Module, world_size: int) -> RankPartition:
     return max((rank_partition(groups, world_size, rank) for rank in range(world_size)), key=lambda r: r.numel)
 
 
-def planned_partition(model: torch.nn.Module, world_size: int) -> RankPartition:
-    """The partition the estimate replays: this rank's own where the run's ranks are live (each rank's estimate
-    is its own; the auto mode's agreement plans for the rank that must cut most), else the widest
-    (:func:`widest_partition`: the CLI, a layout asked for without its ranks). The ranks' figures differ by the
-    gradients each keeps: the two-rank sweep's seed 2 (OPT, ZeRO-2, bf16) keeps 97,344 elements on rank 0 and
-    66,112 on rank 1, whose profiler peak is 62,464 B (31,232 x 2 B) under rank 0's; planned for rank 0's
-    partition, rank 1's estimate read +3.13%."""
+def live_rank(world_size: int) -> int | None:
+    """This process's rank where the run's ``world_size`` ranks are live (None: they are not)."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() == world_size:
-        return rank_partition(_groups(model), world_size, dist.get_rank())
+        return dist.get_rank()
+    return None
+
+
+def planned_partition(model: torch.nn.Module, world_size: int) -> RankPartition:
+    """The partition the estimate replays: this rank's own where the run's ranks are live (each rank's estimate
+    is its own; the auto mode's agreement plans for the rank that must cut most), else the rank of
+    :func:`replaying_rank` (the estimate replays each rank of a layout asked for without its ranks, the CLI's,
+    and keeps the highest: :data:`MAX_RANKS_REPLAYED`), else the widest (:func:`widest_partition`). The ranks'
+    figures differ by the gradients each keeps and by when its buffer is made: the two-rank sweep's seed 2 (OPT,
+    ZeRO-2, bf16) keeps 97,344 elements on rank 0 and 66,112 on rank 1, whose profiler peak is 62,464 B
+    (31,232 x 2 B) under rank 0's (planned for rank 0's partition, rank 1's estimate read +3.13%); seed 28
+    (Phi, ZeRO-2 with the optimizer offloaded) keeps fewer on rank 1, which peaks 13% higher (its kept
+    parameters' gradients arrive first in the backward), so the widest partition is not the highest rank."""
+    rank = live_rank(world_size)
+    if rank is None:
+        rank = _REPLAYED_RANK.get()
+    if rank is not None and rank < world_size:
+        return rank_partition(_groups(model), world_size, rank)
     return widest_partition(model, world_size)
+
+
+# Ranks replayed one by one where none is live (the widest partition alone beyond): each replay is a whole
+# step's, so the estimate's cost grows with the count.
+MAX_RANKS_REPLAYED = 8
+_REPLAYED_RANK: contextvars.ContextVar[int | None] = contextvars.ContextVar("hf_memwatch_zero_rank", default=None)
+
+
+@contextlib.contextmanager
+def replaying_rank(rank: int | None) -> Iterator[None]:
+    """Within, :func:`planned_partition` is ``rank``'s where no rank is live (None: as without)."""
+    token = _REPLAYED_RANK.set(rank)
+    try:
+        yield
+    finally:
+        _REPLAYED_RANK.reset(token)
+
+
+def replayed_ranks(engine: Any, model: torch.nn.Module, precision: str) -> list[int | None]:
+    """The ranks an estimate replays one by one: every rank of a ZeRO-1/2 flow whose ranks are not live, up
+    to :data:`MAX_RANKS_REPLAYED`; else ``[None]`` (the live rank's own, or the widest)."""
+    if engine is None or not flow_applies(engine, model, precision) or live_rank(engine.world_size) is not None:
+        return [None]
+    return list(range(engine.world_size)) if engine.world_size <= MAX_RANKS_REPLAYED else [None]
 
 
 def flow_applies(engine: Any, model: torch.nn.Module, precision: str = "fp32") -> bool:
@@ -171,8 +211,7 @@ class ZeroGradientFlow:
         self.spans = _partition_spans(self.params, model, engine.world_size)
         self.lingering: torch.Tensor | None = None  # the last reduction's flat copy, on gloo's thread
         self.multi_rank = engine.multi_rank_bucket_allreduce  # one all-reduce per bucket (flat_copies)
-        self.largest_copy = 0  # bytes of the largest flat copy kept alive: the race's worst branch
-        self.notes: list[str] = []  # what the estimate says of that race, filled at the exit
+        self.largest_copy = 0  # bytes of the largest flat copy, held alive in the race's worst branch
         self.offset = 0
         self.accumulated: torch.Tensor | None = None  # all_grad_tensors: the kept partition across micro-steps
         self.started = False  # a backward is running (its bucket set up)
@@ -190,10 +229,8 @@ class ZeroGradientFlow:
         for handle in self._handles:
             handle.remove()
         if self.largest_copy:  # the race of :func:`flat_copies`
-            self.notes.append(f"zero{self.stage}: each reduction's flat copy (up to {self.largest_copy:,} bytes) "
-                              f"counted alive until the next reduction: the worst branch of a race (the "
-                              f"collective's thread frees it later or sooner); freed first, the peak is up to that "
-                              f"much lower")
+            report_race(f"zero{self.stage}: each reduction's flat copy (up to {self.largest_copy:,} bytes), "
+                        f"which gloo's thread lets go after or before the training thread's next allocations")
         self._handles = []
         self.bucket = self.buffer = self.accumulated = self.lingering = self.offload_accumulated = None
         self.pending, self.started, self.norms = [], False, []
@@ -257,8 +294,13 @@ class ZeroGradientFlow:
         self.lingering = None
         if copies and self.pending:
             ref = self.pending[0]
-            self.lingering = torch.empty(max(copies), dtype=ref.dtype, device=ref.device)
             self.largest_copy = max(self.largest_copy, max(copies) * ref.element_size())
+            # made for the all-reduce either way; held after it in the race's worst branch (estimation/branches.py),
+            # else let go at once
+            copy = torch.empty(max(copies), dtype=ref.dtype, device=ref.device)
+            if race_held():
+                self.lingering = copy
+            del copy
         for param in self.pending:
             if param.grad is None:
                 continue
@@ -363,7 +405,8 @@ def flat_copies(pending: list[torch.nn.Parameter], spans: dict[int, tuple[int, i
     3,120,740 B in one launch and 3,508,836 B in two — 388,096 B, the 97,024-element ``aten.cat`` of
     the reduction before the high (the embedding's 64,000 elements and the layer's: 14,464 for rank 0,
     82,560 for rank 1), still held at the high (MemWatch's peak tensors). The replay keeps the largest
-    until the next reduction or the backward's end: the race's worst branch, which the plan covers.
+    until the next reduction or the backward's end: the race's worst branch, which the plan covers;
+    a direct estimate replays the other too (:func:`~hf_memwatch.estimation.branches.races`).
     (Before: the largest destination's slices alone, 82,560 elements: 1.68% under that launch.)
 
     Example:

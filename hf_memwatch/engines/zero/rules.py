@@ -19,7 +19,14 @@ from ...core.errors import MemWatchConfigError
 from ..engine import engine_from_deepspeed_config
 from ..rules import EngineRules
 from .advice import no_fit_reasons, zero_advice
-from .backward import flow_applies, zero_gradient_flow
+from .backward import (
+    MAX_RANKS_REPLAYED,
+    flow_applies,
+    live_rank,
+    replayed_ranks,
+    replaying_rank,
+    zero_gradient_flow,
+)
 from .cuda_reserve import zero_carried_reserve
 from .gather import gloo_gather_staging
 from .half import deepspeed_half, half_module, replay_request
@@ -72,10 +79,16 @@ class ZeroRules(EngineRules):
         if deepspeed_half(engine, request.precision):  # DeepSpeed's bf16: the fp32 flow on the module cast
             stack = contextlib.ExitStack()
             stack.enter_context(half_module(model))
-            flow = stack.enter_context(zero_gradient_flow(model, engine))  # None where no flow applies (ZeRO-3)
-            stack.notes = getattr(flow, "notes", [])  # filled at the flow's exit
+            stack.enter_context(zero_gradient_flow(model, engine))  # a null context where none applies (ZeRO-3)
             return stack
         return zero_gradient_flow(model, engine, request.precision)  # ZeRO-1/2's buckets and partitions
+
+    def ranks(self, model: torch.nn.Module, engine: Any, request: Any) -> list[int | None]:
+        precision = "fp32" if deepspeed_half(engine, request.precision) else request.precision  # .half: the cast module
+        return replayed_ranks(engine, model, precision)
+
+    def for_rank(self, rank: int | None) -> Any:
+        return replaying_rank(rank)
 
     def replay_request(self, request: Any, engine: Any) -> Any:
         return replay_request(request) if deepspeed_half(engine, request.precision) else request
@@ -94,6 +107,10 @@ class ZeroRules(EngineRules):
                       request: Any, notes: list[str]) -> dict[str, dict[str, int]]:
         world_size, precision, device = request.world_size, request.precision, request.device
         flowed = flow_applies(engine, model, precision)  # the replay held ZeRO-1/2's gradients as the rank does
+        if flowed and replayed_ranks(engine, model, precision) == [None] and live_rank(world_size) is None:
+            notes.append(f"zero{engine.zero_stage} without live ranks on {world_size} ranks (more than "
+                         f"{MAX_RANKS_REPLAYED} replayed): the partition that keeps the most elements replayed "
+                         f"alone; another rank may peak higher")
         divided = "zero1" if flowed else request.shard
         per_phase = {phase: engine_classes(self.split(classes, model, world_size, divided, notes, precision),
                                            model, engine, notes, precision, device, flowed)[0]
