@@ -45,12 +45,21 @@ class PeakCensusWatch:
     def summary(self, grads: set[int], states: set[int]) -> PeakTensors:
         live_now = self.tracker.live_refs()
         weights, other = self.weights, self.other
+        # what an engine holds outside the model's own (ZeRO's buckets and partitions, FSDP2's all-gathers),
+        # classed as the phase's classes class them (classify.classify's ``held`` and ``held_weights``: the
+        # storage alive at the high, which the engine may have let go since)
+        held, held_weights = self.tracker.engine_gradients, self.tracker.engine_weights
+        at_high = self.tracker.snapshot[0] if self.tracker.snapshot is not None else {}
+
+        def engine_held(refs: Mapping[int, Any], key: int) -> bool:
+            ref = at_high.get(key)
+            return ref is not None and refs.get(key) is ref
 
         def classify(info: TensorInfo) -> str:
             ref = None if info.died else live_now.get(info.key)
-            if ref is not None and weights.get(info.key) is ref:
+            if (ref is not None and weights.get(info.key) is ref) or engine_held(held_weights, info.key):
                 return "weights"
-            if ref is not None and info.key in grads:
+            if (ref is not None and info.key in grads) or engine_held(held, info.key):
                 return "gradients"
             if ref is not None and info.key in states:
                 return "optimizer_states"

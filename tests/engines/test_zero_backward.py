@@ -62,6 +62,11 @@ def test_second_micro_step_backward_holds_two_gradient_partitions_and_the_bucket
     assert shapes.count([kept]) == 2 and [BUCKET] in shapes, shapes
     # ... counted as gradients (the engine holds them outside .grad), never divided again by the ranks
     assert result.classes["gradients"] == 4 * (2 * kept + BUCKET), result.classes
+    # and the peak tensors class them so too (they were "temporaries": freed by the epilogue before the
+    # phase's census was read), the listed gradients summing to the class
+    held = [t for t in result.peak_tensors.tensors if t.shape in ([kept], [BUCKET])]
+    assert {t.cls for t in held} == {"gradients"}, [(t.shape, t.cls) for t in held]
+    assert result.peak_tensors.by_class["gradients"] == result.classes["gradients"]
     # ZeRO-1 keeps the whole .grad between micro-steps: no partition before the boundary's reduction.
     zero1 = estimate(model.config, micro_batch_size=4, gradient_accumulation_steps=2, seq_len=32, activation_checkpointing=True, optim="adamw_torch",
                      world_size=2, shard="zero1", engine=engine.replace(zero_stage=1), top_tensors=12)
