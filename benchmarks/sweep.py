@@ -27,6 +27,7 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from hf_memwatch.estimation.branches import OFF_POLICY  # noqa: E402
 from hf_memwatch.estimation.layers import CHECKPOINTED_DEPTHS  # noqa: E402
 from hf_memwatch.testing.sweep import (  # noqa: E402
     AUTO_SHARE,
@@ -182,10 +183,15 @@ def _worst_branch(measured: list[DrawResult]) -> list[str]:
         return []
     drawn = ("drew no generating step in its 2 steps" if never is not None and half.truth == never.truth
              else "drew generation in at least one step")
+    others = ""
+    if half.branches and never is not None and never.truth:  # each branch against the run that always takes it
+        off = half.branches.get(OFF_POLICY)
+        others = (f"; its other branch, off-policy, {off:,} B against {never.truth:,} B measured at `lmbda` 0 "
+                  f"({_pct((off - never.truth) / never.truth)}) (`MemoryEstimate.branches`)") if off else ""
     return [f"GKD at `lmbda` 0.5 {drawn} (profiler {half.truth:,} B); its estimate is the worst branch, the "
             f"generating step: {half.estimate:,} B against {always.truth:,} B measured at `lmbda` 1 "
-            f"({_pct((half.estimate - always.truth) / always.truth)}). The table's figure for it compares the "
-            "worst branch with a run that did not take it. SFT over an `IterableDataset` streams rows of "
+            f"({_pct((half.estimate - always.truth) / always.truth)}){others}. The table's figure for it compares "
+            "the worst branch with a run that did not take it. SFT over an `IterableDataset` streams rows of "
             "`max_length` tokens: a stream is estimated, unread, at the longest the run can feed, on the batch "
             "TRL's collator forms (`estimation/streaming.py`, `bounded_batch`).", ""]
 

@@ -59,3 +59,15 @@ def test_the_auto_plan_fits_every_branch(tmp_path: Path) -> None:
     with cpu_memory_profile() as prof:
         auto.train()
     assert window_peak(prof, resident(auto)) <= budget
+
+
+def test_the_estimate_gives_each_branchs_peak(tmp_path: Path) -> None:
+    """``MemoryEstimate.branches`` at ``lmbda`` 0.5: each branch's peak, the one the estimate of a run that
+    always takes it predicts (``lmbda`` 1: on-policy; 0: off-policy; each within 0.5% of its run's profiler
+    peak in ``test_the_estimate_is_the_worst_branch``), the estimate their highest. A single branch: none."""
+    drawn = estimate(gkd(tmp_path / "both", [], answer=40, lmbda=0.5))
+    on = estimate(gkd(tmp_path / "on", [], answer=40, lmbda=1.0))
+    off = estimate(gkd(tmp_path / "off", [], answer=40, lmbda=0.0))
+    assert drawn.branches == {ON_POLICY: on.peak_bytes, OFF_POLICY: off.peak_bytes}, drawn.branches
+    assert drawn.peak_bytes == max(drawn.branches.values())
+    assert on.branches == {} and off.branches == {}

@@ -25,7 +25,8 @@ which branch it replays (the block held: the worst, what the estimate and its pl
 reports the race with :func:`report_race`; :func:`races` collects the reports of one replay and sets
 the branch. A direct estimate replays the other branch beside it (the block freed at once: the
 profiler's reconciled truth places every free on a worker thread there, ``testing/truth.py``) and
-gives both peaks (``MemoryEstimate.branches``); a plan's estimates replay the worst alone.
+gives both peaks (``MemoryEstimate.branches``); a plan's estimates replay the worst alone. A random
+draw's branches are there too, each by name (GKD's: every one is replayed anyway).
 """
 
 from __future__ import annotations
@@ -69,9 +70,10 @@ def random_branches(trainer: Any) -> list[Branch]:
 
 
 def worst_branch(simulate: Callable[[list[str]], Any], replay: Any, trainer: Any, notes: list[str],
-                 traces: list | None = None) -> Any:
+                 traces: list | None = None, drawn: dict[str, Any] | None = None) -> Any:
     """``simulate(notes)`` once per branch of ``trainer``'s random draw (``replay.lmbda`` set for each),
-    the simulation whose step peaks highest; a single-branch step is simulated once, as it is."""
+    the simulation whose step peaks highest; a single-branch step is simulated once, as it is. ``drawn``
+    receives each branch's simulation by name where the draw has more than one."""
     branches = random_branches(trainer)
     if replay is None or not branches:
         return simulate(notes)
@@ -88,6 +90,8 @@ def worst_branch(simulate: Callable[[list[str]], Any], replay: Any, trainer: Any
     if traces is not None:  # the caching allocator's replay reads the last trace: the worst branch's
         traces.extend(recorded)
     notes.extend(branch_notes)
+    if len(results) > 1 and drawn is not None:
+        drawn.update({b.name: sim for _, b, sim, *_ in results})
     if len(results) > 1:
         others = ", ".join(f"{b.name} {p:,} B" for p, b, *_ in results if b is not branch)
         notes.append(f"random branch (GKD, lmbda={lmbda}): the worst, {branch.name}, estimated "

@@ -110,9 +110,10 @@ class MemoryEstimate:
     device_overheads: dict[str, int | None] = field(default_factory=dict)
     # The tensors alive at the predicted peak (``top_tensors`` > 0): the largest, by module and operator.
     peak_tensors: PeakTensors | None = None
-    # A step whose memory takes one of two branches of a race between threads (ZeRO-1/2's reduction
-    # copy on gloo's thread: estimation/branches.py): each branch's peak, ``peak_bytes`` the highest.
-    # Empty where the step has no such race, or inside a plan (it replays the worst alone).
+    # A step whose memory takes one of several branches (a random draw's, GKD's lmbda, by name; a race
+    # between threads, ZeRO-1/2's reduction copy on gloo's thread: "held" / "freed first";
+    # estimation/branches.py): each branch's peak, ``peak_bytes`` the highest. Empty where the step
+    # takes none (and a race's inside a plan, which replays the worst alone).
     branches: dict[str, int] = field(default_factory=dict)
     # What this estimate itself cost: wall seconds and this process's CPU seconds (issue 36's budget for
     # the replay; a plan's estimates after its first share the fake model, estimation/memo.py).
@@ -258,8 +259,8 @@ def _estimate_request(model_or_config: Any, request: EstimateRequest) -> MemoryE
     for rank, rank_notes, simulation, traces, race in replays:
         with rules.for_rank(rank):
             frozen_models = _frozen_models(trainer, replay, request.device, simulation.phase_classes, rank_notes)
-            if race.freed is not None:
-                _frozen_models(trainer, replay, request.device, race.freed.phase_classes, [])
+            for other in {id(sim): sim for sim in race.simulations() if sim is not simulation}.values():
+                _frozen_models(trainer, replay, request.device, other.phase_classes, [])
             results.append((rank, _result(model, fake_mode, request, inputs, simulation, traces,
                                           _Counts(params, trainable, frozen_models), rank_notes, race)))
     return _highest_rank(results, request)
@@ -301,10 +302,16 @@ def _check_quantization(quantization: Any, model_or_config: Any) -> None:
 @dataclass
 class _Race:
     """The races between threads the step's replay met (their reports) and, for a direct estimate,
-    the step replayed on their other branch, each block freed at once (:mod:`.branches`)."""
+    the step replayed on their other branch, each block freed at once; a random draw's branches, each
+    replayed (GKD's ``lmbda``), by name (:mod:`.branches`)."""
 
     met: list[str] = field(default_factory=list)
     freed: StepSimulation | None = None
+    drawn: dict[str, StepSimulation] = field(default_factory=dict)
+
+    def simulations(self) -> list[StepSimulation]:
+        """The simulations beside the estimate's own (they get what it gets: the frozen models' weights)."""
+        return [*([self.freed] if self.freed is not None else []), *self.drawn.values()]
 
 
 def _replay_step(model: torch.nn.Module, fake_mode: Any, request: EstimateRequest, inputs: StepInputs,
@@ -322,10 +329,13 @@ def _replay_step(model: torch.nn.Module, fake_mode: Any, request: EstimateReques
         # what the rank holds while the step runs (FSDP2's shards and gathers, ZeRO-1/2's buckets): its engine's
         flow = rules.flow(model, engine, trainer, request)
         replayed = rules.replay_request(request, engine)  # its autocast
+        drawn: dict[str, StepSimulation] = {}
         with races(held) as met, guard, recording as traces, flow:
             simulation = worst_branch(lambda gkd_notes: simulate_at_depth(model, fake_mode, replayed, inputs, gkd_notes),
-                                      inputs.replay, trainer, branch_notes, traces)  # GKD's lmbda: every branch
+                                      inputs.replay, trainer, branch_notes, traces, drawn)  # GKD's lmbda: every branch
         race.met = met
+        if held:
+            race.drawn = drawn
         return simulation, traces
 
     try:
@@ -432,18 +442,23 @@ def _result(model: torch.nn.Module, fake_mode: Any, request: EstimateRequest, in
 
 
 def _race_branches(race: _Race, peak: int, per_rank: Any, notes: list[str]) -> dict[str, int]:
-    """Each branch's peak of the races the replay met (empty: none, or the other not replayed), noted."""
+    """Each branch's peak: a random draw's (GKD's, each by name), the races the replay met (empty: none, or
+    the other not replayed), noted."""
+    def rank_peak(simulation: StepSimulation) -> int:
+        return max(sum(classes.values()) for classes in per_rank(simulation.phase_classes).values())
+
+    drawn = {name: rank_peak(simulation) for name, simulation in race.drawn.items()}
     if not race.met:
-        return {}
+        return drawn
     what = "; ".join(race.met)
     if race.freed is None:
         notes.append(f"race: {what}: estimated at its worst branch, {RACE_HELD} (the other is not replayed "
                      f"for a plan)")
-        return {}
-    freed = max(sum(classes.values()) for classes in per_rank(race.freed.phase_classes).values())
+        return drawn
+    freed = rank_peak(race.freed)
     notes.append(f"race: {what}: estimated at its worst branch, {RACE_HELD}, {peak:,} B; {RACE_FREED}, "
                  f"{freed:,} B" + (" (the same peak)" if freed == peak else ""))
-    return {RACE_HELD: peak, RACE_FREED: freed}
+    return {**drawn, RACE_HELD: peak, RACE_FREED: freed}
 
 
 def _config_record(model: torch.nn.Module, request: EstimateRequest) -> dict[str, Any]:

@@ -44,6 +44,7 @@ class Comparison:
     live: list[int]
     estimate: int | None = None
     losses: tuple[list[float], list[float]] = ([], [])  # unwatched, watched
+    branches: dict[str, int] | None = None  # the estimate's branches (MemoryEstimate.branches), by name
 
     @property
     def perturbation(self) -> float:
@@ -89,15 +90,16 @@ def compare(build: Builder, name: str = "", *, unwatched: bool = True, with_esti
         if unwatched:
             without, _, plain_losses = _profiled(build(plain_dir, [StepMarker()]))
         trainer = build(watched_dir, [StepMarker(), MemWatch(detail="full", report=False, summary=False)])
-        predicted = None
+        predicted, branches = None, None
         if with_estimate:
             from ..estimation.estimate import estimate
 
-            predicted = estimate(trainer).peak_bytes
+            result = estimate(trainer)
+            predicted, branches = result.peak_bytes, dict(result.branches)
         watched, truth, losses = _profiled(trainer)
         records = read_records(Path(watched_dir) / "memwatch" / "timeline.jsonl")
         live = [r.peak for r in records if isinstance(r, StepRecord)]
-    return Comparison(name, without, watched, truth, live, predicted, (plain_losses, losses))
+    return Comparison(name, without, watched, truth, live, predicted, (plain_losses, losses), branches)
 
 
 # -- cases ------------------------------------------------------------------------------------------

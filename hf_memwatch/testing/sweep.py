@@ -339,6 +339,7 @@ class DrawResult:
     auto_peak: int | None = None
     budget: int | None = None
     error: str | None = None  # the draw could not run (the configuration, not the measurement)
+    branches: dict[str, int] | None = None  # the estimate's branches by name (MemoryEstimate.branches)
 
     @property
     def estimate_error(self) -> float | None:
@@ -365,7 +366,7 @@ def run_draw(d: Draw | TrlDraw, *, auto: bool = False) -> DrawResult:
     except Exception as exc:  # noqa: BLE001 - a configuration the libraries refuse: reported, not measured
         result.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
         return result
-    result.truth, result.estimate = compared.without, compared.estimate
+    result.truth, result.estimate, result.branches = compared.without, compared.estimate, compared.branches
     result.live, result.live_truth = compared.live, compared.truth
     if auto and result.truth:
         _run_auto(d, result)
