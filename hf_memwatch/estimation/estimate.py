@@ -409,6 +409,12 @@ def _result(model: torch.nn.Module, fake_mode: Any, request: EstimateRequest, in
     peak = phase_peaks[peak_phase]
     branches = _race_branches(race, peak, lambda phase_classes: rules.rank_classes(
         phase_classes, model, engine, request, []), notes)
+    tensors = simulation.phase_tensors.get(peak_phase)
+    if tensors is not None and tensors.peak != peak and (shard != "none" or world_size > 1):
+        notes.append(f"peak tensors: the replayed step's at its {peak_phase} high ({tensors.peak:,} B), before the "
+                     f"engine's rules give the rank's classes ({peak:,} B: what it shards divided, what it holds "
+                     f"beside added): a tensor listed whole may be held in part by the rank, and buffers the rules "
+                     f"add are not listed")
     reserved_bytes = device_bytes = None
     device_overheads: dict[str, int | None] = {}
     if device == "cuda":

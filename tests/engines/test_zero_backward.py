@@ -67,6 +67,11 @@ def test_second_micro_step_backward_holds_two_gradient_partitions_and_the_bucket
     held = [t for t in result.peak_tensors.tensors if t.shape in ([kept], [BUCKET])]
     assert {t.cls for t in held} == {"gradients"}, [(t.shape, t.cls) for t in held]
     assert result.peak_tensors.by_class["gradients"] == result.classes["gradients"]
+    # the states are listed as the replay holds them, whole; the rank holds its partition of them: said
+    assert result.peak_tensors.by_class["optimizer_states"] > result.classes["optimizer_states"]
+    assert any(note.startswith("peak tensors: the replayed step's") for note in result.notes), result.notes
+    single = estimate(model.config, micro_batch_size=4, seq_len=32, optim="adamw_torch", top_tensors=12)
+    assert not any(note.startswith("peak tensors") for note in single.notes)
     # ZeRO-1 keeps the whole .grad between micro-steps: no partition before the boundary's reduction.
     zero1 = estimate(model.config, micro_batch_size=4, gradient_accumulation_steps=2, seq_len=32, activation_checkpointing=True, optim="adamw_torch",
                      world_size=2, shard="zero1", engine=engine.replace(zero_stage=1), top_tensors=12)
