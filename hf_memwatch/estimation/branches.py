@@ -34,7 +34,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 ON_POLICY = "on-policy (the student generates)"
@@ -130,3 +130,49 @@ def races(held: bool = True) -> Iterator[list[str]]:
     finally:
         _RACES.reset(log_token)
         _HELD.reset(held_token)
+
+
+@dataclass
+class StepBranches:
+    """The races between threads the step's replay met (their reports) and, for a direct estimate,
+    the step replayed on their other branch, each block freed at once; a random draw's branches, each
+    replayed (GKD's ``lmbda``), by name (this module)."""
+
+    met: list[str] = field(default_factory=list)
+    freed: Any = None
+    drawn: dict[str, Any] = field(default_factory=dict)
+
+    def simulations(self) -> list[Any]:
+        """The simulations beside the estimate's own (they get what it gets: the frozen models' weights)."""
+        return [*([self.freed] if self.freed is not None else []), *self.drawn.values()]
+
+
+def branch_peaks(race: StepBranches, peak: int, per_rank: Any, notes: list[str]) -> dict[str, int]:
+    """Each branch's peak (``MemoryEstimate.branches``): a random draw's (GKD's, each by name), the races the
+    replay met (empty: none, or the other not replayed), noted; ``per_rank``: phase classes -> the rank's."""
+    def rank_peak(simulation: Any) -> int:
+        return max(sum(classes.values()) for classes in per_rank(simulation.phase_classes).values())
+
+    drawn = {name: rank_peak(simulation) for name, simulation in race.drawn.items()}
+    if not race.met:
+        return drawn
+    what = "; ".join(race.met)
+    if race.freed is None:
+        notes.append(f"race: {what}: estimated at its worst branch, {RACE_HELD} (the other is not replayed "
+                     f"for a plan)")
+        return drawn
+    freed = rank_peak(race.freed)
+    notes.append(f"race: {what}: estimated at its worst branch, {RACE_HELD}, {peak:,} B; {RACE_FREED}, "
+                 f"{freed:,} B" + (" (the same peak)" if freed == peak else ""))
+    return {**drawn, RACE_HELD: peak, RACE_FREED: freed}
+
+
+def highest_rank(results: list[tuple[int | None, Any]], shard: str) -> Any:
+    """The estimate of the rank that peaks highest, where each rank was replayed (an engine whose ranks hold
+    different things and are not live: ``EngineRules.ranks``; noted), else the one."""
+    rank, result = max(results, key=lambda item: item[1].peak_bytes)
+    if len(results) > 1:
+        each = ", ".join(f"rank {r}: {e.peak_bytes:,} B" for r, e in results)
+        result.notes.append(f"{shard} without live ranks: each of the {len(results)} ranks' partitions "
+                            f"replayed ({each}); the estimate is rank {rank}'s, the highest")
+    return result

@@ -32,11 +32,9 @@ from ..core.errors import MemWatchConfigError, unknown_keywords
 from ..core.gpus import card_fits, gpu_record, target_gpu
 from ..core.renamed import RenamedKeys, renamed_keywords
 from ..core.run_config import RunConfig
-from ..core.units import format_bytes
 from ..engines.registry import rules_for
-from ..measure.attribution import weight_storages
 from ..measure.peak_tensors import PeakTensors
-from .branches import RACE_FREED, RACE_HELD, races, worst_branch
+from .branches import StepBranches, branch_peaks, highest_rank, races, worst_branch
 from .cuda_autocast import policy_notes
 from .cuda_device import cuda_step_reserve
 from .cuda_paged import recording_cuda_allocations
@@ -57,8 +55,8 @@ from .request import (
     check_choice,
     check_positive,
 )
-from .step import CUDA_BLOCK, LOGITS, LOGITS_FP32, StepInputs, StepSimulation
-from .trainer_replay import TrainerStateGuard, held_models, is_trainer
+from .step import LOGITS, LOGITS_FP32, StepInputs, StepSimulation
+from .trainer_replay import TrainerStateGuard, frozen_model_bytes, is_trainer
 from .trl_replay import TrainerReplay, dataloader_batch_size
 from .user_optimizer import with_user_optimizer
 from .worst_batch import longest_allowed_length, worst_case_batch
@@ -258,22 +256,12 @@ def _estimate_request(model_or_config: Any, request: EstimateRequest) -> MemoryE
     results = []
     for rank, rank_notes, simulation, traces, race in replays:
         with rules.for_rank(rank):
-            frozen_models = _frozen_models(trainer, replay, request.device, simulation.phase_classes, rank_notes)
+            frozen_models = frozen_model_bytes(trainer, replay, request.device, simulation.phase_classes, rank_notes)
             for other in {id(sim): sim for sim in race.simulations() if sim is not simulation}.values():
-                _frozen_models(trainer, replay, request.device, other.phase_classes, [])
+                frozen_model_bytes(trainer, replay, request.device, other.phase_classes, [])
             results.append((rank, _result(model, fake_mode, request, inputs, simulation, traces,
                                           _Counts(params, trainable, frozen_models), rank_notes, race)))
-    return _highest_rank(results, request)
-
-
-def _highest_rank(results: list[tuple[int | None, MemoryEstimate]], request: EstimateRequest) -> MemoryEstimate:
-    """The estimate of the rank that peaks highest, where each rank was replayed (noted), else the one."""
-    rank, result = max(results, key=lambda item: item[1].peak_bytes)
-    if len(results) > 1:
-        each = ", ".join(f"rank {r}: {e.peak_bytes:,} B" for r, e in results)
-        result.notes.append(f"{request.shard} without live ranks: each of the {len(results)} ranks' partitions "
-                            f"replayed ({each}); the estimate is rank {rank}'s, the highest")
-    return result
+    return highest_rank(results, request.shard)
 
 
 def _trainer_batch(trainer: Any, request: EstimateRequest, notes: list[str]) -> tuple[EstimateRequest, Any]:
@@ -299,29 +287,14 @@ def _check_quantization(quantization: Any, model_or_config: Any) -> None:
                                   "was loaded (its bitsandbytes layers are read)")
 
 
-@dataclass
-class _Race:
-    """The races between threads the step's replay met (their reports) and, for a direct estimate,
-    the step replayed on their other branch, each block freed at once; a random draw's branches, each
-    replayed (GKD's ``lmbda``), by name (:mod:`.branches`)."""
-
-    met: list[str] = field(default_factory=list)
-    freed: StepSimulation | None = None
-    drawn: dict[str, StepSimulation] = field(default_factory=dict)
-
-    def simulations(self) -> list[StepSimulation]:
-        """The simulations beside the estimate's own (they get what it gets: the frozen models' weights)."""
-        return [*([self.freed] if self.freed is not None else []), *self.drawn.values()]
-
-
 def _replay_step(model: torch.nn.Module, fake_mode: Any, request: EstimateRequest, inputs: StepInputs,
-                 notes: list[str]) -> tuple[StepSimulation, list, _Race]:
+                 notes: list[str]) -> tuple[StepSimulation, list, StepBranches]:
     """The step replayed (Trainer state guarded, CUDA allocations recorded), errors in one line; where
     it meets a race, on its worst branch, and outside a plan on the other branch too."""
     trainer = inputs.trainer
     engine = _engine_of(request, trainer)
     rules = rules_for(request.shard, request.world_size, engine)
-    race = _Race()
+    race = StepBranches()
 
     def replay(held: bool, branch_notes: list[str], recording: Any) -> tuple[StepSimulation, list]:
         guard = TrainerStateGuard(trainer, request.gradient_accumulation_steps) if trainer is not None \
@@ -354,25 +327,6 @@ def _replay_step(model: torch.nn.Module, fake_mode: Any, request: EstimateReques
     return simulation, traces, race
 
 
-def _frozen_models(trainer: Any, replay: Any, device: str, phase_classes: dict[str, dict[str, int]],
-                   notes: list[str]) -> dict[str, int]:
-    """Frozen models the Trainer holds (TRL's reference model, a teacher): resident weights."""
-    frozen_models: dict[str, int] = {}
-    if trainer is None:
-        return frozen_models
-    trained = set(weight_storages(trainer.model, None))
-    for name, module in held_models(trainer).items():
-        held = {k: v for k, v in weight_storages(module, None).items() if k not in trained}
-        frozen_models[name] = sum(_on_target(nbytes, device) for nbytes in held.values())
-    if replay is None or not replay.held_weights:  # else: in the replay's live set
-        for classes in phase_classes.values():
-            classes["weights"] += sum(frozen_models.values())
-    if frozen_models:
-        notes.append("weights include models the Trainer holds: " + ", ".join(
-            f"{name} ({format_bytes(nbytes)})" for name, nbytes in frozen_models.items()))
-    return frozen_models
-
-
 @dataclass(frozen=True)
 class _Counts:
     """The model's parameter counts and the Trainer's held models' bytes."""
@@ -394,7 +348,7 @@ def _engine_of(request: EstimateRequest, trainer: Any) -> Any:
 
 def _result(model: torch.nn.Module, fake_mode: Any, request: EstimateRequest, inputs: StepInputs,
             simulation: StepSimulation, traces: list, counts: _Counts, notes: list[str],
-            race: _Race) -> MemoryEstimate:
+            race: StepBranches) -> MemoryEstimate:
     """The :class:`MemoryEstimate`: per-rank classes, the peak, CUDA's reserve, the eval loop, a race's branches."""
     if not request.optimizer_step:
         notes.append("forward and backward only (optimizer_step=False): no optimizer state or step, "
@@ -407,7 +361,7 @@ def _result(model: torch.nn.Module, fake_mode: Any, request: EstimateRequest, in
     phase_peaks = {phase: sum(classes.values()) for phase, classes in per_phase.items()}
     peak_phase = max(phase_peaks, key=lambda p: phase_peaks[p])
     peak = phase_peaks[peak_phase]
-    branches = _race_branches(race, peak, lambda phase_classes: rules.rank_classes(
+    branches = branch_peaks(race, peak, lambda phase_classes: rules.rank_classes(
         phase_classes, model, engine, request, []), notes)
     tensors = simulation.phase_tensors.get(peak_phase)
     if tensors is not None and tensors.peak != peak and (shard != "none" or world_size > 1):
@@ -445,26 +399,6 @@ def _result(model: torch.nn.Module, fake_mode: Any, request: EstimateRequest, in
         reserved_bytes=reserved_bytes, device_bytes=device_bytes, device_overheads=device_overheads,
         peak_tensors=simulation.phase_tensors.get(peak_phase), branches=branches,
     )
-
-
-def _race_branches(race: _Race, peak: int, per_rank: Any, notes: list[str]) -> dict[str, int]:
-    """Each branch's peak: a random draw's (GKD's, each by name), the races the replay met (empty: none, or
-    the other not replayed), noted."""
-    def rank_peak(simulation: StepSimulation) -> int:
-        return max(sum(classes.values()) for classes in per_rank(simulation.phase_classes).values())
-
-    drawn = {name: rank_peak(simulation) for name, simulation in race.drawn.items()}
-    if not race.met:
-        return drawn
-    what = "; ".join(race.met)
-    if race.freed is None:
-        notes.append(f"race: {what}: estimated at its worst branch, {RACE_HELD} (the other is not replayed "
-                     f"for a plan)")
-        return drawn
-    freed = rank_peak(race.freed)
-    notes.append(f"race: {what}: estimated at its worst branch, {RACE_HELD}, {peak:,} B; {RACE_FREED}, "
-                 f"{freed:,} B" + (" (the same peak)" if freed == peak else ""))
-    return {**drawn, RACE_HELD: peak, RACE_FREED: freed}
 
 
 def _config_record(model: torch.nn.Module, request: EstimateRequest) -> dict[str, Any]:
@@ -546,8 +480,3 @@ def estimate_eval(model_or_config: Any, request: EvalRequest | None = None, /, *
     run.generation  # noqa: B018 - fail fast on generation settings that cannot work
     return _estimate_eval_loop(model, fake_mode, run.replace(task=task), config, request.optimizer_state_bytes,
                                request.preprocess_argmax)
-
-
-def _on_target(nbytes: int, device: str) -> int:
-    """One storage's bytes as ``device``'s allocator holds them (CUDA rounds each block up to 512 B)."""
-    return -(-nbytes // CUDA_BLOCK) * CUDA_BLOCK if device == "cuda" else nbytes

@@ -32,8 +32,11 @@ from ..compat.trainer_methods import (
     without_unused_columns,
 )
 from ..core.sequence_length import sequence_length
+from ..core.units import format_bytes
 from ..engines.engine import engine_backward_detached
+from ..measure.attribution import weight_storages
 from ..measure.held_models import held_models
+from .fake_dispatch import CUDA_BLOCK
 
 SCAN_ITEMS = 4096  # map-style datasets: items whose lengths are compared for the worst case
 
@@ -272,7 +275,31 @@ def plain_counters(trainer: Any) -> dict[str, Any]:
     return {name: copy.deepcopy(value) for name, value in vars(trainer).items() if _is_plain(value)}
 
 
+def frozen_model_bytes(trainer: Any, replay: Any, device: str, phase_classes: dict[str, dict[str, int]],
+                       notes: list[str]) -> dict[str, int]:
+    """Frozen models the Trainer holds (TRL's reference model, a teacher): resident weights."""
+    frozen_models: dict[str, int] = {}
+    if trainer is None:
+        return frozen_models
+    trained = set(weight_storages(trainer.model, None))
+    for name, module in held_models(trainer).items():
+        held = {k: v for k, v in weight_storages(module, None).items() if k not in trained}
+        frozen_models[name] = sum(on_target(nbytes, device) for nbytes in held.values())
+    if replay is None or not replay.held_weights:  # else: in the replay's live set
+        for classes in phase_classes.values():
+            classes["weights"] += sum(frozen_models.values())
+    if frozen_models:
+        notes.append("weights include models the Trainer holds: " + ", ".join(
+            f"{name} ({format_bytes(nbytes)})" for name, nbytes in frozen_models.items()))
+    return frozen_models
+
+
+def on_target(nbytes: int, device: str) -> int:
+    """One storage's bytes as ``device``'s allocator holds them (CUDA rounds each block up to 512 B)."""
+    return -(-nbytes // CUDA_BLOCK) * CUDA_BLOCK if device == "cuda" else nbytes
+
+
 __all__ = [
-    "RngStates", "TrainerStateGuard", "batch_tensors", "collate", "fake_batch", "held_models", "is_one_pass", "is_trainer",
-    "longest_index", "plain_counters", "training_dataset",
+    "RngStates", "TrainerStateGuard", "batch_tensors", "collate", "fake_batch", "frozen_model_bytes", "held_models",
+    "is_one_pass", "is_trainer", "longest_index", "on_target", "plain_counters", "training_dataset",
 ]
