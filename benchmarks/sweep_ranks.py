@@ -492,7 +492,7 @@ def report(facts: list[dict[str, Any]]) -> list[str]:
              f"- `estimate(trainer)` before `train()` vs the rank's highest step peak, |error|: {_distribution(estimate)} "
              "(where the step has a race of gloo's thread, its branch that frees the block at once, as the reconciled "
              "truth places that free: `MemoryEstimate.branches`; the estimate, its worst branch, against the truth's "
-             "bounds below and the highest launch in the spread section)",
+             "bounds below and the highest live peak of the launches in the spread section)",
              f"- MemWatch's live step peaks vs the profiler's (worst step a rank): {_distribution(live)}",
              f"- outside the truth's bounds (reconciled to high, a race of gloo's thread between them; the estimate's "
              f"branches, freed first to held, against them): estimate "
