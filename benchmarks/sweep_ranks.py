@@ -423,7 +423,13 @@ Not fixed (the figures over 3% above):
   +2.80..+3.18% in earlier ones, the same estimate each time: its truth moves with the draws run before it in
   the process (not explained). ZeRO-3 is estimated by rules over the single-process replay (two layers
   all-gathered, gloo's staging copies of 2 all-gathers in flight), not replayed as ZeRO-1/2's buckets are;
-  a replay of its gathering would replace the rules; not done.
+  a replay of its gathering would replace the rules; not done. It is a race too (2026-12-05, seed 21 launched
+  with the other ZeRO-3 draws, MemWatch's peak tensors now listing gloo's copies): the plain run's reconciled
+  peak 6,096,933 B (high bound 6,163,493) where the watched run's was 6,000,637 B; at MemWatch's highs two
+  gathers were in flight (163,392 and 113,536 elements), their outputs, one or both staging copies and the
+  parameters already copied out of the first. The estimate, 6,191,696 B, is 0.46% over the highest bound seen;
+  bounding the copies by the parameters gathered at once (1,111,712 B) read -1.86% under that launch's truth
+  and was not kept.
 """
 
 
