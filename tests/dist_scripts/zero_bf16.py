@@ -72,8 +72,9 @@ def run(out: Path, name: str) -> dict:
     left = left_alive(profiler, ESTIMATE_MARK)
     module = trainer.model_wrapped.module if hasattr(trainer.model_wrapped, "module") else trainer.model
     return {"predicted": predicted.peak_bytes, "notes": predicted.notes, "phase_peaks": predicted.phase_peaks,
-            "classes": predicted.classes,
+            "classes": predicted.classes, "branches": predicted.branches,
             "truth": step_peaks(profiler, -left, reconcile=True, alive=alive),
+            "high": step_peaks(profiler, -left, reconcile=True, alive=alive, late=True),
             "param_dtypes": sorted({str(p.dtype) for p in module.parameters()})}
 
 

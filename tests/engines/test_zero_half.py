@@ -20,6 +20,7 @@ from hf_memwatch.engines.engine import Engine
 from hf_memwatch.engines.registry import rules_for
 from hf_memwatch.engines.zero.backward import flow_applies
 from hf_memwatch.engines.zero.half import deepspeed_half, half_module, replay_request
+from hf_memwatch.estimation.branches import RACE_FREED
 from hf_memwatch.estimation.request import EstimateRequest
 
 SCRIPTS = Path(__file__).parents[1] / "dist_scripts"
@@ -70,24 +71,30 @@ def bf16_runs(tmp_path_factory) -> list[dict[str, Any]]:
     return [json.loads((out / f"zero_bf16.rank{rank}.json").read_text()) for rank in (0, 1)]
 
 
-# Measured (2 gloo ranks, DeepSpeed 0.19.8): zero1 -0.01% / -0.01%, zero2 -0.01% / -0.01%; zero2_ckpt
-# +1.35% / -1.22% (ranks 0 / 1). The replay keeps each reduction's flat copy alive until the next one, the worst
-# branch of gloo's thread freeing it (engines/zero/backward.py, flat_copies: one copy of the bucket's slices, none
-# for a bucket of one slice, which is reduced from its view). With the largest destination's slices copied instead
-# (before 2026-12-04): +1.35% / +0.76%. Rank 1's high holds about 91 kB the replay does not keep; not explained yet.
-# Before half.py: +10..+27% on ZeRO-1/2 (the autocast step converted by DeepSpeed's per-parameter formula).
-TOLERANCE = {"zero1": 0.01, "zero2": 0.01, "zero2_ckpt": 0.04}
+# Measured (2 gloo ranks, DeepSpeed 0.19.8): zero1 -0.01% / -0.01%, zero2 -0.01% / -0.01%; zero2_ckpt -0.01% /
+# -1.22% (ranks 0 / 1), the estimate's branch that lets each reduction's flat copy go at once against the
+# reconciled truth, which places gloo's frees there (MemoryEstimate.branches; engines/zero/backward.py,
+# flat_copies). The estimate itself, the branch that holds the copy, is rank 0's high bound to 0.01% (7,378,712
+# against 7,379,260 B in a launch whose worker let it go late; +1.35% over the reconciled truth). Rank 1: MemWatch's
+# live peak (7,391,524 B) is the estimate's (7,391,000) within 524 B, the profiler's reconciled 7,482,044: about
+# 91 kB the dispatch never saw; the profiler's allocations on other threads in that run are two 1,173,504 B
+# blocks (the all-gathers' copies) and 14,416 B more, so not those; not explained. Before half.py: +10..+27% on ZeRO-1/2 (the autocast step converted by DeepSpeed's
+# per-parameter formula).
+TOLERANCE = {"zero1": 0.01, "zero2": 0.01, "zero2_ckpt": 0.015}
 
 
 @pytest.mark.parametrize("name", TOLERANCE)
 def test_zero_bf16_estimate_matches_the_profiler_per_rank(bf16_runs, name):
     """``estimate(trainer)`` before ``train()`` against each rank's highest profiler step peak (frees on
-    gloo's threads reconciled), DeepSpeed casting the module to bf16."""
+    gloo's threads reconciled: the estimate's freed-first branch where the step races), DeepSpeed casting the
+    module to bf16."""
     for rank, facts in enumerate(bf16_runs):
         fact = facts[name]
         assert fact["param_dtypes"] == ["torch.bfloat16"]  # DeepSpeed did cast the module
-        error = fact["predicted"] / max(fact["truth"]) - 1
-        assert abs(error) <= TOLERANCE[name], (name, rank, fact["predicted"], fact["truth"], fact["classes"])
+        freed = fact["branches"].get(RACE_FREED, fact["predicted"])  # the branch the reconciled truth is
+        error = freed / max(fact["truth"]) - 1
+        assert abs(error) <= TOLERANCE[name], (name, rank, fact["branches"], fact["truth"], fact["classes"])
+        assert fact["predicted"] == max(fact["branches"].values(), default=fact["predicted"])  # the worst
 
 
 def test_zero3_in_bf16_is_estimated_and_only_zero12_name_the_flat_copys_race():
