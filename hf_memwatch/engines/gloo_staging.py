@@ -9,10 +9,7 @@ mode is thread-local, so :class:`~hf_memwatch.measure.tracker.StorageTracker` ne
 DeepSpeed ZeRO-3 (2 gloo ranks, test GPT-2, 1 x 8 + checkpointing) two prefetching all-gathers are in
 flight at once (594,944 and 528,896 B), which is where the rank's peak is. The tracker counts the
 output's bytes from the collective's dispatch until its ``Work`` reports completion (gloo frees the
-flat copy before it marks the work completed), and its peak tensors list the copy meanwhile
-(``PeakCensus.on_staging``, operator ``c10d.*``, class temporaries): on the two-rank sweep's seed 21
-(ZeRO-3 + offload) MemWatch's ``peak_tensors`` read 5,351,192 B at a moment of their own, under the step's
-6,004,760 B; now 6,000,760 B at the step's 6,000,760, the 653,568 B copy of a 163,392-element gather listed.
+flat copy before it marks the work completed).
 """
 
 from __future__ import annotations

@@ -73,13 +73,6 @@ class PeakCensus:
         self.seq += 1
         self.live[key] = TensorInfo(key, nbytes, tuple(tensor.shape), tensor.dtype, func, self.scope, self.seq)
 
-    def on_staging(self, key: int, nbytes: int, dtype: Any, func: Any) -> None:
-        """A copy a collective's worker thread holds (gloo's all-gather staging, no storage of the live set:
-        :mod:`hf_memwatch.engines.gloo_staging`), under a key of its own until :meth:`on_free`."""
-        self.seq += 1
-        numel = nbytes // (torch.empty((), dtype=dtype).element_size() if dtype is not None else 1)
-        self.live[key] = TensorInfo(key, nbytes, (numel,), dtype, func, self.scope, self.seq)
-
     def on_free(self, key: int) -> None:
         info = self.live.pop(key, None)
         if info is not None:

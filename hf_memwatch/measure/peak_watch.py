@@ -105,8 +105,6 @@ class PeakWatch:
         weights, grads, states, saved = classes
 
         def classify(info: TensorInfo) -> str:
-            if info.key < 0:  # a collective's staging copy on its worker thread (PeakCensus.on_staging)
-                return "temporaries"
             alive_now = not info.died
             if alive_now and info.key in weights:
                 return "weights"

@@ -221,10 +221,7 @@ class StorageTracker(TorchDispatchMode):
         Python state is read: a ``Work`` method would take the work's mutex while holding the GIL,
         which gloo's thread may hold while it waits for the GIL (measured: the launch hung)."""
         while self._done:
-            token = self._done.pop()
-            self.in_flight -= self._works.pop(token, 0)
-            if self.census is not None:
-                self.census.on_free(-token)
+            self.in_flight -= self._works.pop(self._done.pop(), 0)
 
     def _stage(self, func: Any, out: Any) -> None:
         """Count a CPU all-gather's staging copy on gloo's thread (:mod:`.gloo_staging`) until its work
@@ -240,13 +237,8 @@ class StorageTracker(TorchDispatchMode):
         token = self._tokens
         self._works[token] = nbytes
         self.in_flight += nbytes
-        if self.census is not None:  # listed among the peak's tensors while it runs (a key no storage has)
-            first = next((t for t in tree_leaves(out[0]) if isinstance(t, torch.Tensor)), None)
-            self.census.on_staging(-token, nbytes, None if first is None else first.dtype, func)
         if self.allocated + self.in_flight > self.peak:
             self.peak = self.allocated + self.in_flight
-            if self.census is not None:
-                self.census.on_peak()
             self.on_new_peak()
         future.add_done_callback(lambda _, done=self._done, token=token: done.append(token))
 
