@@ -424,7 +424,9 @@ Not fixed (the figures over 3% above):
   the process (not explained). ZeRO-3 is estimated by rules over the single-process replay (two layers
   all-gathered, gloo's staging copies of 2 all-gathers in flight), not replayed as ZeRO-1/2's buckets are;
   a replay of its gathering would replace the rules; not done. It is a race too (2026-12-05, seed 21 launched
-  with the other ZeRO-3 draws, MemWatch's peak tensors now listing gloo's copies): the plain run's reconciled
+  with the other ZeRO-3 draws, under a MemWatch build that listed gloo's copies among its peak tensors; that
+  build crashed a ZeRO launch under load, "terminate called without an active exception", and was reverted):
+  the plain run's reconciled
   peak 6,096,933 B (high bound 6,163,493) where the watched run's was 6,000,637 B; at MemWatch's highs two
   gathers were in flight (163,392 and 113,536 elements), their outputs, one or both staging copies and the
   parameters already copied out of the first. The estimate, 6,191,696 B, is 0.46% over the highest bound seen;
