@@ -103,6 +103,25 @@ def test_the_routing_is_bitsandbytes_own_heuristic_by_card():
     assert bnb_gemm_4bit_cuda(gpu_spec("T4")) is not None
 
 
+def test_bitsandbytes_optimizer_steps_allocate_nothing_on_cuda_their_cpu_kernels_fp32_temporaries():
+    """bitsandbytes' CUDA optimizer kernels update in place; the CPU ones dequantize into fp32 temporaries.
+    A Llama whose word embeddings (32,000 x 256 = 8,192,000 elements, 32-bit states: the Trainer's
+    override for embeddings) dominate: on a CUDA target the optimizer step rises above the step's end by
+    the bias-correction scalars only, on a CPU target by the CPU kernel's 5 x 4 B a element
+    (163,840,000 B). Before the CUDA target stopped running the CPU kernel, it counted those too."""
+    pytest.importorskip("bitsandbytes")
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=512, vocab_size=32000)
+    common = dict(task="causal-lm", micro_batch_size=1, seq_len=16, precision="bf16", optim="adamw_bnb_8bit")
+    embedding = 32000 * 256
+    on_cuda = estimate(config, device="cuda", gpu="H100", **common).phase_peaks
+    on_cpu = estimate(config, device="cpu", **common).phase_peaks
+    assert 0 <= on_cuda["after_optimizer"] - on_cuda["step_end"] < 64 * 1024
+    assert on_cpu["after_optimizer"] - on_cpu["step_end"] >= 5 * 4 * embedding
+
+
 # -- the CLI: --gpu ----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):

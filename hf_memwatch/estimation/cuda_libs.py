@@ -25,6 +25,11 @@
   import), with the card's properties in place of the device query. Unknown SM
   count (a card outside :data:`SM_COUNTS` and not the local one): the fallback, as for a CPU target.
   The backward (``MatMul4Bit.backward``) dequantizes on every device: the same Python code, replayed as is.
+* **bitsandbytes' optimizer steps on CUDA** (0.50, ``backends/cuda/ops.py``: ``_optimizer_update_8bit_blockwise_impl``,
+  ``_optimizer_update_32bit_impl``) pass the tensors' pointers to one C kernel that updates the weight and
+  the states in place: nothing is allocated. Their CPU kernels dequantize both states and build the update
+  in fp32 (5 x 4 B per element of the parameter), which a CPU target's replay counts; a CUDA target's
+  replays the registered fake kernels (:class:`~hf_memwatch.estimation.fake_dispatch.EstimateTracker`).
 
 Example:
     >>> from hf_memwatch.core.gpus import gpu_spec

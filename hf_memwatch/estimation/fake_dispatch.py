@@ -56,10 +56,17 @@ class EstimateTracker(StorageTracker):
 
     ``round_to`` rounds each storage up as the target allocator would (512 bytes on CUDA).
     bitsandbytes optimizer ops are replayed with their Python CPU kernels when ``bnb_cpu_kernels``
-    (the registered fake kernels allocate nothing, the real CPU ones dequantize into temporaries).
+    (the registered fake kernels allocate nothing, the real CPU ones dequantize into temporaries);
+    otherwise (a CUDA target) with the fake kernels: bitsandbytes' CUDA kernels update in place and
+    allocate nothing (``backends/cuda/ops.py``, ``_optimizer_update_8bit_blockwise_impl`` and
+    ``_optimizer_update_32bit_impl`` pass the tensors' pointers to the C kernel). The base tracker's
+    observed CPU kernels are therefore off here: they counted 5 x 4 B per element of the parameter
+    on a CUDA target (the CPU kernel's fp32 states, gradient, weight and update).
     For a CPU target, the per-thread buffers the CPU flash-attention kernel allocates inside itself
     are added as transients (:func:`sdpa_cpu_workspace`).
     """
+
+    observes_python_kernels = False  # bitsandbytes' kernels: per target, below (bnb_cpu_kernels)
 
     def __init__(self, device_type: str, saved: SavedTensorRegistry, round_to: int = 1,
                  bnb_cpu_kernels: bool = False) -> None:

@@ -124,6 +124,9 @@ class StorageTracker(TorchDispatchMode):
     """
 
     counts_rng_states = True  # measure/rng_states registers the CPU RNG states it returns with such a mode
+    # Whether the Python CPU kernels of ``_OBSERVED_INSIDE`` run observed (on a CPU device): what a CPU
+    # run allocates. A replay that decides per target itself (the estimate's tracker) turns it off.
+    observes_python_kernels = True
 
     def __init__(self, device_type: str = "cpu", round_to: int = 1) -> None:
         super().__init__()
@@ -332,7 +335,8 @@ class StorageTracker(TorchDispatchMode):
                 out, transient = self.kernel_call(func, args, kwargs or {})
             else:
                 out = func(*args, **(kwargs or {}))
-        elif self.device_type == "cpu" and func.name().partition(".")[0] in _OBSERVED_INSIDE:
+        elif (self.observes_python_kernels and self.device_type == "cpu"
+              and func.name().partition(".")[0] in _OBSERVED_INSIDE):
             out = run_as_called(functools.partial(self._run_observed, func), args, kwargs or {})
         else:
             out = run_as_called(func, args, kwargs or {})
