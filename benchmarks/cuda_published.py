@@ -196,6 +196,9 @@ CONTEXT_NOTE = ("nvidia-smi after train(): the peak segments stay cached (train(
                 "init; a lazily loading CUDA >= 11.7 context is smaller: device_bytes, where given, is not this run's)")
 ZERO_GRAD_NOTE = ("4.16's Trainer zeroed the gradients in place (model.zero_grad(), torch 1.10's set_to_none=False: "
                   "cuda_published_models.gradients_kept), so they stay allocated through the next forward")
+BNB_STEP = ("bitsandbytes' CUDA optimizer kernels update the weight and states in place, no temporaries "
+            "(estimation/cuda_libs.py); replayed with its CPU kernel's fp32 temporaries (5 x 4 B a element of "
+            "each parameter at the step), as before 2026-12-05, the reserve read {before}")
 FOREACH = ("2022's transformers.AdamW (adamw_hf) stepped one parameter at a time: replayed as torch's "
            "single-tensor AdamW (cuda_published_models.per_parameter_adamw); with the foreach AdamW torch >= 2.0 "
            "picks on CUDA (_foreach_sqrt of the second moments, one parameter-size list, 1.25 GiB here) the peak "
@@ -361,9 +364,9 @@ CASES: tuple[Case, ...] = (
           f"transformers' Adafactor; {AMP_GC_NOTE}"),
     _perf("perf-adam8bit", 4, 1, "fp32", "adamw_bnb_8bit", False, 13085,
           "bnb.optim.Adam8bit (min_8bit_size 4096: small tensors keep fp32 state) estimated as adamw_bnb_8bit "
-          f"(bnb AdamW, 8-bit: the same state sizes); {FWD_BWD_FP32}"),
+          f"(bnb AdamW, 8-bit: the same state sizes); {BNB_STEP.format(before='+4.8%')}; {FWD_BWD_FP32}"),
     _perf("perf-accum-gc-fp16-adam8bit", 1, 4, "fp16", "adamw_bnb_8bit", True, 5363,
-          f"bnb.optim.Adam8bit as adamw_bnb_8bit; {AMP_GC_NOTE}"),
+          f"bnb.optim.Adam8bit as adamw_bnb_8bit; {BNB_STEP.format(before='+5.6%')}; {AMP_GC_NOTE}"),
     *(
         _script(f"bert-sdpa-{attn}-{b}x{s}", BERT_SDPA, "bert-base-uncased (BertLMHeadModel, is_decoder=False)",
                 bert_base, "causal-lm", b, s, attn, mb, "A100-80GB", BERT_SDPA_VERSIONS,
