@@ -99,8 +99,10 @@ def _free_port() -> int:
 def torchrun(script: Path, out: Path, timeout_s: int = LAUNCH_TIMEOUT_S) -> str:
     """Run ``script OUT`` on 2 local ranks; fail the test on a non-zero exit or a hang."""
     out.mkdir(parents=True, exist_ok=True)
+    scratch = out.parent / f"{out.name}-tmp"  # torch elastic's folders (torchelastic_*, its log dir), not /tmp's
+    scratch.mkdir(exist_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               TOKENIZERS_PARALLELISM="false", WANDB_MODE="offline")
+               TOKENIZERS_PARALLELISM="false", WANDB_MODE="offline", TMPDIR=str(scratch))
     command = [str(TORCHRUN), "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
                "--master-port", str(_free_port()), str(script), str(out)]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -245,7 +247,17 @@ def pytest_configure(config):
     if not hasattr(config, "workerinput") and RECORDS_DIR_ENV not in os.environ:  # the controller
         import tempfile
 
-        os.environ[RECORDS_DIR_ENV] = tempfile.mkdtemp(prefix="hf-memwatch-records-")
+        os.environ[RECORDS_DIR_ENV] = config._hf_memwatch_records = tempfile.mkdtemp(prefix="hf-memwatch-records-")
+
+
+def pytest_unconfigure(config):
+    """The controller removes the records folder it made (after every process's ``pytest_sessionfinish``)."""
+    folder = getattr(config, "_hf_memwatch_records", None)
+    if folder is not None:
+        import shutil
+
+        shutil.rmtree(folder, ignore_errors=True)
+        os.environ.pop(RECORDS_DIR_ENV, None)
 
 
 def pytest_sessionfinish(session, exitstatus):

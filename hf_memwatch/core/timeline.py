@@ -114,7 +114,8 @@ def read_records(path: str | os.PathLike[str], unread: list[Unread] | None = Non
 
     Example:
         >>> import tempfile
-        >>> path = Path(tempfile.mkdtemp()) / "timeline.jsonl"
+        >>> folder = tempfile.TemporaryDirectory()
+        >>> path = Path(folder.name) / "timeline.jsonl"
         >>> lines = ({"event": "leak", "class": "other", "bytes_per_step": 1, "since_step": 2, "step": 6},
         ...          {"event": "step", "peak": "big"}, {"event": "later"}, [1])
         >>> _ = path.write_text("".join(json.dumps(line) + "\\n" for line in lines))
@@ -123,6 +124,7 @@ def read_records(path: str | os.PathLike[str], unread: list[Unread] | None = Non
         [('leak', 'other', None)]
         >>> [(u.number, u.event) for u in unread]
         [(2, None), (3, 'later'), (4, None)]
+        >>> folder.cleanup()
     """
     for number, data in enumerate(read_timeline(path), start=1):
         if not isinstance(data, dict):
