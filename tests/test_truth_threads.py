@@ -211,3 +211,21 @@ def test_the_bounds_close_on_the_known_bytes_where_the_worker_frees_promptly() -
     bounds = step_peak_bounds(prof, 0, alive_storages())
     assert [low for low, _ in bounds] == known, (bounds, known)
     assert all(k <= high for k, (_, high) in zip(known, bounds)), (bounds, known)
+
+
+def test_what_a_span_leaves_alive_is_what_it_made_not_what_it_freed():
+    """``left_alive``: the bytes of blocks made inside an ``ops_unrecorded`` span and still held after it.
+    A block made before the span and freed inside it is a real free (the training after it runs
+    without it): taking it out too raised the run's truth by its size (a 64,000 B block in a
+    two-rank ZeRO-3 draw, benchmarks/sweep_ranks.py)."""
+    from hf_memwatch.testing.truth import left_alive, ops_unrecorded
+
+    with cpu_memory_profile(record_shapes=True) as prof:
+        before = torch.ones(64_000, dtype=torch.uint8)
+        with ops_unrecorded(prof, "span"):
+            del before  # made before the span, freed in it
+            cache = torch.ones(4_096, dtype=torch.uint8)  # made in it, kept
+            scratch = torch.ones(8_192, dtype=torch.uint8)  # made and freed in it
+            del scratch
+        del cache
+    assert left_alive(prof, "span") == 4_096
