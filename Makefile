@@ -111,7 +111,7 @@ bench: venv
 	$(PY) benchmarks/cuda_published.py --out benchmarks/results/cuda_published.md
 	$(PY) benchmarks/sweep.py --draws 150 --out benchmarks/results/sweep.md
 	$(PY) benchmarks/sweep.py --depth-only --draws 150 --out benchmarks/results/sweep.md
-	$(PY) benchmarks/sweep_ranks.py --draws 40 --out benchmarks/results/sweep.md
+	$(PY) benchmarks/sweep_ranks.py --draws 48 --out benchmarks/results/sweep.md
 	$(PY) benchmarks/sweep_ranks.py --repeat 3 --seeds 2 3 6 10 11 12 14 15 18 22 27 28 35 --out benchmarks/results/sweep.md
 
 # The docs' screenshots (docs/page.png, page-seconds.png, page-compare.png, example-memory.png): the demo's

@@ -25,6 +25,19 @@ def test_the_draws_cover_every_engine_and_fsdp_own_checkpointing() -> None:
     assert not any(d.checkpointing == "fsdp" and not d.engine.startswith("fsdp2") for d in draws)
 
 
+def test_the_stream_draws_are_one_per_engine_from_an_iterable_dataset_without_length() -> None:
+    import torch
+
+    sweep = benchmark_script("sweep_ranks")
+    streams = [sweep.draw_ranks(seed) for seed in range(sweep.STREAM_FROM, sweep.STREAM_FROM + len(sweep.ENGINES))]
+    assert all(d.stream for d in streams) and [d.engine for d in streams] == list(sweep.ENGINES)
+    assert not any(sweep.draw_ranks(seed).stream for seed in range(sweep.STREAM_FROM))
+    rows = [{"input_ids": torch.arange(4)}] * 3
+    data = sweep._stream(rows)
+    assert isinstance(data, torch.utils.data.IterableDataset) and not hasattr(data, "__len__")
+    assert list(data) == rows and list(data) == rows  # read again each epoch
+
+
 def _fsdp_args(tmp_path, **more):
     return training_args(tmp_path, fsdp="full_shard", fsdp_config={"fsdp_version": 2, "activation_checkpointing": True},
                          **more)
