@@ -38,7 +38,8 @@ def launch(out: Path) -> None:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", HF_HUB_OFFLINE="1", WANDB_MODE="offline",
-               HF_MEMWATCH_ZERO_TRUTH="1")  # the per-rank profiler truth (off in the test suite's launch)
+               HF_MEMWATCH_ZERO_TRUTH="1",  # the per-rank profiler truth (off in the test suite's launch)
+               TMPDIR=str(out))  # torch elastic's folders in the launch's, not /tmp
     proc = subprocess.Popen([str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", "2", "--master-addr",
                              "127.0.0.1", "--master-port", str(port), str(SCRIPT), str(out)], env=env,
                             start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)

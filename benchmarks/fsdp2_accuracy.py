@@ -168,7 +168,8 @@ def launch(out: Path, names: list[str], repeat: int = 1) -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", WANDB_MODE="offline")
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", WANDB_MODE="offline",
+               TMPDIR=str(out))  # torch elastic's folders in the launch's, not /tmp
     log = open(out / "launch.log", "w")  # noqa: SIM115 - closed below
     proc = subprocess.Popen([str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", "2", "--master-addr",
                              "127.0.0.1", "--master-port", str(port), __file__, "--worker", str(out), str(repeat), *names],

@@ -298,7 +298,8 @@ def launch(out: Path, seeds: list[int], timeout_s: int) -> None:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", DS_BUILD_OPS="0", HF_HUB_OFFLINE="1",
-               WANDB_MODE="offline", TRL_EXPERIMENTAL_SILENCE="1", PYTHONPATH=str(ROOT))
+               WANDB_MODE="offline", TRL_EXPERIMENTAL_SILENCE="1", PYTHONPATH=str(ROOT),
+               TMPDIR=str(out))  # torch elastic's folders in the launch's, not /tmp
     with (out / "launch.log").open("w") as log:
         proc = subprocess.Popen([str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", "2",
                                  "--master-addr", "127.0.0.1", "--master-port", str(port), __file__, "--worker",
