@@ -3,7 +3,7 @@
     python benchmarks/gpu_check.py --out benchmarks/results/gpu                 # make gpu-check
     python benchmarks/gpu_check.py --device cpu --quick --out /tmp/dry          # the dry run (make test)
 
-Four checks, on real ``Trainer`` runs of models built from configs (random weights, no hub):
+Five checks, on real ``Trainer`` runs of models built from configs (random weights, no hub):
 
 * **attribution** — the five live classes sum to the device's allocated bytes at every snapshot,
   read by a callback at the same instants on the module MemWatch hooks; each step's peak equals the
@@ -23,6 +23,11 @@ Four checks, on real ``Trainer`` runs of models built from configs (random weigh
 * **overhead** — steady-state seconds per step with ``MemWatch(report=False)`` vs without, runs
   interleaved, ratio of medians (no background picture process during timing). Goal <= 1.01.
 
+* **published** — three configurations of ``benchmarks/cuda_published.py``'s published GPU measurements
+  (bert-large fp16 AMP through the Trainer, bert-base fp16 SDPA forward + backward, Mistral-7B LoRA with
+  checkpointing), scaled to the card, run and estimated for it (:mod:`gpu_check_published`); the
+  prediction check's goals.
+
 ``--device cpu`` runs the same checks through the same code — same Trainer runs, same comparisons —
 with the CPU backend's figures (a :class:`~hf_memwatch.measure.tracker.StorageTracker` over the run)
 in place of the allocator's; what only CUDA has (reserved bytes, ``mem_get_info``, ``num_ooms``, the
@@ -32,7 +37,7 @@ per-process fraction, ``auto_find_batch_size``'s OOM retries) is skipped and lis
 Results as they come: ``gpu_check.json`` and ``gpu_check.md`` in ``--out`` are rewritten atomically
 (temporary file + ``os.replace``) after every check and every configuration of the prediction sweep,
 so a run killed at any moment leaves valid JSON of what finished (``status: "running"`` until the
-end). Each check gets a share of ``--time-budget-s`` (default 420 s, under 8 minutes with start-up)
+end). Each check gets a share of ``--time-budget-s`` (default 460 s, under 9 minutes with start-up)
 and bounds itself by it: configurations or rounds that would not fit are dropped and listed. Exit 1
 when a check fails. With ``--device cuda`` on a machine without CUDA: one line, exit 0.
 """
@@ -103,6 +108,7 @@ from gpu_check_checks import (  # noqa: E402, F401 - re-exported: the script's A
     check_overhead,
     check_prediction,
     check_prevention,
+    check_published,
     measure_peak,
     prediction_result,
 )

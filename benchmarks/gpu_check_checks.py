@@ -1,4 +1,5 @@
-"""The four checks of ``benchmarks/gpu_check.py``: attribution, prediction, prevention, overhead.
+"""The checks of ``benchmarks/gpu_check.py``: attribution, prediction, prevention, overhead (here) and
+published (:mod:`gpu_check_published`).
 
 Each takes a :class:`~gpu_check_probe.Context` (the probe, its deadline, where results go) and
 returns a :class:`~gpu_check_report.CheckResult`; each bounds itself by ``ctx`` inside its run.
@@ -15,6 +16,7 @@ from typing import Any
 
 import torch
 from gpu_check_probe import CPU_BLIND, CUDA_ONLY, Context
+from gpu_check_published import check_published
 from gpu_check_report import (
     GOALS,
     CheckResult,
@@ -333,4 +335,5 @@ CHECKS: dict[str, Callable[[Context], CheckResult]] = {
     "prediction": check_prediction,
     "prevention": check_prevention,
     "overhead": check_overhead,
+    "published": check_published,  # gpu_check_published.py: the published configurations on this card
 }

@@ -14,10 +14,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-CHECK_NAMES = ("attribution", "prediction", "prevention", "overhead")
+CHECK_NAMES = ("attribution", "prediction", "prevention", "overhead", "published")
 # Share of the time budget each check may use (what one leaves goes to the next ones).
-CHECK_SHARES = {"attribution": 0.12, "prediction": 0.58, "prevention": 0.18, "overhead": 0.12}
-DEFAULT_BUDGET_S = 420.0
+CHECK_SHARES = {"attribution": 0.12, "prediction": 0.58, "prevention": 0.18, "overhead": 0.12, "published": 0.2}
+DEFAULT_BUDGET_S = 460.0
 GOALS = {"prediction_median": 0.03, "prediction_worst": 0.08, "reserved_worst": 0.10, "overhead_ratio": 1.01,
          "step_peak_rel": 0.01, "plan_reserved_rel": 0.10}
 
@@ -167,6 +167,13 @@ PREDICTION_HEADER = (
 )
 
 
+PUBLISHED_HEADER = (
+    "| published case | source | batch x seq | autocast | predicted | max allocated | error | predicted reserved "
+    "| max reserved | error | predicted device | device used | error |",
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+)
+
+
 def markdown_report(results: Sequence[CheckResult], environment: dict[str, Any],
                     skipped: Sequence[dict[str, str]] = ()) -> str:
     """The short Markdown table: one line per check, then the prediction table when there is one."""
@@ -181,6 +188,22 @@ def markdown_report(results: Sequence[CheckResult], environment: dict[str, Any],
             for row in rows:
                 lines.append(
                     f"| {row['arch']} | {row['batch']} x {row['seq_len']} | {row['checkpointing']} | {row['optim']} "
+                    f"| {_mib(row.get('predicted'))} | {_mib(row.get('max_allocated'))} "
+                    f"| {_pct(row.get('error_allocated'))} | {_mib(row.get('predicted_reserved'))} "
+                    f"| {_mib(row.get('max_reserved'))} | {_pct(row.get('error_reserved'))} "
+                    f"| {_mib(row.get('predicted_device'))} | {_mib(row.get('device_used'))} "
+                    f"| {_pct(row.get('error_device'))} |"
+                )
+    for result in results:
+        cases = result.details.get("cases") if result.name == "published" else None
+        if cases:
+            lines += ["", *PUBLISHED_HEADER]
+            for row in cases:
+                if "error" in row:
+                    lines.append(f"| {row['case']} | failed: {row['error']} |" + " |" * 11)
+                    continue
+                lines.append(
+                    f"| {row['case']} | {row['source']} | {row['batch']} x {row['seq']} | {row['precision']} "
                     f"| {_mib(row.get('predicted'))} | {_mib(row.get('max_allocated'))} "
                     f"| {_pct(row.get('error_allocated'))} | {_mib(row.get('predicted_reserved'))} "
                     f"| {_mib(row.get('max_reserved'))} | {_pct(row.get('error_reserved'))} "

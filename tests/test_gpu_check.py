@@ -195,7 +195,7 @@ def test_the_cpu_dry_run_passes_every_check_and_keeps_the_json_valid_throughout(
     assert prediction["summary"].startswith("running:")
     assert prediction["details"]["configurations"][0]["max_allocated"] > 0
     checks = {c["name"]: c for c in payload["checks"]}
-    assert list(checks) == ["attribution", "prediction", "prevention", "overhead"]
+    assert list(checks) == ["attribution", "prediction", "prevention", "overhead", "published"]
     failed = {name: c["summary"] for name, c in checks.items() if c["passed"] is not True}
     assert not failed, failed  # attribution included: MemWatch's classes sum to the CPU truth's bytes
     assert payload["passed"] is True and proc.returncode == 0, output[-3000:]
@@ -213,8 +213,14 @@ def test_the_cpu_dry_run_passes_every_check_and_keeps_the_json_valid_throughout(
     assert payload["skipped"] and all(s["why"] in allowed for s in payload["skipped"]), payload["skipped"]
     skipped = {(s["check"], s["what"]) for s in payload["skipped"]}
     assert {("prediction", "predicted vs measured reserved"), ("prediction", "predicted vs measured mem_get_info"),
-            ("prevention", "auto_find_batch_size"), ("overhead", "the 1.01 goal")} <= skipped
-    assert "| prediction |" in (out / "gpu_check.md").read_text()
+            ("prevention", "auto_find_batch_size"), ("overhead", "the 1.01 goal"),
+            ("published", "predicted vs measured reserved")} <= skipped
+    # the three published configurations, each run (the Trainer's, the script's loop, LoRA) and compared
+    cases = checks["published"]["details"]["cases"]
+    assert [c["case"] for c in cases] == ["perf-fp16", "bert-sdpa-sdpa-16x512", "fms-mistral-lora-bs8"], cases
+    assert all(c["max_allocated"] > 0 and "error_allocated" in c for c in cases), cases
+    report = (out / "gpu_check.md").read_text()
+    assert "| prediction |" in report and "| fms-mistral-lora-bs8 |" in report
 
 
 def test_the_sweep_drops_what_its_budget_cannot_hold_and_lists_it(tmp_path, gpu_check):
@@ -251,3 +257,25 @@ def test_the_cpu_reader_counts_what_the_allocator_does_not_a_dataset_reached_thr
     reader, truth = counted["reader"]
     assert reader == weight_bytes + truth  # the weights and what the run allocated: the profiler's count
     assert counted["plain"][0] == reader + table.untyped_storage().nbytes()  # the defect it guards
+
+
+def test_the_published_cases_are_scaled_down_to_a_smaller_card_only(gpu_check):
+    """The micro-batch times the card's memory over the source card's where that is below 1 (at least 1): a
+    16 GiB card runs the V100 page's batch as published, the A100-80GB cases at a fifth; an 80 GiB or larger
+    card runs all three as published."""
+    import gpu_check_published as published
+
+    small = {c.key: c.batch for c in published.published_cases(16 * 2**30, quick=False)}
+    assert small == {"perf-fp16": 4, "bert-sdpa-sdpa-16x512": 3, "fms-mistral-lora-bs8": 1}
+    large = {c.key: (c.batch, c.seq) for c in published.published_cases(141 * 2**30, quick=False)}
+    assert large == {"perf-fp16": (4, 512), "bert-sdpa-sdpa-16x512": (16, 512), "fms-mistral-lora-bs8": (8, 4096)}
+
+
+def test_the_published_check_fails_when_a_case_did_not_run_or_misses_the_goals(gpu_check):
+    import gpu_check_published as published
+
+    good = {"case": "a", "error_allocated": 0.01, "error_reserved": 0.02}
+    assert published.published_result([good, dict(good, case="b")], 2, running=False).passed is True
+    assert published.published_result([good, {"case": "b", "error": "OOM"}], 2, running=False).passed is False
+    assert published.published_result([good, dict(good, error_allocated=-0.09)], 2, running=False).passed is False
+    assert published.published_result([good], 2, running=True).passed is None
