@@ -254,6 +254,15 @@ class FsdpHoldings(TrainerCallback):
             figures["outputs"] = sum(_storages([v for v in output.values() if isinstance(v, torch.Tensor)], {}).values())
         figures["let_go"] = self.let_go.get(f"{step}:{phase}", [0, 0])
         figures["handed_off"] = self.handed_off
+        # For a failure's message only: the largest storages MemWatch's tracker holds that are in none of the
+        # figures above ([bytes, noted as handed off]); after the forward, the saved activations among them.
+        named = set(sharded) | set(unsharded) | set(gather) | set(grads) | set(states)
+        named |= set(_storages(self.model.buffers(), {}))
+        if output is not None:
+            named |= set(_storages([v for v in output.values() if isinstance(v, torch.Tensor)], {}))
+        others = sorted(((ref.nbytes, key in self.handed) for key, ref in refs.items() if key not in named),
+                        reverse=True)
+        figures["unnamed"] = [list(item) for item in others[:8]]
         self.records[f"{step}:{phase}"] = figures
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
