@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from gpu_check_probe import CPU_BLIND, CUDA_ONLY, Context
+from gpu_check_probe import CPU_BLIND, CUDA_ONLY, Context, measured_rows
 from gpu_check_published import check_published
 from gpu_check_report import (
     GOALS,
@@ -166,28 +166,18 @@ def prediction_result(rows: list[dict[str, Any]], planned: int, dropped: list[Co
 def check_prediction(ctx: Context) -> CheckResult:
     """The estimator against the sweep, most informative first; what would not fit the budget is dropped."""
     configs = configurations(ctx.quick)
-    rows: list[dict[str, Any]] = []
-    longest = 0.0
     started = time.perf_counter()
-    dropped: list[Config] = []
-    for index, config in enumerate(configs):
-        if rows and not ctx.fits(longest):
-            dropped = configs[index:]
-            ctx.skip("prediction", f"{len(dropped)} configuration(s): " + ", ".join(
-                f"{c.arch} {c.batch}x{c.seq_len}" for c in dropped),
-                f"out of time: {ctx.left():.0f} s left, the longest configuration took {longest:.0f} s")
-            break
-        begun = time.perf_counter()
-        try:
-            rows.append(measure_peak(config, ctx))
-        except Exception as exc:  # noqa: BLE001 - one configuration failing is reported, the rest still run
-            rows.append({**asdict(config), "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
-            ctx.probe.free()
-        rows[-1]["seconds"] = time.perf_counter() - begun
-        longest = max(longest, rows[-1]["seconds"])
+
+    def publish(rows: list[dict[str, Any]]) -> None:
         partial = prediction_result(rows, len(configs), [], running=True)
         partial.seconds = time.perf_counter() - started
         ctx.results.publish(partial)
+
+    rows, dropped = measured_rows(
+        ctx, "prediction", configs, lambda config: measure_peak(config, ctx),
+        lambda config, exc: {**asdict(config), "error": f"{type(exc).__name__}: {str(exc)[:300]}"}, publish,
+        lambda dropped: f"{len(dropped)} configuration(s): " + ", ".join(f"{c.arch} {c.batch}x{c.seq_len}"
+                                                                         for c in dropped), "configuration")
     if not ctx.cuda:
         for what in ("reserved", "mem_get_info"):
             ctx.skip("prediction", f"predicted vs measured {what}", CUDA_ONLY[what])

@@ -11,7 +11,7 @@ import contextlib
 import gc
 import time
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -180,6 +180,33 @@ class Context:
     @property
     def cuda(self) -> bool:
         return self.probe.kind == "cuda"
+
+
+def measured_rows(ctx: Context, check: str, items: Sequence[Any], measure: Callable[[Any], dict[str, Any]],
+                  failed: Callable[[Any, Exception], dict[str, Any]], publish: Callable[[list[dict[str, Any]]], None],
+                  describe: Callable[[list[Any]], str], unit: str) -> tuple[list[dict[str, Any]], list[Any]]:
+    """``measure(item)`` for each item in order while the longest so far still fits the check's time: a
+    failure is the row ``failed(item, exc)`` (the others still run), each row gets its ``seconds``, and
+    ``publish(rows)`` follows every one. Returns the rows and the items dropped for time (listed in
+    ``skipped``: ``describe(dropped)``, the seconds left and the longest ``unit``'s time)."""
+    rows: list[dict[str, Any]] = []
+    longest = 0.0
+    for index, item in enumerate(items):
+        if rows and not ctx.fits(longest):
+            dropped = list(items[index:])
+            ctx.skip(check, describe(dropped),
+                     f"out of time: {ctx.left():.0f} s left, the longest {unit} took {longest:.0f} s")
+            return rows, dropped
+        begun = time.perf_counter()
+        try:
+            rows.append(measure(item))
+        except Exception as exc:  # noqa: BLE001 - one item failing is reported, the rest still run
+            rows.append(failed(item, exc))
+            ctx.probe.free()
+        rows[-1]["seconds"] = time.perf_counter() - begun
+        longest = max(longest, rows[-1]["seconds"])
+        publish(rows)
+    return rows, []
 
 
 def check_deadline(started: float, total_s: float, name: str, remaining_names: Sequence[str]) -> float:

@@ -23,13 +23,12 @@ from __future__ import annotations
 
 import dataclasses
 import tempfile
-import time
 from typing import Any
 
 import torch
 import transformers
 from cuda_published import CASES, Case, LogitsSum
-from gpu_check_probe import CUDA_ONLY, Context
+from gpu_check_probe import CUDA_ONLY, Context, measured_rows
 from gpu_check_report import GOALS, CheckResult, error_stats, relative_error
 from gpu_check_runs import PeakFromTrainBegin, dataset_for, train, training_args
 
@@ -180,22 +179,11 @@ def check_published(ctx: Context) -> CheckResult:
     """The three published configurations, scaled to the card, most informative first; a case that fails
     is a row saying why, the others still run; what the time left cannot hold is dropped and listed."""
     cases = published_cases(ctx.probe.total_memory(), ctx.quick)
-    rows: list[dict[str, Any]] = []
-    longest = 0.0
-    for index, case in enumerate(cases):
-        if rows and not ctx.fits(longest):
-            ctx.skip("published", ", ".join(c.key for c in cases[index:]),
-                     f"out of time: {ctx.left():.0f} s left, the longest case took {longest:.0f} s")
-            break
-        begun = time.perf_counter()
-        try:
-            rows.append(measure(case, ctx))
-        except Exception as exc:  # noqa: BLE001 - one case failing is reported, the rest still run
-            rows.append({"case": case.key, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
-            ctx.probe.free()
-        rows[-1]["seconds"] = time.perf_counter() - begun
-        longest = max(longest, rows[-1]["seconds"])
-        ctx.results.publish(published_result(rows, len(cases), running=True))
+    rows, _ = measured_rows(
+        ctx, "published", cases, lambda case: measure(case, ctx),
+        lambda case, exc: {"case": case.key, "error": f"{type(exc).__name__}: {str(exc)[:300]}"},
+        lambda rows: ctx.results.publish(published_result(rows, len(cases), running=True)),
+        lambda dropped: ", ".join(case.key for case in dropped), "case")
     if not ctx.cuda:
         for what in ("reserved", "mem_get_info"):
             ctx.skip("published", f"predicted vs measured {what}", CUDA_ONLY[what])
