@@ -176,8 +176,9 @@ def published_result(rows: list[dict[str, Any]], planned: int, running: bool) ->
 
 
 def check_published(ctx: Context) -> CheckResult:
-    """The three published configurations, scaled to the card, most informative first; a case that fails
-    is a row saying why, the others still run; what the time left cannot hold is dropped and listed."""
+    """The three published configurations, scaled to the card, in :data:`PUBLISHED`'s order (the 7B one
+    last: the longest); a case that fails is a row saying why, the others still run; what the time left
+    cannot hold is dropped and listed."""
     cases = published_cases(ctx.probe.total_memory(), ctx.quick)
     rows, _ = measured_rows(
         ctx, "published", cases, lambda case: measure(case, ctx),
