@@ -117,6 +117,7 @@ class FsdpHoldings(TrainerCallback):
         self.handed: dict[int, Any] = {}  # storage key -> (StorageWeakRef, bytes) of what FSDP2 let go of
         self.let_go: dict[str, list[int]] = {}  # "step:phase" -> [before, after] MemWatch's snapshot
         self.handed_off = 0  # storages noted so far (the observers are wired: the test reads it)
+        self.made_inside = 0  # of those, storages FSDP2's collectives made (COLLECTIVES wrapped: the test reads it)
         self._restore: list[tuple[Any, str, Any]] = []  # (module, name, original) of FSDP2's wrapped collectives
 
     def _tracker(self):
@@ -144,8 +145,10 @@ class FsdpHoldings(TrainerCallback):
             finally:
                 if tracker is not None:
                     refs = tracker.live_refs()
-                    self._note([storage for key, storage in tracker.live_storage_objects().items()
-                                if known.get(key) is not refs.get(key)])
+                    made = [storage for key, storage in tracker.live_storage_objects().items()
+                            if known.get(key) is not refs.get(key)]
+                    self._note(made)
+                    self.made_inside += len(made)
         return call
 
     def _still_alive(self) -> int:
@@ -254,6 +257,7 @@ class FsdpHoldings(TrainerCallback):
             figures["outputs"] = sum(_storages([v for v in output.values() if isinstance(v, torch.Tensor)], {}).values())
         figures["let_go"] = self.let_go.get(f"{step}:{phase}", [0, 0])
         figures["handed_off"] = self.handed_off
+        figures["made_inside"] = self.made_inside
         # For a failure's message only: the largest storages MemWatch's tracker holds that are in none of the
         # figures above ([bytes, noted as handed off]); after the forward, the saved activations among them.
         named = set(sharded) | set(unsharded) | set(gather) | set(grads) | set(states)

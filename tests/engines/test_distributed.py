@@ -493,6 +493,8 @@ def test_each_rank_s_classes_equal_what_fsdp2_holds(fsdp2_runs, run):
         assert holdings["1:after_forward"]["unsharded"] > 0  # the root stays unsharded after the forward
         # the observers saw FSDP2 hand off: every unit's all-gather output, each unit's gradients and input
         assert holdings["1:after_backward"]["handed_off"] > holdings["1:after_forward"]["handed_off"] > 0
+        # ... and FSDP2's collectives made storages: the forward's all-gathers, then the backward's reduce-scatters
+        assert holdings["1:after_backward"]["made_inside"] > holdings["1:after_forward"]["made_inside"] > 0
 
 
 def test_the_tracker_sees_fsdp2_s_resize_to_zero_frees(fsdp2_runs):
