@@ -143,6 +143,11 @@ from gpu_check_runs import build_model, model_config, timed_run, training_args  
 def environment(probe: Probe, quick: bool) -> dict[str, Any]:
     info: dict[str, Any] = {"device": probe.kind, "quick": quick, "torch": torch.__version__,
                             "transformers": transformers.__version__, "python": platform.python_version()}
+    from hf_memwatch.compat import versions
+
+    below = versions.unsupported({name: versions.installed(name) for name in versions.VERIFIED})
+    if below:  # run with HF_MEMWATCH_UNVERIFIED=1 (the lent machines' torch 2.11): said in every results file
+        info["unverified"] = "; ".join(below)
     if probe.kind == "cuda":
         props = torch.cuda.get_device_properties(probe.device)
         info.update(gpu=props.name, gpu_memory=f"{props.total_memory / 2**30:.0f} GiB", cuda=torch.version.cuda)

@@ -84,6 +84,22 @@ def test_an_old_transformers_fails_fast_in_one_line_naming_the_range(old_transfo
     assert err.count("\n") == 1 and expected in err
 
 
+def test_an_old_torch_runs_only_when_asked_and_then_says_so_once(monkeypatch, caplog) -> None:
+    """The lent GPU machines hold torch 2.11 and cannot install another: HF_MEMWATCH_UNVERIFIED=1 runs there
+    with one WARNING naming the range; without it the check fails fast, saying how to ask."""
+    real = versions.installed
+    monkeypatch.setattr(versions, "installed", lambda name: "2.11.0+cu130" if name == "torch" else real(name))
+    monkeypatch.delenv(versions.UNVERIFIED_ENV, raising=False)
+    with pytest.raises(MemWatchConfigError, match=r"^torch 2\.11\.0\+cu130 is older .* HF_MEMWATCH_UNVERIFIED=1"):
+        versions.check_versions()
+    monkeypatch.setenv(versions.UNVERIFIED_ENV, "1")
+    with caplog.at_level(logging.WARNING, logger="hf_memwatch"):
+        versions.check_versions()
+        versions.check_versions()
+    one_warning(caplog, "torch 2.11.0+cu130", "supported: torch>=2.13", "unverified")
+    versions.check_versions.cache_clear()
+
+
 def test_an_old_optional_library_is_one_warning(monkeypatch, caplog) -> None:
     real = versions.installed
     monkeypatch.setattr(versions, "installed", lambda name: "0.20.0" if name == "trl" else real(name))

@@ -9,6 +9,12 @@ its floor) is one WARNING. A release newer than the last tested one runs: what c
 releases is the other libraries' internals, and :mod:`hf_memwatch.compat.probes` checks each at its
 first use, turning off only the feature that depends on it (loudly) when it is gone.
 
+``HF_MEMWATCH_UNVERIFIED=1`` (:data:`UNVERIFIED_ENV`) runs on a required library older than its floor
+anyway, said in one WARNING instead of the error: for a machine whose libraries cannot be changed — the
+lent GPU machines hold torch 2.11 and no network (``docs/gpu_check.md``) — where what runs is to be seen,
+not trusted. torch's internals are still checked (:mod:`.torch_internals`): what nothing runs without
+still fails fast.
+
 Example:
     >>> unsupported({"transformers": "4.46.3", "torch": "2.13.0+cpu"})
     ['transformers 4.46.3 is older than the oldest verified release (supported: transformers>=4.57 (tested: 4.57.6, 5.23.0))']
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from dataclasses import dataclass
 from importlib import metadata
 
@@ -28,6 +35,8 @@ from packaging.version import InvalidVersion, Version
 from ..core.errors import MemWatchConfigError
 
 logger = logging.getLogger("hf_memwatch")
+# Set to 1 (or true/yes): a required library older than its floor is one WARNING, not an error (module doc).
+UNVERIFIED_ENV = "HF_MEMWATCH_UNVERIFIED"
 
 
 @dataclass(frozen=True)
@@ -82,6 +91,11 @@ def unsupported(versions: dict[str, str | None], *, required: bool = True) -> li
             and _older(version, VERIFIED[name].floor)]
 
 
+def unverified_allowed() -> bool:
+    """Whether :data:`UNVERIFIED_ENV` asks to run on libraries older than their floors."""
+    return os.environ.get(UNVERIFIED_ENV, "").strip().lower() in ("1", "true", "yes")
+
+
 @functools.cache
 def check_versions() -> None:
     """Fail fast on a required library older than its verified floor (one ``MemWatchConfigError``
@@ -89,7 +103,11 @@ def check_versions() -> None:
     :func:`hf_memwatch.compat.stack.check_stack` adds torch's internals that nothing runs without."""
     versions = {name: installed(name) for name in VERIFIED}
     if lines := unsupported(versions, required=True):
-        check_versions.cache_clear()  # a fixed environment is checked again
-        raise MemWatchConfigError("; ".join(lines))
+        if unverified_allowed():
+            logger.warning("hf-memwatch: %s; running anyway (%s is set): figures on this stack are unverified",
+                           "; ".join(lines), UNVERIFIED_ENV)
+        else:
+            check_versions.cache_clear()  # a fixed environment is checked again
+            raise MemWatchConfigError("; ".join(lines) + f" (set {UNVERIFIED_ENV}=1 to run unverified anyway)")
     for line in unsupported(versions, required=False):
         logger.warning("hf-memwatch: %s; features that rely on it may be off (see the warnings that follow)", line)
