@@ -53,8 +53,8 @@ def test_budgets_are_parsed_strictly():
     # MemAvailable moves between two reads, so each is checked against the limit it read
     for spec in ("0.5", 0.5):
         resolved = resolve_budget(spec, cpu)
-        read = {limit.name: limit.available for limit in resolved.limits}[resolved.bound_by]
-        assert resolved.total == read // 2 and resolved.source.startswith("0.5 of ")
+        assert resolved.binding_limit is not None
+        assert resolved.total == resolved.binding_limit.available // 2 and resolved.source.startswith("0.5 of ")
     capacity = machine_capacity(cpu)
     assert capacity is not None and capacity > 0
     too_big = f"{2 * capacity // 2**20}MiB"  # twice this host's physical memory
