@@ -33,8 +33,8 @@ def classify(snapshot: tuple[dict[int, Any], set[int]], live_now: dict[int, Any]
     Storage keys are addresses and get reused once a storage dies, so a snapshot entry belongs to
     a class only when it is the *same* storage: the tracker's reference object (one per storage
     lifetime) must match the one recorded for the class (``weights``/``other``: key -> ref) or
-    the one live now (``gradients``/``states``: keys read now). Entries of ``named`` (key -> (ref,
-    name)) are also added to ``details[class][name]`` when given. The eval replay gives ``outputs``
+    the one live now (``gradients``/``states``: keys read now). Entries of ``named`` (id of the ref ->
+    (ref, name)) are also added to ``details[class][name]`` when given. The eval replay gives ``outputs``
     (key -> ref) and no gradients, states or saved tensors. ``held`` (key -> ref): gradients an engine
     holds outside ``.grad`` (:mod:`~hf_memwatch.engines.zero.backward`), gradients while they live;
     ``held_weights``: parameters it gathers (:mod:`~hf_memwatch.engines.fsdp2.replay`), weights while they live.
@@ -58,7 +58,7 @@ def classify(snapshot: tuple[dict[int, Any], set[int]], live_now: dict[int, Any]
             name = "temporaries"
         classes[name] += ref.nbytes
         if named is not None and details is not None:
-            label = named.get(key)
+            label = named.get(id(ref))
             if label is not None and label[0] is ref:
                 inner = details.setdefault(name, {})
                 inner[label[1]] = inner.get(label[1], 0) + ref.nbytes
@@ -107,6 +107,8 @@ class Phases:
         self.windows: dict[str, list[list[tuple[Any, dict[str, int]]]]] = {}
         self._split: list[tuple[Any, dict[str, int], dict[str, dict[str, int]]]] = []  # the running interval's
         self.window: Any = "head"  # the running window's label: "head" until the first split, then the split's
+        # a high carried into the running interval from a replay this one reuses (:meth:`carry`)
+        self._carried: tuple[dict[str, int], dict[str, dict[str, int]]] | None = None
 
     def _classified(self) -> tuple[dict[str, int], dict[str, dict[str, int]], set[int], set[int]] | None:
         """The running interval's high, classified (None before any tracking)."""
@@ -120,6 +122,25 @@ class Phases:
                            tracker.named, details, held=tracker.engine_gradients,
                            held_weights=tracker.engine_weights)
         return classes, details, grads, states
+
+    def classified_high(self) -> tuple[dict[str, int], dict[str, dict[str, int]]] | None:
+        """The running interval's high so far, classified, with its details (None before any tracking)."""
+        found = self._classified()
+        return None if found is None else (found[0], found[1])
+
+    def live_classes(self) -> dict[str, int]:
+        """The live set now, classified."""
+        tracker = self.tracker
+        grads = storage_keys(p.grad for p in self.model.parameters())
+        states = storage_keys(state_tensors(self.optimizer))
+        live = dict(tracker.live_refs())
+        return classify((live, tracker.saved.keys()), live, self.weights, grads, states, self.other,
+                        held=tracker.engine_gradients, held_weights=tracker.engine_weights)
+
+    def carry(self, classes: dict[str, int], details: dict[str, dict[str, int]]) -> None:
+        """A high of the running interval reached before it began here: the interval's, unless a later one
+        passes it (:mod:`~hf_memwatch.estimation.optimizer_swap`: the micro-steps another replay ran)."""
+        self._carried = (classes, details)
 
     def split(self, label: Any) -> None:
         """End the running window at its high; the next one is ``label``'s (not with a peak census)."""
@@ -140,6 +161,10 @@ class Phases:
             _, classes, details = next(w for w in self._split if sum(w[1].values()) == top)
             found = (classes, details, set(), set())
             self._split, self.window = [], "head"
+        if self._carried is not None:  # first of the highest: the carried high came first
+            carried, self._carried = self._carried, None
+            if found is None or sum(carried[0].values()) >= sum(found[0].values()):
+                found = (carried[0], carried[1], set(), set())
         if found is not None:
             classes, details, grads, states = found
             if sum(classes.values()) > sum(self.best.get(phase, {}).values() or [-1]):

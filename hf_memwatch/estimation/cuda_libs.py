@@ -104,7 +104,7 @@ def name_held(tracker: Any, tensors: list[torch.Tensor], name: str) -> None:
     for tensor in tensors:
         key = tensor_storage_key(tensor)
         if key in live:
-            tracker.named[key] = (live[key], name)
+            tracker.named[id(live[key])] = (live[key], name)
 
 
 # -- bitsandbytes' 4-bit GEMM -----------------------------------------------------------------

@@ -79,7 +79,9 @@ class EstimateTracker(StorageTracker):
         # True within a torch optimizer's step for a CUDA target: tensors made from Python data are host
         # tensors, not counted (estimation.cuda_optim.steps_on_host)
         self.host_scalars = False
-        self.named: dict[int, tuple[Any, str]] = {}  # storage key -> (its ref, detail name)
+        # id of a storage's ref -> (the ref, its detail name): by the ref, one storage lifetime, so a name
+        # stays with its storage in a snapshot after that storage died and its address was reused
+        self.named: dict[int, tuple[Any, str]] = {}
         # storage key -> its ref: gradients an engine holds outside ``.grad`` (ZeRO's buckets, partitions)
         self.engine_gradients: dict[int, Any] = {}
         # storage key -> its ref: parameters an engine gathers outside the model's own (FSDP2's all-gathers)
@@ -129,7 +131,7 @@ class EstimateTracker(StorageTracker):
         ref = self._live.get(key)
         if ref is not None and ref is not before:
             upcast = self._mixed and tensor.dtype == torch.float32
-            self.named[key] = (ref, LOGITS_FP32 if upcast else LOGITS)
+            self.named[id(ref)] = (ref, LOGITS_FP32 if upcast else LOGITS)
 
     def reads_zero(self, tensor: torch.Tensor) -> None:
         """``tensor``'s next read back (``.item()``) answers 0: a clean step's ``found_inf``."""
@@ -323,4 +325,4 @@ def name_frozen_weights(tracker: EstimateTracker, model: torch.nn.Module) -> Non
         ref = tracker._live.get(key)
         if ref is not None:
             trainable = isinstance(tensor, torch.nn.Parameter) and tensor.requires_grad
-            tracker.named[key] = (ref, "trainable" if trainable else "frozen")
+            tracker.named[id(ref)] = (ref, "trainable" if trainable else "frozen")

@@ -83,10 +83,19 @@ def built_model(subject: Any, request: Any, build: Callable[[], tuple]) -> tuple
     adapter = None if request.adapter is None else os.fspath(request.adapter)
     key = (id(subject), request.task, repr(request.lora), adapter, repr(request.quantization))
     if key not in cache:
-        cache[key] = (subject, build())  # the subject held: its id stays its own
+        cache[key] = (subject, build(), {})  # the subject held: its id stays its own
     built = cache[key][1]
     _drop_gradients(built[1])
     return built
+
+
+def kept_with(model: torch.nn.Module) -> dict | None:
+    """What estimates of the shared fake ``model`` keep for each other inside this :func:`sharing` block
+    (:mod:`~hf_memwatch.estimation.optimizer_swap`'s records); None where ``model`` is not one it shares."""
+    cache = _ACTIVE.get()
+    if cache is None or not SHORTCUTS:
+        return None
+    return next((kept for _, built, kept in cache.values() if built[1] is model), None)
 
 
 def shareable(subject: Any, request: Any) -> bool:

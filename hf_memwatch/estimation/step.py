@@ -51,6 +51,7 @@ from .cuda_libs import cublas_workspaces
 from .cuda_optim import step_scaler, steps_on_host
 from .fake_dispatch import CUDA_BLOCK, LOGITS, LOGITS_FP32, name_frozen_weights
 from .layers import recompute_windows
+from .optimizer_swap import OptimizerSwap, SwapMismatch, swap_off
 from .peak import PeakCensusWatch
 from .replay import REPLAY_DEVICE, TRAINING, model_in_mode, new_tracker, tracked
 from .trainer_mirror import (
@@ -130,6 +131,15 @@ def simulate_step(model: torch.nn.Module, fake_mode: Any, request: Any, inputs: 
     (``replay.micro_steps()``). ``windows`` (the checkpointed layer stack): the backward split where each
     layer's recomputation begins, every window's classes kept (``phase_windows``; :mod:`.layers`).
     """
+    try:
+        return _simulate_step(model, fake_mode, request, inputs, steps, windows)
+    except SwapMismatch:  # a reused forward/backward that did not fit: the step replayed in full
+        with swap_off():
+            return _simulate_step(model, fake_mode, request, inputs, steps, windows)
+
+
+def _simulate_step(model: torch.nn.Module, fake_mode: Any, request: Any, inputs: StepInputs,
+                   steps: int, windows: torch.nn.ModuleList | None) -> StepSimulation:
     sample = inputs.sample
     with model_in_mode(model, request, TRAINING):
         enabled = bool(request.activation_checkpointing) and enable_checkpointing(model, getattr(inputs.trainer, "args", None))
@@ -139,7 +149,7 @@ def simulate_step(model: torch.nn.Module, fake_mode: Any, request: Any, inputs: 
                     recompute_windows(windows, run.phases):
                 run.saved.start()
                 try:
-                    run.replay_step(steps)
+                    run.replay_step(steps, windows is not None)
                 finally:
                     run.saved.stop()
                     if run.phases.census is not None:
@@ -193,8 +203,11 @@ class _StepRun:
         """Count ``tensors`` as ``other`` (inputs, the loss accumulator, the item count)."""
         self.other.update(refs(self.tracker, tensors))
 
-    def replay_step(self, steps: int) -> None:
-        """The earlier steps' optimizer state, the micro-steps, then clipping, the step and ``zero_grad``."""
+    def replay_step(self, steps: int, split: bool = False) -> None:
+        """The earlier steps' optimizer state, the micro-steps, then clipping, the step and ``zero_grad``.
+
+        Inside a plan the micro-steps of a candidate that differs only in the optimizer from one replayed
+        before are that one's (:mod:`.optimizer_swap`; ``split``: the backward split into windows)."""
         model, optimizer, phases, request = self.model, self.optimizer, self.phases, self.request
         # held from the first step on: the cuBLAS workspaces (CUDA), the GradScaler's scale (fp16 on CUDA)
         self.held = cublas_workspaces(self.tracker) + (self.scaler.start(self.device) if self.scaler else [])
@@ -216,12 +229,18 @@ class _StepRun:
         num_items = self.num_items(batches)
         replayed = self.replayed(batches)
         self.tracker.reset_peak()
-        for inputs in replayed:
-            loss = self.micro_step(inputs, num_items)
-            del inputs
-            tr_loss += loss
-            del loss
-        del batches, replayed
+        swap = OptimizerSwap.of(self, steps, split)
+        named = {"batch": batches + [lookahead], "labels": getattr(self, "label_views", []),
+                 "num_items": [num_items], "tr_loss": [tr_loss], "held": self.held}
+        if swap is None or not swap.begin(named):
+            for inputs in replayed:
+                loss = self.micro_step(inputs, num_items)
+                del inputs
+                tr_loss += loss
+                del loss
+        del batches, replayed, named
+        if swap is not None:
+            swap.end()
         if not request.optimizer_step:
             return
         scaler = self.scaler
