@@ -10,7 +10,9 @@ hidden size, layers, heads, KV heads, intermediate size, vocabulary), bf16 on a 
 (c) the full plan (:func:`hf_memwatch.planning.planner.plan_for`) with a budget of 60% of the run's
     estimated peak (so a plan must be searched), above the floor;
 (d) the same plan in a process that imported peft and bitsandbytes before its clock started (a Trainer run
-    that built its ``PeftModel`` or uses bitsandbytes has), and that import's own cost.
+    that built its ``PeftModel`` or uses bitsandbytes has), and that import's own cost;
+(e) (d) again with the optimizer swap off (:func:`hf_memwatch.estimation.optimizer_swap.swap_off`): what
+    replaying the micro-steps once per micro-batch/checkpointing line saves.
 
 Every measurement runs in its own fresh subprocess (process CPU time, ``time.process_time``), once
 with the planning shortcuts off (``hf_memwatch.estimation.memo.shortcuts(False)``: today's code
@@ -88,7 +90,11 @@ def child(spec: dict) -> dict:
 
         extra["lora"] = LoraSpec(**extra["lora"])
     run = RunConfig(**RUN, **run_fields)
-    with shortcuts(spec["shortcuts"]):
+    from contextlib import nullcontext
+
+    from hf_memwatch.estimation.optimizer_swap import swap_off
+
+    with shortcuts(spec["shortcuts"]), (swap_off() if spec.get("swap_off") else nullcontext()):
         if spec["kind"] == "estimate":
             from hf_memwatch import estimate
 
@@ -165,12 +171,14 @@ def main() -> int:
             plan = {on: measure({**base, "kind": "plan", "shortcuts": on, "budget": budget}) for on in (False, True)}
             found = compare(est[False], est[True], "estimate") + compare(plan[False], plan[True], "plan")
             preloaded = measure({**base, "kind": "plan", "shortcuts": True, "budget": budget, "preload": True})
-            found += compare(plan[True], preloaded, "plan")
+            unswapped = measure({**base, "kind": "plan", "shortcuts": True, "budget": budget, "preload": True,
+                                 "swap_off": True})
+            found += compare(plan[True], preloaded, "plan") + compare(plan[True], unswapped, "plan")
             problems += [f"{shape} {variant}: {p}" for p in found]
-            floors += [m["floor"] for m in (*est.values(), *plan.values(), preloaded)]
+            floors += [m["floor"] for m in (*est.values(), *plan.values(), preloaded, unswapped)]
             rows.append(f"| {shape} | {variant} | {budget / 2**30:.1f} GiB | {est[False]['cpu']:.2f} -> "
                         f"{est[True]['cpu']:.2f} | {plan[False]['cpu']:.2f} -> {plan[True]['cpu']:.2f} | "
-                        f"{preloaded['cpu']:.2f} ({preloaded['preload']:.2f}) | "
+                        f"{preloaded['cpu']:.2f} ({preloaded['preload']:.2f}) | {unswapped['cpu']:.2f} | "
                         f"{plan[False]['predictions']} -> {plan[True]['predictions']} | "
                         f"{describe(plan[True]['chosen'])} | {'same' if not found else 'DIFFERENT'} |")
             print(rows[-1], flush=True)
@@ -192,11 +200,12 @@ def main() -> int:
         "the clock started, as a Trainer run has that built its PeftModel or uses bitsandbytes (in brackets: "
         "that import's own CPU seconds, peft importing bitsandbytes, whose `torch.compile` pulls in "
         "`torch._inductor`); the estimate imports them itself where the replay needs them (LoRA: peft; a plan "
-        "weighing 8-bit AdamW: bitsandbytes).",
+        "weighing 8-bit AdamW: bitsandbytes). Swap off: that process again with the optimizer swap off "
+        "(`optimizer_swap.swap_off()`: every candidate's micro-steps replayed, the other shortcuts on).",
         "",
         "| shape | variant | budget | one estimate (s) | full plan (s) | full plan, libraries imported (s) | "
-        "estimates in the plan (full+floor) | chosen plan | old vs new |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "same, swap off (s) | estimates in the plan (full+floor) | chosen plan | old vs new |",
+        "|---|---|---|---|---|---|---|---|---|---|",
         *rows,
     ]
     publish(lines, args.out)
