@@ -110,15 +110,17 @@ class Phases:
         # a high carried into the running interval from a replay this one reuses (:meth:`carry`)
         self._carried: tuple[dict[str, int], dict[str, dict[str, int]]] | None = None
 
-    def _classified(self) -> tuple[dict[str, int], dict[str, dict[str, int]], set[int], set[int]] | None:
-        """The running interval's high, classified (None before any tracking)."""
+    def _classified(self, snapshot: tuple[dict[int, Any], Any] | None = None
+                    ) -> tuple[dict[str, int], dict[str, dict[str, int]], set[int], set[int]] | None:
+        """The running interval's high (or ``snapshot``), classified (None before any tracking)."""
         tracker = self.tracker
-        if tracker.snapshot is None:
+        snapshot = tracker.snapshot if snapshot is None else snapshot
+        if snapshot is None:
             return None
         grads = storage_keys(p.grad for p in self.model.parameters())
         states = storage_keys(state_tensors(self.optimizer))
         details: dict[str, dict[str, int]] = {}
-        classes = classify(tracker.snapshot, tracker.live_refs(), self.weights, grads, states, self.other,
+        classes = classify(snapshot, tracker.live_refs(), self.weights, grads, states, self.other,
                            tracker.named, details, held=tracker.engine_gradients,
                            held_weights=tracker.engine_weights)
         return classes, details, grads, states
@@ -131,11 +133,7 @@ class Phases:
     def live_classes(self) -> dict[str, int]:
         """The live set now, classified."""
         tracker = self.tracker
-        grads = storage_keys(p.grad for p in self.model.parameters())
-        states = storage_keys(state_tensors(self.optimizer))
-        live = dict(tracker.live_refs())
-        return classify((live, tracker.saved.keys()), live, self.weights, grads, states, self.other,
-                        held=tracker.engine_gradients, held_weights=tracker.engine_weights)
+        return self._classified((dict(tracker.live_refs()), tracker.saved.keys()))[0]
 
     def carry(self, classes: dict[str, int], details: dict[str, dict[str, int]]) -> None:
         """A high of the running interval reached before it began here: the interval's, unless a later one

@@ -104,7 +104,7 @@ class OptimizerSwap:
             return None
         if request.optim not in TORCH_NATIVE and request.optim not in BNB_NATIVE:
             return None
-        key = (id(run.model), tuple(id(p) for p in run.model.parameters()), repr(request.replace(optim="")),
+        key = (tuple(id(p) for p in run.model.parameters()), repr(request.replace(optim="")),
                run.tracker.events is None, steps, split)
         return cls(run, kept.setdefault(_SLOT, {}), key)
 

@@ -230,15 +230,16 @@ class _StepRun:
         replayed = self.replayed(batches)
         self.tracker.reset_peak()
         swap = OptimizerSwap.of(self, steps, split)
-        named = {"batch": batches + [lookahead], "labels": getattr(self, "label_views", []),
-                 "num_items": [num_items], "tr_loss": [tr_loss], "held": self.held}
-        if swap is None or not swap.begin(named):
+        skipped = swap is not None and swap.begin({
+            "batch": batches + [lookahead], "labels": getattr(self, "label_views", []),
+            "num_items": [num_items], "tr_loss": [tr_loss], "held": self.held})
+        if not skipped:
             for inputs in replayed:
                 loss = self.micro_step(inputs, num_items)
                 del inputs
                 tr_loss += loss
                 del loss
-        del batches, replayed, named
+        del batches, replayed
         if swap is not None:
             swap.end()
         if not request.optimizer_step:
