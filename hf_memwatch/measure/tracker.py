@@ -135,12 +135,10 @@ class StorageTracker(TorchDispatchMode):
         self.allocated = 0
         self.peak = 0
         # Bytes gloo's worker threads hold for all-gathers in flight (gloo_staging): in ``peak``, not in
-        # ``allocated`` (no storage of the live set). ``_works``: token -> bytes of each running one;
-        # ``_done``: tokens its future's callback (on gloo's thread) appended once it completed.
+        # ``allocated`` (no storage of the live set). ``_works``: (bytes, future) of each running one,
+        # polled on this thread (:meth:`_settle`); no callback on gloo's thread.
         self.in_flight = 0
-        self._works: dict[int, int] = {}
-        self._done: list[int] = []
-        self._tokens = 0
+        self._works: list[tuple[int, Any]] = []
         self._live: dict[int, _StorageRef] = {}
         self._on_free = self._free  # bound once: one object for every weakref callback
         recording = _RECORDING.get()
@@ -220,11 +218,26 @@ class StorageTracker(TorchDispatchMode):
             self.on_new_peak()
 
     def _settle(self) -> None:
-        """Drop the all-gathers whose work completed (gloo freed its staging copy before). Only
-        Python state is read: a ``Work`` method would take the work's mutex while holding the GIL,
-        which gloo's thread may hold while it waits for the GIL (measured: the launch hung)."""
-        while self._done:
-            self.in_flight -= self._works.pop(self._done.pop(), 0)
+        """Drop the all-gathers whose work completed (gloo freed its staging copy before), read with
+        ``Future.done()`` on this thread, at every operator and snapshot while one runs.
+
+        No Python runs on gloo's thread. A done-callback there (how this was counted before) made gloo's
+        worker wait for the GIL inside the future's completion, still holding the work and so its output
+        (DeepSpeed's flat all-gather buffer): with this thread keeping the GIL for a second the work had
+        not completed (tests/test_tracker.py). Under load, buffers DeepSpeed had released lived on into the
+        backward (CI, ZeRO-3 + offload, 2 gloo ranks, rank 0: +265,728 B and +512,000 B of ``aten.empty``
+        flat buffers alive past their parameters, step peak +1.7%), and once a rank aborted after its last
+        line (``terminate called without an active exception``: a thread still waiting for the GIL when the
+        interpreter finalizes, most likely; not reproduced since). A held future keeps its
+        value (the output) alive, so it is dropped at the first operator after it completed: before
+        DeepSpeed's release (``param.data = torch.empty(0)``, an operator) can be the output's last one."""
+        running = []
+        for nbytes, future in self._works:
+            if future.done():
+                self.in_flight -= nbytes
+            else:
+                running.append((nbytes, future))
+        self._works = running
 
     def _stage(self, func: Any, out: Any) -> None:
         """Count a CPU all-gather's staging copy on gloo's thread (:mod:`.gloo_staging`) until its work
@@ -236,14 +249,13 @@ class StorageTracker(TorchDispatchMode):
         nbytes, future = found
         if self._works:
             self._settle()
-        self._tokens += 1
-        token = self._tokens
-        self._works[token] = nbytes
+        self._works.append((nbytes, future))
         self.in_flight += nbytes
         if self.allocated + self.in_flight > self.peak:
             self.peak = self.allocated + self.in_flight
+            if self.census is not None:
+                self.census.on_peak()  # the storages alive at this moment, with the copy in flight
             self.on_new_peak()
-        future.add_done_callback(lambda _, done=self._done, token=token: done.append(token))
 
     def _is_input_storage(self, key: int) -> bool:
         """Whether an input of the operator being tracked has the storage ``key`` (an in-place or
@@ -325,6 +337,8 @@ class StorageTracker(TorchDispatchMode):
 
     # -- dispatch ---------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self._works:
+            self._settle()  # before the operator: the futures held here keep no output alive into it
         transient = 0
         if func in _UNPERTURBED:  # kernels a mode would change: as they run unobserved
             out = run_unperturbed(func, args, kwargs or {})
@@ -398,6 +412,8 @@ class StorageTracker(TorchDispatchMode):
             super().__exit__(*exc)
         finally:
             uncount_rng_states()  # torch's own get_rng_state back once no tracker is entered
+            if self._works:
+                self._settle()  # the completed works' futures let go (their outputs) when the mode is left
 
     # The mode is entered and left from different Trainer events, not in one ``with`` block.
     def start(self) -> None:
