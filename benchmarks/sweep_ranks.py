@@ -481,7 +481,13 @@ Not fixed (the figures over 3% above):
   gathers were in flight (163,392 and 113,536 elements), their outputs, one or both staging copies and the
   parameters already copied out of the first. The estimate, 6,191,696 B, is 0.46% over the highest bound seen;
   bounding the copies by the parameters gathered at once (1,111,712 B) read -1.86% under that launch's truth
-  and was not kept.
+  and was not kept. The same abort came back on 2026-12-06 under the tracker that counted gloo's copies with a
+  done-callback on gloo's thread (once in about 10 ZeRO launches under load, after the launch's last line); that
+  callback is gone (the tracker polls the work's future, a9b3413). Three launches of seeds 5, 13, 21 and 45 at
+  a9b3413: seeds 5 and 13 the same to the byte in each (estimate -0.02% / -0.05%); seed 21's live peaks
+  6,019,064 / 6,096,888 / 6,014,272 B (rank 0) and 6,004,760 / 6,096,888 / 6,004,760 (rank 1), its estimate
+  +1.56% over the highest; seed 45's 3,570,600..3,586,344 and 3,566,376..3,584,296 B, its estimate +4.02% /
+  +4.08%. The gathering rule stays the cause; not fixed.
 """
 
 
@@ -684,18 +690,23 @@ gloo's thread is not reported). The high bound places each such free at the late
 (``truth.step_peak_bounds``). MemWatch's live peak (its own run beside the plain one) sees each free when it happens,
 and it shows that the memory itself spreads where a collective's tensors are let go by gloo's worker thread: the
 thread drops the finished work (its input, the reduction's flat copy) when it is scheduled, before or after the
-main thread's next allocations, a race on 2 busy cores. In these launches it spread on 2 of the 13 draws
-(seed 10, ZeRO-2 + Adafactor: 2.11% on both ranks in one launch; seed 28, ZeRO-2 with the optimizer offloaded:
-11.55% on rank 1); in earlier ones on seed 12's rank 1 (12.44%) and seed 6's rank 0 (FSDP2 bf16, 4.41%). The
+main thread's next allocations, a race on 2 busy cores. In these launches (2026-12-06, commit a9b3413: the
+tracker polls gloo's all-gathers instead of a done-callback on gloo's thread, which made that thread wait for the
+GIL inside each all-gather's completion, holding the work and its output) it spread on 4 of the 13 draws: seed 10
+(ZeRO-2 + Adafactor) 2.11% on both ranks, seed 12 (ZeRO-2, optimizer offloaded) 8.87% / 12.44%, seed 28 (the
+same engine) 1.05% / 11.55%, and seed 6's rank 1 (FSDP2 bf16) 4.41%: in one launch the all-gather output of the
+root's parameters (64,128 bf16 elements, made in ``final_layer_norm``'s forward) was still alive at the backward's
+high, as the plain runs' high bounds reach on rank 0 in 2 of 3 launches. Before, launched under the callback, MemWatch
+never saw seed 6's branch in 3 launches. The
 ZeRO-1/2 estimate is the race's worst branch, the reduction's flat copy held (``engines/zero/backward.py``,
 ``flat_copies``), and since 2026-12-05 a direct estimate replays the other branch too (``MemoryEstimate.branches``):
-where a launch took the worst branch the estimate is its live peak to 0.03% (seed 10 3,314,024 B against 3,315,060;
-seed 28 rank 1 3,642,472 B against 3,642,476; seed 12 rank 1 3,504,600 B against 3,504,732 in an earlier launch),
-where none did it reads over (seed 12 +8.87% / +12.44%, seed 28 rank 0 +1.05%: no launch here made those
-ranks hold the copy at the high), and the freed-first branch is the reconciled truth to 0.03% on every rank of
-the three (seeds 10, 12, 28). The planner plans from the worst branch, so its margin (1.5% of the estimate)
-covers the ZeRO-1/2 spread; it does not cover seed 6's FSDP2 launch (its race not replayed; on CUDA ranks NCCL
-frees through the caching allocator's streams instead, not measured here). A draw's truth used to depend on what
+in these launches every ZeRO-1/2 race reached its worst branch at least once, and the estimate is the highest
+live peak to 0.03% on all 6 of their rank figures (seed 10 3,314,024 B against 3,315,060; seed 12 3,349,408 /
+3,504,600 B against 3,349,416 / 3,504,740; seed 28 3,163,336 / 3,642,472 B against 3,163,348 / 3,642,484); the
+freed-first branch is the reconciled truth to 0.03% on every rank of the three. The planner plans from the worst
+branch, so its margin (1.5% of the estimate) covers the ZeRO-1/2 spread; it does not cover seed 6's FSDP2 race
+(-4.26% against that launch's live peak; its race not replayed; on CUDA ranks NCCL frees through the caching
+allocator's streams instead, not measured here). A draw's truth used to depend on what
 ran before it in the process (seed 27, ZeRO-3: 26,958,441 B as the 28th draw of a launch, 27,086,441 B as the 9th,
 +128,000 B, the same in every launch of the same sequence). The truth's correction for the estimate took out a
 block made before the estimate and freed inside it (``truth.left_alive``, fixed 2026-12-05: "What the draws
