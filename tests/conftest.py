@@ -289,3 +289,24 @@ def _whole_suite(session) -> bool:
 @pytest.fixture
 def out_dir(tmp_path: Path) -> Path:
     return tmp_path / "run"
+
+
+def module_calls(model: torch.nn.Module, **inputs) -> tuple[list[str], list[list[int]]]:
+    """Each module call of ``model``'s forward (names) with its own parameters' indices, as the pre-forward
+    hooks DeepSpeed installs see them."""
+    index = {id(p): i for i, p in enumerate(model.parameters())}
+    names, trace = [], []
+
+    def called(name: str, module: torch.nn.Module, *_) -> None:
+        names.append(name)
+        trace.append(sorted({index[id(p)] for p in module.parameters(recurse=False)}))
+
+    hooks = [m.register_forward_pre_hook(lambda module, args, name=name: called(name, module))
+             for name, m in model.named_modules()]
+    try:
+        with torch.no_grad():
+            model(**inputs)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return names, trace

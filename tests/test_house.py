@@ -412,7 +412,6 @@ UNNAMED_ALLOWED = {
     "hf_memwatch.measure.peak_watch": "the peak_tensors records: tests/test_peak_tensors.py",
     "hf_memwatch.engines.ddp.live": "DDP's buckets on live gloo ranks: tests/engines/test_distributed.py (torchrun)",
     "hf_memwatch.engines.zero.advice": "ZeRO advice per rank: tests/engines/test_deepspeed_zero.py, test_cli_estimate.py",
-    "hf_memwatch.engines.zero.gather": "ZeRO-3 on gloo ranks: tests/engines/test_deepspeed_zero.py",
     "hf_memwatch.engines.gloo_staging": "gloo ranks: tests/engines/test_distributed.py (torchrun)",
     "hf_memwatch.reporting.eval_oom": "an OOM in an eval loop: tests/test_eval.py",
 }

@@ -71,8 +71,10 @@ class EngineRules:
         return shard_classes(classes, model, world_size, shard, notes)
 
     def rank_classes(self, phase_classes: Mapping[str, dict[str, int]], model: torch.nn.Module, engine: Any,
-                     request: Any, notes: list[str]) -> dict[str, dict[str, int]]:
-        """Each phase's classes as one rank holds them (:meth:`split`)."""
+                     request: Any, notes: list[str], windows: Mapping[str, list] | None = None
+                     ) -> dict[str, dict[str, int]]:
+        """Each phase's classes as one rank holds them (:meth:`split`). ``windows``: the replay's windows per
+        phase (``StepSimulation.phase_windows``), for engines that hold something per module call."""
         return {phase: self.split(classes, model, request.world_size, request.shard, notes, request.precision)
                 for phase, classes in phase_classes.items()}
 

@@ -7,11 +7,14 @@ recorded for the class. :class:`Phases` closes a step's phase intervals with it.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from ..compat.torch_internals import tensor_storage_key
+from ..compat.torch_internals import in_backward, tensor_storage_key
 from ..measure.peak_tensors import PeakTensors
 from ..measure.tracker import StorageTracker
 from .fake_dispatch import EstimateTracker
@@ -91,9 +94,10 @@ class Phases:
     """Closes phase intervals: classify the interval's highest snapshot, keep the best per phase.
 
     A phase may be split into windows (:meth:`split`: a checkpointed layer's recomputation begins inside the
-    backward, :func:`~hf_memwatch.estimation.layers.recompute_windows`): each window's high is classified on
-    its own, the phase's is the first of the highest, and every window's classes are kept in
-    ``windows[phase]`` (one list a closed interval, in time order) for the depth extrapolation.
+    backward, :func:`~hf_memwatch.estimation.layers.recompute_windows`; each module call of the forward,
+    :func:`forward_windows`): each window's high is classified on its own, the phase's is the first of the
+    highest, and every window's classes are kept in ``windows[phase]`` (one list a closed interval, in time
+    order) for the depth extrapolation and the engines that hold something per module call.
     """
 
     def __init__(self, tracker: EstimateTracker, model: torch.nn.Module, optimizer: Any,
@@ -173,3 +177,40 @@ class Phases:
         if self.census is not None:
             self.census.after(phase)
         tracker.reset_peak()
+
+
+# an engine's flow asks for the forward split at each module call (engines/zero/gather.py)
+_FORWARD_WINDOWS: contextvars.ContextVar[bool] = contextvars.ContextVar("hf_memwatch_forward_windows", default=False)
+MODULE_WINDOW = "module"  # the label of a module call's window: (MODULE_WINDOW, the module's qualified name)
+
+
+@contextlib.contextmanager
+def forward_windows_wanted() -> Iterator[None]:
+    """Replays inside split their forward at each module call (:func:`forward_windows`)."""
+    token = _FORWARD_WINDOWS.set(True)
+    try:
+        yield
+    finally:
+        _FORWARD_WINDOWS.reset(token)
+
+
+@contextlib.contextmanager
+def forward_windows(model: torch.nn.Module, phases: Phases) -> Iterator[None]:
+    """Where wanted (:func:`forward_windows_wanted`), split the forward at each of ``model``'s module calls
+    (its pre-forward; not a recomputation inside the backward), labelled ``(MODULE_WINDOW, name)``: each
+    call's window classified on its own (``phase_windows``). Not with a peak census (its high is the phase's)."""
+    if not _FORWARD_WINDOWS.get() or phases.census is not None:
+        yield
+        return
+
+    def begins(name: str, *_: Any) -> None:
+        if not in_backward():
+            phases.split((MODULE_WINDOW, name))
+
+    hooks = [module.register_forward_pre_hook(lambda *args, name=name: begins(name, *args))
+             for name, module in model.named_modules()]
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()

@@ -357,7 +357,7 @@ def _result(model: torch.nn.Module, fake_mode: Any, request: EstimateRequest, in
     engine = _engine_of(request, inputs.trainer)
     shard, world_size, device = request.shard, request.world_size, request.device
     rules = rules_for(shard, world_size, engine)  # the rank's share, what its engine holds beside (engines/registry.py)
-    per_phase = rules.rank_classes(simulation.phase_classes, model, engine, request, notes)
+    per_phase = rules.rank_classes(simulation.phase_classes, model, engine, request, notes, simulation.phase_windows)
     phase_peaks = {phase: sum(classes.values()) for phase, classes in per_phase.items()}
     peak_phase = max(phase_peaks, key=lambda p: phase_peaks[p])
     peak = phase_peaks[peak_phase]

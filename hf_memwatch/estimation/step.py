@@ -46,7 +46,7 @@ from ..core.categories import (
 from ..measure.attribution import weight_tensors
 from ..measure.peak_tensors import PeakCensus, PeakTensors
 from ..measure.saved_tensors import SavedTensorRegistry
-from .classify import Phases, refs
+from .classify import Phases, forward_windows, refs
 from .cuda_libs import cublas_workspaces
 from .cuda_optim import step_scaler, steps_on_host
 from .fake_dispatch import CUDA_BLOCK, LOGITS, LOGITS_FP32, name_frozen_weights
@@ -146,7 +146,7 @@ def _simulate_step(model: torch.nn.Module, fake_mode: Any, request: Any, inputs:
         run = _StepRun(model, request, inputs, optimizer_for(model, request, inputs.trainer))
         try:
             with tracked(fake_mode, run.tracker, packed_rows(sample), padded_rows(sample)), \
-                    recompute_windows(windows, run.phases):
+                    recompute_windows(windows, run.phases), forward_windows(model, run.phases):
                 run.saved.start()
                 try:
                     run.replay_step(steps, windows is not None)

@@ -20,6 +20,10 @@ accumulation 2, 2 steps, MemWatch full, the prediction ``estimate(trainer)`` mad
 * ``zero2_tight``: planning only, at ``NO_FIT_FRACTION`` x ``zero2``'s peak, where no plan fits (every
   rank must stop with a ``PlanError`` before training).
 
+In ``zero3`` the elements of every all-gather of the second step's first micro-step (a complete trace:
+DeepSpeed prefetches) are recorded (``gathers``), for the replay of its coordinator
+(``engines/zero/gather.py``) to be checked against.
+
 The truth: with ``HF_MEMWATCH_ZERO_TRUTH=1`` (``benchmarks/engines_accuracy.py`` sets it) every run is
 under the profiler from the model's construction on (``truth_step_peaks``: the per-rank truth, frees on
 gloo's threads reconciled; the auto mode's planning marked as ``estimate()`` is, its leftovers are no
@@ -181,6 +185,31 @@ class DeepSpeedHoldings(TrainerCallback):
             self._record("step_end", model)
 
 
+class GatherLog(TrainerCallback):
+    """The elements of each all-gather of step 2's first micro-step (``torch.distributed.all_gather_into_tensor``,
+    which DeepSpeed's comm backend reads when it starts: wrapped by :meth:`install` before any run)."""
+
+    recording = False
+    gathers: list[int] = []
+
+    @classmethod
+    def install(cls) -> None:
+        gather = torch.distributed.all_gather_into_tensor
+
+        def recorded(*args, **kwargs):
+            if cls.recording:
+                cls.gathers.append(kwargs.get("output_tensor", args[0] if args else None).numel())
+            return gather(*args, **kwargs)
+
+        torch.distributed.all_gather_into_tensor = recorded
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        type(self).recording = state.global_step == 1
+
+    def on_substep_end(self, args, state, control, **kwargs):
+        type(self).recording = False
+
+
 ESTIMATE_MARK = "deepspeed_zero.estimate"
 
 
@@ -228,9 +257,11 @@ def run(out: Path, name: str, stage: int, offload: bool | str = False, seq: int 
     """A configured run (4 x 2) with MemWatch and its prediction before ``train()``; at 32 tokens what
     DeepSpeed holds is read too (the split tests; not under offload)."""
     holdings = [DeepSpeedHoldings()] if seq == 32 and not offload else []
+    logged = [GatherLog()] if name == "zero3" else []
+    GatherLog.gathers = []
     watch = MemWatch(detail="full", report=False, summary=False)
     profiler = cpu_memory_profile(record_shapes=True) if profiled(name) else None
-    trainer = build(out, name, stage, [watch, *holdings], offload=offload, profiler=profiler, seq=seq)
+    trainer = build(out, name, stage, [watch, *holdings, *logged], offload=offload, profiler=profiler, seq=seq)
     run_config = RunConfig.from_trainer(trainer)  # before train(): no DeepSpeed engine yet
     predicted = (ops_unrecorded(profiler, ESTIMATE_MARK)(estimate) if profiler else estimate)(trainer).peak_bytes
     truth = train_profiled(trainer, profiler)
@@ -239,7 +270,7 @@ def run(out: Path, name: str, stage: int, offload: bool | str = False, seq: int 
             "full_param_numel": sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters()),
             "engine": run_config.engine.describe(), "shard": run_config.shard, "offload": run_config.engine.offload,
             "cpu_optimizer": run_config.engine.cpu_optimizer, "optimizer_class": stepped_by(trainer),
-            "predicted_peak": predicted, "seq_len": seq}
+            "predicted_peak": predicted, "seq_len": seq, "gathers": list(GatherLog.gathers)}
 
 
 def stepped_by(trainer: Trainer) -> str:
@@ -311,6 +342,7 @@ def timed(seconds: dict, name: str, call, *args, **kwargs):
 
 def main() -> None:
     out = Path(sys.argv[1])
+    GatherLog.install()
     without_shm_comm()
     freeze_imported_objects()  # DeepSpeed imported too
     seconds: dict[str, list[float]] = {}

@@ -276,3 +276,25 @@ def test_cli_estimate_agrees_with_the_auto_modes_prediction(zero_runs, tmp_path,
     for rank in (0, 1):
         measured = max(step_peaks(out / name, rank))
         assert -0.01 <= predicted / measured - 1 <= 0.03, (predicted, measured)
+
+
+def test_zero3_gathering_replay_issues_the_all_gathers_deepspeed_issued(zero_runs):
+    """The replay of DeepSpeed's coordinator (``engines/zero/gather.py``) over the test GPT-2's module calls
+    issues, bucket for bucket, the all-gathers DeepSpeed issued in a forward of a complete trace (step 2's first
+    micro-step; the backward gathers nothing: every parameter stays gathered), on both ranks."""
+    import torch
+    from conftest import module_calls
+
+    from hf_memwatch.engines.engine import Engine
+    from hf_memwatch.engines.zero.gather import forward_gathering
+
+    _, facts = zero_runs
+    model = gpt2_model()
+    _, trace = module_calls(model, input_ids=torch.ones(4, 32, dtype=torch.long))
+    engine = Engine(kind="deepspeed", world_size=2, zero_stage=3, prefetch_bucket_size=100_000,
+                    param_persistence_threshold=0)
+    gathering, _ = forward_gathering(model, engine, "cpu")
+    expected = gathering.buckets(trace)
+    assert len(expected) > 2
+    for rank in (0, 1):
+        assert facts[rank]["zero3"]["gathers"] == expected, (rank, facts[rank]["zero3"]["gathers"], expected)

@@ -45,7 +45,8 @@ class Fsdp2Rules(EngineRules):
         return fsdp_applies(engine, model, request.precision)
 
     def rank_classes(self, phase_classes: Mapping[str, dict[str, int]], model: torch.nn.Module, engine: Any,
-                     request: Any, notes: list[str]) -> dict[str, dict[str, int]]:
+                     request: Any, notes: list[str], windows: Mapping[str, list] | None = None
+                     ) -> dict[str, dict[str, int]]:
         if not fsdp_applies(engine, model, request.precision):
             return super().rank_classes(phase_classes, model, engine, request, notes)
         # the replay held the rank's shards and gathers (replay.py)

@@ -15,7 +15,9 @@ from typing import Any
 import torch
 
 from ...core.advice import Advice
+from ...core.categories import AFTER_FORWARD
 from ...core.errors import MemWatchConfigError
+from ...estimation.classify import forward_windows_wanted
 from ..engine import engine_from_deepspeed_config
 from ..rules import EngineRules
 from .advice import no_fit_reasons, zero_advice
@@ -28,7 +30,7 @@ from .backward import (
     zero_gradient_flow,
 )
 from .cuda_reserve import zero_carried_reserve
-from .gather import gloo_gather_staging
+from .gather import gathering_replayed, gloo_gather_staging, zero3_forward_gathering
 from .half import deepspeed_half, half_module, replay_request
 from .live import ZeroPartitions
 from .split import engine_classes, zero_split
@@ -76,12 +78,15 @@ class ZeroRules(EngineRules):
         return ZeroPartitions() if getattr(trainer, "is_deepspeed_enabled", False) else None
 
     def flow(self, model: torch.nn.Module, engine: Any, trainer: Any, request: Any) -> Any:
+        stack = contextlib.ExitStack()
+        if gathering_replayed(engine, request.device):
+            stack.enter_context(forward_windows_wanted())  # ZeRO-3's gathering per module call (.gather)
         if deepspeed_half(engine, request.precision):  # DeepSpeed's bf16: the fp32 flow on the module cast
-            stack = contextlib.ExitStack()
             stack.enter_context(half_module(model))
             stack.enter_context(zero_gradient_flow(model, engine))  # a null context where none applies (ZeRO-3)
             return stack
-        return zero_gradient_flow(model, engine, request.precision)  # ZeRO-1/2's buckets and partitions
+        stack.enter_context(zero_gradient_flow(model, engine, request.precision))  # ZeRO-1/2's buckets, partitions
+        return stack
 
     def ranks(self, model: torch.nn.Module, engine: Any, request: Any) -> list[int | None]:
         precision = "fp32" if deepspeed_half(engine, request.precision) else request.precision  # .half: the cast module
@@ -91,20 +96,28 @@ class ZeroRules(EngineRules):
         return replaying_rank(rank)
 
     def replay_request(self, request: Any, engine: Any) -> Any:
+        if gathering_replayed(engine, request.device):
+            # the forward's windows at the model's depth: every layer replayed unless asked otherwise (a line
+            # through two short depths keeps no window); a peak census takes the windows away
+            # (estimation.classify.forward_windows): the figure kept, the tensors' listing given up (a note says so)
+            request = request.replace(top_tensors=0, extrapolate_layers=request.extrapolate_layers or False)
         return replay_request(request) if deepspeed_half(engine, request.precision) else request
 
     def rank_classes(self, phase_classes: Mapping[str, dict[str, int]], model: torch.nn.Module, engine: Any,
-                     request: Any, notes: list[str]) -> dict[str, dict[str, int]]:
-        """The ZeRO split, what the engine holds beyond it, its flat optimizer step and ZeRO-3's gathering;
-        DeepSpeed's bf16: the same on the module cast to bf16 (:mod:`.half`)."""
+                     request: Any, notes: list[str], windows: Mapping[str, list] | None = None
+                     ) -> dict[str, dict[str, int]]:
+        """The ZeRO split, what the engine holds beyond it, its flat optimizer step and ZeRO-3's gathering
+        (replayed over the forward's ``windows`` where they are at hand, :mod:`.gather`); DeepSpeed's bf16:
+        the same on the module cast to bf16 (:mod:`.half`)."""
         if not deepspeed_half(engine, request.precision):
-            return self._rank_classes(phase_classes, model, engine, request, notes)
+            return self._rank_classes(phase_classes, model, engine, request, notes, windows)
         notes.append("DeepSpeed bf16: the module cast to bf16 and replayed without autocast; fp32 master partitions")
         with half_module(model):
-            return self._rank_classes(phase_classes, model, engine, replay_request(request), notes)
+            return self._rank_classes(phase_classes, model, engine, replay_request(request), notes, windows)
 
     def _rank_classes(self, phase_classes: Mapping[str, dict[str, int]], model: torch.nn.Module, engine: Any,
-                      request: Any, notes: list[str]) -> dict[str, dict[str, int]]:
+                      request: Any, notes: list[str], windows: Mapping[str, list] | None
+                      ) -> dict[str, dict[str, int]]:
         world_size, precision, device = request.world_size, request.precision, request.device
         flowed = flow_applies(engine, model, precision)  # the replay held ZeRO-1/2's gradients as the rank does
         if flowed and replayed_ranks(engine, model, precision) == [None] and live_rank(world_size) is None:
@@ -112,11 +125,25 @@ class ZeroRules(EngineRules):
                          f"{MAX_RANKS_REPLAYED} replayed): the partition that keeps the most elements replayed "
                          f"alone; another rank may peak higher")
         divided = "zero1" if flowed else request.shard
-        per_phase = {phase: engine_classes(self.split(classes, model, world_size, divided, notes, precision),
-                                           model, engine, notes, precision, device, flowed)[0]
-                     for phase, classes in phase_classes.items()}
-        per_phase = zero_optimizer_step(per_phase, model, engine, request.optim, device, notes)
-        return gloo_gather_staging(per_phase, model, engine, device, notes)
+
+        def held(classes: dict[str, int], said: list[str]) -> dict[str, int]:
+            return engine_classes(self.split(classes, model, world_size, divided, said, precision),
+                                  model, engine, said, precision, device, flowed)[0]
+
+        per_phase = {phase: held(classes, notes) for phase, classes in phase_classes.items()}
+        forward = (windows or {}).get(AFTER_FORWARD) or []
+        # each window of the forward as the rank holds it: the same split, states and step as the phases'
+        keyed = {(AFTER_FORWARD, i, j): held(classes, []) for i, interval in enumerate(forward)
+                 for j, (_, classes) in enumerate(interval)}
+        stepped = zero_optimizer_step({**per_phase, **keyed}, model, engine, request.optim, device, notes)
+        per_phase = {phase: stepped[phase] for phase in per_phase}
+        intervals = [[(label, stepped[(AFTER_FORWARD, i, j)]) for j, (label, _) in enumerate(interval)]
+                     for i, interval in enumerate(forward)]
+        replayed = zero3_forward_gathering(per_phase, intervals, model, engine, device, notes)
+        if gathering_replayed(engine, device) and request.top_tensors:
+            notes.append("peak tensors not listed: ZeRO-3 on CPU ranks replays its gathering at each module call, "
+                         "which a census of the tensors at the phase's high cannot follow")
+        return replayed if replayed is not None else gloo_gather_staging(per_phase, model, engine, device, notes)
 
     def carried_reserve(self, replay: Any, rank_peak: int, notes: list[str]) -> Any:
         return zero_carried_reserve(replay, rank_peak, notes)  # the per-rank CUDA reserve (.cuda_reserve)
