@@ -486,8 +486,11 @@ Not fixed (the figures over 3% above):
   draw leaves in the process changes this draw's run and its estimate alike; what it is was not traced
   (seed 12's 4,096 B above may be the same).
 - **A launch's exit**: a rank aborted after the launch's last line ("terminate called without an active
-  exception") twice under trackers that ran a done-callback on gloo's thread (2026-12-05, 2026-12-06); not
-  seen since that callback went (a9b3413), not proven gone. Seed 21's truth also moves with the draws run
+  exception", SIGABRT) under trackers that ran a done-callback on gloo's thread (2026-12-05, 2026-12-06) and once
+  more under the polling one (2026-12-06, the test suite's DeepSpeed launch on a loaded machine, rank 0, after
+  every figure was written); the cause is not traced (pytorch/pytorch#179291 describes gloo's workers holding
+  works whose tensors need the GIL while the interpreter is torn down). The test launches of DeepSpeed now end
+  their ranks without the interpreter's finalization (``tests/conftest.exit_at_once``). Seed 21's truth also moves with the draws run
   before it in the process (6,035,961..6,096,933 B on a rank across launches; not explained).
 """
 

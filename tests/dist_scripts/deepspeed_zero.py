@@ -45,6 +45,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before DeepSpeed picks its acc
 
 import torch  # noqa: E402
 from conftest import (  # noqa: E402
+    exit_at_once,
     freeze_imported_objects,
     gpt2_model,
     loss_history,
@@ -366,3 +367,4 @@ def main() -> None:
 if __name__ == "__main__":
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     main()
+    exit_at_once()  # conftest: no interpreter finalization after the facts are written

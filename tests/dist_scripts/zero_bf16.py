@@ -27,7 +27,7 @@ os.environ.setdefault("DS_BUILD_OPS", "0")
 
 import torch  # noqa: E402
 from accelerate.state import AcceleratorState  # noqa: E402
-from conftest import freeze_imported_objects, gpt2_model, token_dataset, training_args  # noqa: E402
+from conftest import exit_at_once, freeze_imported_objects, gpt2_model, token_dataset, training_args  # noqa: E402
 from deepspeed_zero import BUCKET, without_shm_comm  # noqa: E402
 from transformers import Trainer  # noqa: E402
 
@@ -97,3 +97,4 @@ def main() -> None:
 if __name__ == "__main__":
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     main()
+    exit_at_once()  # conftest: no interpreter finalization after the facts are written

@@ -27,10 +27,10 @@ def test_a_bucket_is_prefetched_at_each_module_call_and_held_until_its_last_para
                                  staging_slots=2)
     moments = gathering.moments([[], [0], [1], [2]])
     # the root prefetches parameters 0 and 1 (200 elements: the bucket closes at or past 150); the first
-    # module waits them (both copied out), the flat output kept for parameter 1, and prefetches parameter 2;
-    # the second drops the first flat output; the third waits the last bucket
+    # module waits them (both copied out), the flat output kept for parameter 1, and prefetches parameter 2
+    # alone (its own buffer becomes its data); the second drops the first flat output; the third waits the last
     assert [(m.copies, m.flats, m.staging) for m in moments] == [
-        (0, 800, 800), (800, 2000, 1200), (800, 1200, 1200), (2000, 1200, 0)]
+        (0, 800, 800), (800, 2000, 1200), (800, 1200, 1200), (2000, 0, 0)]
     without_gloo = ForwardGathering([100, 100, 300], [4, 4, 4], set(), 2, 150, 10**9, staging_slots=0)
     assert [m.staging for m in without_gloo.moments([[], [0], [1], [2]])] == [0, 0, 0, 0]
 
