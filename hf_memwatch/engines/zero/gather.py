@@ -150,9 +150,12 @@ class ForwardGathering:
         self.numel, self.itemsize, self.persistent, self.world = numel, itemsize, persistent, world_size
         self.bucket, self.max_live, self.slots = bucket, max_live, staging_slots
 
+    def _padded(self, p: int) -> int:
+        # a parameter padded to a multiple of the ranks (its partition: ceil(numel / N) elements)
+        return -(-self.numel[p] // self.world) * self.world
+
     def _flat(self, params: list[int]) -> int:
-        # each parameter padded to a multiple of the ranks (its partition: ceil(numel / N) elements), its dtype
-        return sum(-(-self.numel[p] // self.world) * self.world * self.itemsize[p] for p in params)
+        return sum(self._padded(p) * self.itemsize[p] for p in params)
 
     def resident(self) -> int:
         """The persistent parameters' bytes: gathered at every moment."""
@@ -172,7 +175,7 @@ class ForwardGathering:
 
     def padded(self, params: list[int]) -> int:
         """Elements of the flat output of a bucket of ``params``: each padded to a multiple of the ranks."""
-        return sum(-(-self.numel[p] // self.world) * self.world for p in params)
+        return sum(self._padded(p) for p in params)
 
 
 class _Coordinator:
