@@ -7,7 +7,7 @@ never read the optimizer: its states, and whatever else it made, only sit in mem
 through. So after one candidate's replay, another's micro-steps are not replayed; the first's are carried
 over, exactly:
 
-- **the phases' highs** (``after_forward``, ``after_backward``, with their windows, and the
+- **the phases' highs** (``after_forward``, ``after_backward`` with its checkpointed windows, and the
   optimizer phase's high between the backward's end and the step): the first's, every class shifted by the
   difference between the two runs' live sets where the micro-steps begin, split alike. The two sets differ
   only by each optimizer's own storages, which stay the same until the step, so each high falls at the same
@@ -73,8 +73,7 @@ class _Record:
     start: dict[str, int]  # the live set's classes where they begin
     best: dict[str, dict[str, int]]  # the after_forward / after_backward highs
     details: dict[str, dict[str, dict[str, int]]]
-    # the forward's and backward's windows (module calls under ZeRO-3 on gloo; checkpointing's recomputations)
-    windows: dict[str, list[list[tuple[Any, dict[str, int]]]]]
+    windows: list[list[tuple[Any, dict[str, int]]]] | None  # the backward's windows (checkpointing)
     tail: tuple[dict[str, int], dict[str, dict[str, int]]] | None  # the optimizer phase's high until their end
 
 
@@ -197,13 +196,13 @@ class OptimizerSwap:
             return
         segment = [(renamed.get(symbol, symbol), nbytes) for symbol, nbytes in segment]
         tail = phases.classified_high()
+        windows = phases.windows.get(AFTER_BACKWARD)
         self.cache[self.key] = _Record(
             segment=segment, needs=needs, freed=freed, survivors=survivors, start=dict(self.start),
             best={phase: dict(phases.best[phase]) for phase in (AFTER_FORWARD, AFTER_BACKWARD)},
             details={phase: {c: dict(d) for c, d in phases.details.get(phase, {}).items()}
                      for phase in (AFTER_FORWARD, AFTER_BACKWARD)},
-            windows={phase: [[(label, dict(c)) for label, c in w] for w in phases.windows[phase]]
-                     for phase in (AFTER_FORWARD, AFTER_BACKWARD) if phase in phases.windows},
+            windows=None if windows is None else [[(label, dict(c)) for label, c in w] for w in windows],
             tail=None if tail is None else (dict(tail[0]), {c: dict(d) for c, d in tail[1].items()}))
 
     def _apply(self, record: _Record) -> None:
@@ -230,8 +229,8 @@ class OptimizerSwap:
         for phase in (AFTER_FORWARD, AFTER_BACKWARD):
             phases.best[phase] = shifted(record.best[phase])
             phases.details[phase] = {c: dict(d) for c, d in record.details[phase].items()}
-        for phase, windows in record.windows.items():
-            phases.windows[phase] = [[(label, shifted(c)) for label, c in w] for w in windows]
+        if record.windows is not None:
+            phases.windows[AFTER_BACKWARD] = [[(label, shifted(c)) for label, c in w] for w in record.windows]
         if not self.own_events:  # the sequence the caching allocator replays: the record's micro-steps
             keys = {("name", name): self.names[name][0] for name in record.needs}
             keys.update({("grad", index): key for index, key in made.items()})

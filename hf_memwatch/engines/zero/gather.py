@@ -163,15 +163,15 @@ class ForwardGathering:
 
     def moments(self, trace: list[list[int]]) -> list[GatherMoment]:
         """One :class:`GatherMoment` per module call of ``trace`` (each call's own parameter indices)."""
-        run = _Coordinator(self, trace)
-        return [run.fetch(step, params) for step, params in enumerate(trace)]
+        return self._run(trace)[0]
 
     def buckets(self, trace: list[list[int]]) -> list[int]:
         """The all-gathers issued over ``trace``, in order: each output's elements (padded)."""
+        return self._run(trace)[1]
+
+    def _run(self, trace: list[list[int]]) -> tuple[list[GatherMoment], list[int]]:
         run = _Coordinator(self, trace)
-        for step, params in enumerate(trace):
-            run.fetch(step, params)
-        return run.issued
+        return [run.fetch(step, params) for step, params in enumerate(trace)], run.issued
 
     def padded(self, params: list[int]) -> int:
         """Elements of the flat output of a bucket of ``params``: each padded to a multiple of the ranks."""
