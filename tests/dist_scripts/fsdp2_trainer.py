@@ -322,10 +322,11 @@ def train(trainer: Trainer, profiler=None, predict: bool = False, marked: bool =
     started = time.perf_counter()
     run_config = RunConfig.from_trainer(trainer)  # before train(): no FSDP module yet
     distributed_type = str(trainer.accelerator.distributed_type)
-    predicted = None
+    predicted, branches = None, {}
     if predict:
         with ops_unrecorded(profiler, ESTIMATE_MARK) if profiler else contextlib.nullcontext():
-            predicted = estimate(trainer).peak_bytes  # its leftovers (caches) are no training bytes
+            result = estimate(trainer)  # its leftovers (caches) are no training bytes
+        predicted, branches = result.peak_bytes, dict(result.branches)  # gloo's race: estimation/branches.py
     alive = None
     try:
         trainer.train()
@@ -336,7 +337,7 @@ def train(trainer: Trainer, profiler=None, predict: bool = False, marked: bool =
     facts = {"losses": loss_history(trainer), "grad_norms": history(trainer, "grad_norm"),
              "engine": run_config.engine.describe(), "shard": run_config.shard,
              "ignored": list(run_config.engine.ignored), "distributed_type": distributed_type,
-             "predicted_peak": predicted, "seconds": round(time.perf_counter() - started, 2)}
+             "predicted_peak": predicted, "branches": branches, "seconds": round(time.perf_counter() - started, 2)}
     if profiler is not None:
         left = left_alive(profiler, ESTIMATE_MARK) if predict or marked else 0
         facts["truth_step_peaks"] = step_peaks(profiler, -left, reconcile=True, alive=alive)
@@ -386,7 +387,8 @@ def _runs(out: Path) -> None:
     plans = [r for r in records if r["event"] == "plan"]
     plan = {k: plans[-1][k] for k in PLAN} if plans and plans[-1].get("status") != "failed" else None
     facts["auto"].update(configured_peak=peak, budget=budget, plans=plans, plan=plan)
-    facts["hand"] = None if plan is None else train(build(out, "hand", [], plan))
+    # the plan's run configured by hand, estimated directly (both branches of gloo's race)
+    facts["hand"] = None if plan is None else train(build(out, "hand", [], plan), predict=True)
     facts["world"] = [rank, torch.distributed.get_world_size()]
     (out / f"fsdp2.rank{rank}.json").write_text(json.dumps(facts))
 

@@ -128,3 +128,41 @@ def test_cli_shard_fsdp_is_the_replay(tmp_path, capsys):
                         optim="adamw_torch")
     assert printed["peak_bytes"] == replayed.peak_bytes
     assert any(note.startswith("FSDP2 x 2") for note in replayed.notes)
+
+
+def test_gloo_s_race_held_keeps_the_last_two_collectives_buffers_and_a_plan_takes_it():
+    """On CPU ranks (gloo) a finished collective's work keeps its buffers until the worker thread that ran it
+    resets it, a race with the training thread (``Fsdp2Flow._issued``): a direct estimate gives both branches,
+    the worst (each of gloo's two workers still holding its last work) as the estimate. The two-rank sweep's
+    seed 6 (GPT-NeoX, 1 layer, bf16: units ``embed_in``, ``layers.0``, the tail ``final_layer_norm`` +
+    ``lm_head`` and the root) peaks in the loss, after the forward's last two all-gathers, whose bf16 flat
+    outputs (the units' padded rows x 2 ranks) the race holds there: the branches differ by exactly those two
+    outputs. One launch of three measured rank 0's high 128,256 B over the reconciled truth: the tail's output
+    alone. A plan's estimate (shared fake models) replays the worst branch only. Without gloo (a fake group's
+    backend, NCCL) there is no race: ``test_fsdp2_replay_matches_fully_shard_on_a_fake_group``."""
+    from hf_memwatch.estimation.branches import RACE_FREED, RACE_HELD
+    from hf_memwatch.estimation.memo import sharing
+    from hf_memwatch.testing.sweep import Draw, _model
+
+    draw = Draw(seed=6, family="gpt_neox", layers=1, hidden=None, batch=4, seq_len=32, shape="fixed",
+                precision="bf16", optim="adamw_torch", checkpointing="off", accum=1, lora=False)
+    engine = Engine(kind="fsdp", world_size=2, fsdp_version=2, fsdp_strategy="FULL_SHARD")
+    kwargs = dict(engine=engine, shard="fsdp", world_size=2, micro_batch_size=4, seq_len=32, optim="adamw_torch",
+                  precision="bf16")
+    model = _model(draw)
+    result = estimate(model, **kwargs)
+    held, freed = result.branches[RACE_HELD], result.branches[RACE_FREED]
+    assert held == result.peak_bytes
+
+    def output_bytes(*modules):  # foreach_all_gather's flat output: each parameter's padded rows x 2 ranks, bf16
+        params = [p for m in modules for p in m.parameters()]
+        return sum(-(-p.shape[0] // 2) * 2 * (p.numel() // p.shape[0]) for p in params) * 2
+
+    inner = model.gpt_neox
+    layer, tail = output_bytes(inner.layers[0]), output_bytes(inner.final_layer_norm, model.get_output_embeddings())
+    assert tail == 128_256  # the block measured
+    assert held - freed == layer + tail, (held, freed, layer, tail)
+    assert any(note.startswith("race: fsdp2") for note in result.notes)
+    with sharing({}):
+        planned = estimate(_model(draw), **kwargs)
+    assert planned.peak_bytes == held and planned.branches == {}

@@ -30,6 +30,10 @@ allocates and frees, at the moment it does (``_fsdp_param_group.py``, ``_fsdp_co
   inside the collective). In bf16 the unsharded gradients, the input and the output are bf16, and the
   output is cast to the fp32 sharded gradients (``_to_dtype_if_needed``). The last input is freed by the
   final callback;
+- *gloo's race* (CPU ranks): a finished work keeps its buffers (all-gather output, reduce-scatter input
+  and output) until its worker resets it, before or after the training thread drops them; the estimate
+  is the worst branch, each of gloo's 2 workers holding its last work (:meth:`Fsdp2Flow._issued`), a
+  direct estimate gives the other beside it (:mod:`~hf_memwatch.estimation.branches`);
 - gradient accumulation: accelerate's ``no_sync`` (``set_requires_gradient_sync(False)``, where the
   accelerator reports ``is_fsdp2``) keeps the *unsharded* gradients across micro-steps, and the
   replayed last micro-step starts with them resident; where it does not (an accelerator whose
@@ -61,6 +65,7 @@ from ...compat.torch_internals import (
     tree_flatten,
     tree_unflatten,
 )
+from ...estimation.branches import race_held, report_race
 from ...estimation.classify import refs
 from ...estimation.fake_dispatch import EstimateTracker
 from .units import (
@@ -76,6 +81,7 @@ from .units import (
 IDLE, FORWARD, PRE_BACKWARD, POST_BACKWARD = "idle", "forward", "pre_backward", "post_backward"
 # FSDP2's implicit backward prefetch (its default); off only to show what the replay owes to it.
 BACKWARD_PREFETCH = True
+HELD_WORKS = 2  # gloo's race, worst branch: ProcessGroupGloo::Options' threads{2}, each holding its last work
 
 
 def fsdp_applies(engine: Any, model: torch.nn.Module, precision: str = "fp32") -> bool:
@@ -137,6 +143,8 @@ class Fsdp2Flow:
         self.all_gather_state: torch.Tensor | None = None
         self.rs_inputs: list[torch.Tensor] = []
         self.callback_queued = False
+        self.work_held: list[list[torch.Tensor]] = []  # the last collectives' tensors gloo's workers hold (a race)
+        self.largest_held = 0  # bytes of the largest block the race holds
 
     # -- the context --------------------------------------------------------------------------
     def __enter__(self) -> Fsdp2Flow:
@@ -162,6 +170,9 @@ class Fsdp2Flow:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        if self.largest_held:  # the race of :meth:`_issued`
+            report_race(f"fsdp2: the last collectives' buffers (up to {self.largest_held:,} bytes), which gloo's "
+                        "worker threads let go after or before the training thread's next allocations")
         for managed in self.params.values():
             for param in managed:
                 _set(param.owner, param.attr, param.full)
@@ -223,6 +234,7 @@ class Fsdp2Flow:
         if self.gloo:
             staging = torch.empty_like(output)  # c10d::_allgather_base_ under gloo, then gloo's own: one at a time
             del staging
+        self._issued(output)
         self.pending[id(unit)] = output
 
     def _wait_for_unshard(self, unit: FsdpUnit) -> None:
@@ -250,6 +262,19 @@ class Fsdp2Flow:
         if self.state[id(unit)] == FORWARD:
             self.all_gather_state = output
         del output, previous
+
+    def _issued(self, *tensors: torch.Tensor) -> None:
+        """A collective issued on ``tensors`` (gloo's race, the module doc). Its work holds them (``AsyncWork``'s
+        inputs and outputs) until the worker that ran it takes ``workMutex_`` again and resets it
+        (``ProcessGroupGloo::runLoop``), after the training thread's wait returned. The worst branch
+        (:func:`race_held`) keeps the last :data:`HELD_WORKS` collectives' tensors alive until more are issued
+        (or the backward ends: the clipping's all-reduce is next); a worker stalled longer is not replayed.
+        Measured on the two-rank sweep (``benchmarks/results/sweep.md``): seed 6's rank 0 peaked 128,256 B over
+        the reconciled truth, the tail's bf16 all-gather output (gathered last in the forward, freed at the
+        root's post-forward) alive into the backward; MemWatch's live peaks on seeds 7 and 31 past one held work."""
+        if self.gloo:
+            self.largest_held = max([self.largest_held, *(t.untyped_storage().nbytes() for t in tensors)])
+            self.work_held = [*self.work_held, list(tensors)][-HELD_WORKS:] if race_held() else []
 
     def _reshard(self, unit: FsdpUnit) -> None:
         """``to_sharded``: the shards back on the modules, the unsharded storages resized to 0."""
@@ -338,6 +363,7 @@ class Fsdp2Flow:
         if self.gloo:
             clone = rs_input.clone()  # gloo's reduce_scatter_tensor works on a copy of its input
             del clone
+        self._issued(rs_input, output)
         if output.dtype != reduced[0].shard.dtype:  # _to_dtype_if_needed: the reduce-dtype output cast back
             output = _as_gradient(output.to(reduced[0].shard.dtype))
         offset = 0
@@ -357,6 +383,7 @@ class Fsdp2Flow:
                 self.post_backward(unit)
             self.state[id(unit)] = IDLE
         self.rs_inputs.clear()
+        self.work_held = []  # the next collective: the gradient clipping's all-reduce (the race's worst branch ends)
         self.post_forward_order.clear()
         for indices in self.indices.values():
             indices.clear()
