@@ -746,7 +746,8 @@ against 3,642,484); seed 10 rank 0 in 1 of 3 (3,314,024 B against 3,315,060). No
 other two), after the next micro-step's forward: MemWatch's census there held a 100,000-element bf16 bucket
 (``aten.empty``, DeepSpeed's reduce bucket), which the replay frees at the backward's end (``_epilogue``): the
 last reduction's input, a view of the bucket, kept by gloo's work after the training thread dropped the bucket,
-the same race as FSDP2's, not replayed for ZeRO's buckets. The planner plans from the worst branch with a 1.5%
+the same race as FSDP2's, not replayed for ZeRO's buckets (the replay's next forward, 1,913,728 B, with the bucket
+held, 2,113,728 B, against the 2,114,756 B measured). The planner plans from the worst branch with a 1.5%
 margin: it covers every spread above except seed 2's (-3.50%). On CUDA ranks NCCL frees through the caching
 allocator's streams instead (not measured here). A draw's truth used to depend on what ran before it in the process
 (seed 27, ZeRO-3: 26,958,441 B as the 28th draw of a launch, 27,086,441 B as the 9th, +128,000 B); the truth's
