@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import random
 import signal
@@ -250,7 +249,7 @@ def run_auto(d: RankDraw, out: Path, peak: int) -> dict[str, Any]:
     from hf_memwatch import MemWatch
     from hf_memwatch.core.errors import PlanError
     from hf_memwatch.estimation.branches import RACE_HELD
-    from hf_memwatch.planning.predict import ESTIMATE_MARGIN
+    from hf_memwatch.planning.predict import with_margin
     from hf_memwatch.testing.truth import cpu_memory_profile
 
     budget = int(AUTO_SHARE * _largest(peak))
@@ -273,7 +272,7 @@ def run_auto(d: RankDraw, out: Path, peak: int) -> dict[str, Any]:
     result["peak"] = _largest(max(measured["truth"]))
     # a race of gloo's workers (estimation/branches.py): the planner plans from its worst branch, which a launch
     # may not reach; the stop guards that branch where the plan's worst branch (with the planner's margin) is over
-    worst = _largest(math.ceil(measured["predicted"] * (1 + ESTIMATE_MARGIN)))
+    worst = _largest(with_margin(measured["predicted"]))
     if result["peak"] > budget:
         result["verdict"] = "no plan fits (truthful)"
     elif measured["branches"].get(RACE_HELD) and worst > budget:

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -63,7 +62,7 @@ from ..planning.chooser import no_fit_message, plan_run
 from ..planning.eval_plan import eval_request, plan_eval
 from ..planning.lengths import worst_batch
 from ..planning.plan import EvalSetting, Plan
-from ..planning.predict import ESTIMATE_MARGIN, EstimatorPredictor
+from ..planning.predict import EstimatorPredictor, with_margin
 from .apply import apply_eval_plan, apply_plan
 from .between_steps import CHECKPOINT_TRIGGER, MEASURED_STEPS, BetweenSteps, distributed
 from .measured import over_budget_error, plan_by_measuring
@@ -416,7 +415,7 @@ class AutoMode(BetweenSteps):
 
         def predict(setting: EvalSetting) -> int:
             request = eval_request(eval_run, setting, eval_samples=len(dataset), optimizer_state_bytes=states)
-            return int(math.ceil(estimate_eval(trainer.model, request).peak_bytes * (1.0 + ESTIMATE_MARGIN)))
+            return with_margin(estimate_eval(trainer.model, request).peak_bytes)
 
         try:
             given = EvalSetting.of(eval_run, preprocess_argmax=reduces)

@@ -24,6 +24,16 @@ from .plan import Plan
 ESTIMATE_MARGIN = 0.015
 
 
+def with_margin(peak_bytes: int, margin: float = ESTIMATE_MARGIN) -> int:
+    """A predicted peak as plans are held to it: ``peak_bytes`` with the ``margin``, rounded up.
+
+    Example:
+        >>> with_margin(1000)
+        1015
+    """
+    return int(math.ceil(peak_bytes * (1.0 + margin)))
+
+
 class EstimatorPredictor:
     """Exact predictions of plans of ``run`` by the estimator, cached per plan.
 
@@ -130,4 +140,4 @@ class EstimatorPredictor:
                          named_optimizer=not self.run.custom_optimizer)
 
     def _with_margin(self, peak_bytes: int) -> int:
-        return int(math.ceil(peak_bytes * (1.0 + self.margin)))
+        return with_margin(peak_bytes, self.margin)

@@ -10,7 +10,6 @@ time is killed (its whole process group) and the test fails with what it printed
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Any
 
@@ -596,7 +595,7 @@ def test_the_fsdp2_plan_s_prediction_matches_its_profiled_run(fsdp2_runs):
     collective's buffers freed when FSDP drops them, as the reconciled truth places those frees) is within
     3% of the reconciled truth."""
     from hf_memwatch.estimation.branches import RACE_FREED, RACE_HELD
-    from hf_memwatch.planning.predict import ESTIMATE_MARGIN
+    from hf_memwatch.planning.predict import with_margin
 
     _, facts = fsdp2_runs
     for rank, fact in enumerate(facts):
@@ -604,7 +603,7 @@ def test_the_fsdp2_plan_s_prediction_matches_its_profiled_run(fsdp2_runs):
         predicted, truth = auto["plans"][-1]["predicted_peak"], auto["truth_step_bounds"]
         assert predicted >= truth[-1][1], (rank, predicted, truth)
         held = hand["branches"][RACE_HELD]
-        assert math.ceil(held * (1 + ESTIMATE_MARGIN)) >= predicted >= held, (rank, hand["branches"], predicted)
+        assert with_margin(held) >= predicted >= held, (rank, hand["branches"], predicted)
         assert within_bounds(hand["branches"][RACE_FREED], truth[-1], 0.03), (rank, hand["branches"], truth)
 
 
