@@ -487,15 +487,34 @@ Fixed at the cause (before -> after, this sweep's draws):
   engine to within 0.50% (seed 27, ZeRO-3). The auto mode at seed 6 now stops: its most conservative plan
   measured 1,891,024 B, under the 2,033,737 B budget in this launch, but its worst branch with the planner's
   margin, 2,051,474 B, is over (``no plan fits (a race's worst branch)`` in the table).
+- **ZeRO-2's reductions held by gloo's workers across micro-steps** (2026-12-06, second launch; seed 2 in the
+  spread section). Seed 2 (OPT, ZeRO-2 bf16, accumulation 2) peaked on rank 0 at 2,114,756 B in one launch of
+  three against 2,041,188 B: the earlier micro-step's last all-reduce ran on a view of the reduce bucket (its
+  chunk one slice), and gloo's work kept the bucket into the next micro-step's forward (the replay's forward
+  high 1,913,728 B + the 200,000 B bucket = 2,113,728 B). The replay held only each reduction's largest flat
+  copy, until the next reduction. Now ZeRO-2's replay treats each collective as FSDP2's does: its tensor (the
+  chunk's flat copy, else the bucket or the large parameter's gradient it views) is held, on the worst branch,
+  with the last two collectives' until more are issued, across an earlier micro-step's end (the first
+  micro-step replayed as it runs where this race needs it, ``estimation/branches.py``,
+  ``earlier_micro_step_wanted``); on NCCL ranks (a CUDA target) no such race is replayed. The table's error
+  (the branch that frees first) is unchanged, byte for byte, on the 15 ZeRO-1/2 draws; the estimate rises on
+  the ZeRO-2 draws with accumulation (over the freed-first branch: seed 2 rank 0 +16.3%, 2,373,656 B, the
+  200,000 B bucket and a 132,992 B copy; seed 42 +23.8%, fp32, the 400,000 B bucket and a copy; seed 26 +2.9%)
+  and on the offloaded ones, two copies held in the backward where one was (seed 12 rank 0 +21.5%, seed 28
+  rank 0 +8.2%); elsewhere it is the freed-first figure. The auto mode's verdicts are unchanged (3 fits, 12
+  truthful stops, seed 6's race stop). On these tiny models a bucket of 100,000 elements is a large share of the
+  step; the worst branch's excess is at most two buckets or their copies.
 
 Not fixed (the figures over 3% above):
 
-- **MemWatch's live peaks against the reconciled truth, in the 48-draw launch of 2026-12-06 (FSDP2's race
-  replayed)**: seeds 42, 46, 47 read 6.15..10.87% over on one rank each (the launch before: seeds 7, 12, 28, 31,
-  46, 47, 4.77..11.55%). Every one lies inside the truth's bounds (0.81% past them at worst, 0 over 1%): the
-  races above, a block let go on gloo's thread (ZeRO-2's flat copy: 42; FSDP2's collective buffers: 46, 47)
+- **MemWatch's live peaks against the reconciled truth** (48-draw launch of 2026-12-06, ZeRO-2's race
+  replayed): seed 7 (FSDP2 with ``reshard_after_forward`` off, bf16) rank 0 read 4.66% over, and rank 1's
+  reconciled truth sat 66,168 B under rank 0's, so its freed-first branch read +2.42% (both inside the truth's
+  bounds, 0 past them). In the launch before, seeds 42, 46, 47 read 6.15..10.87% over on one rank each (and
+  before it seeds 7, 12, 28, 31, 46, 47, 4.77..11.55%), every one inside the bounds (0.81% past them at worst):
+  the races above, a block let go on gloo's thread (ZeRO-2's flat copy or bucket; FSDP2's collective buffers)
   that the reconciliation frees at its last reader and the high bound at its address's reuse; which branch a
-  launch meets moved between launches (the spread section). The estimate, each race's worst branch, is at or
+  launch meets moves between launches (the spread section). The estimate, each race's worst branch, is at or
   above each of them.
 - **Streams** (seeds 40-47, one draw per engine, added 2026-12-05: the rows from an ``IterableDataset``,
   which accelerate's ``DataLoaderDispatcher`` reads on rank 0 and sends to the other rank; the estimate is
@@ -728,27 +747,28 @@ high bound places each such free at the latest time the profiler allows (``truth
 live peak (its own run beside the plain one) sees each free when it happens, and it shows that the memory itself
 spreads where gloo's worker thread lets a finished collective's tensors go after the training thread's next
 allocations, a race on 2 busy cores. The estimate replays each race at its worst branch and gives the other
-beside it (``MemoryEstimate.branches``): ZeRO-1/2's reduction flat copy held until the next reduction
-(``engines/zero/backward.py``, ``flat_copies``), FSDP2's last two collectives' buffers held (2026-12-06,
-``engines/fsdp2/replay.py``, ``Fsdp2Flow._issued``). In these launches (2026-12-06, FSDP2's race replayed) the
-freed-first branch is the reconciled truth to 0.05% on every rank of every draw but the two ZeRO-3 + offload
-ones (0.98..1.37%, their truths moving), and the estimate is at or above the highest live peak of the three
-launches on every rank but four: seed 27 (ZeRO-3, -0.50%, the same in every launch: no race), seed 45 (-0.06%)
-and seed 2 rank 0 (-3.50%). FSDP2 (seeds 6, 14, 15, 22): no live spread in these launches; seed 6's branch, the
-tail's bf16 all-gather output alive into the backward, reached the high bound on rank 0 in one launch and on rank
-1 in two (3,033,596 B, the held branch of one work to within 1,048 B); the estimate, two held works, is
-+3.00..+6.68% over the highest live peaks (it was -4.26% under the launch that met seed 6's race before). ZeRO-1/2
-with the optimizer offloaded: seed 12 rank 1 reached the worst branch in 2 of 3 launches, the estimate equal to it
-(3,504,600 B against 3,504,740), rank 0 +3.85% above (no launch reached it); seed 28 rank 1 in 1 of 3 (3,642,472 B
-against 3,642,484); seed 10 rank 0 in 1 of 3 (3,314,024 B against 3,315,060). Not replayed, found here: seed 2
-(ZeRO-2, bf16, accumulation 2) rank 0 peaked 73,568 B higher in one launch (2,114,756 B against 2,041,188 in the
-other two), after the next micro-step's forward: MemWatch's census there held a 100,000-element bf16 bucket
-(``aten.empty``, DeepSpeed's reduce bucket), which the replay frees at the backward's end (``_epilogue``): the
-last reduction's input, a view of the bucket, kept by gloo's work after the training thread dropped the bucket,
-the same race as FSDP2's, not replayed for ZeRO's buckets (the replay's next forward, 1,913,728 B, with the bucket
-held, 2,113,728 B, against the 2,114,756 B measured). The planner plans from the worst branch with a 1.5%
-margin: it covers every spread above except seed 2's (-3.50%). On CUDA ranks NCCL frees through the caching
-allocator's streams instead (not measured here). A draw's truth used to depend on what ran before it in the process
+beside it (``MemoryEstimate.branches``): each collective's tensors held by gloo's two workers — FSDP2's
+buffers (``engines/fsdp2/replay.py``, ``Fsdp2Flow._issued``), ZeRO-1/2's reductions' flat copies or bucket
+(``engines/zero/backward.py``, ``ZeroGradientFlow._issued``; 2026-12-06, carried from an earlier micro-step into
+the next forward) — the last two kept until more are issued. In these launches (2026-12-06, second: ZeRO-2's
+race replayed across micro-steps) the freed-first branch is the reconciled truth to 0.05% on every rank of every
+draw but the ZeRO-3 + offload ones (seed 21 0.41%, seed 45 1.34..1.37%: their truths moving), and the estimate is
+at or above the highest live peak of the three launches on every rank but five, each within 0.50%: seed 27
+(ZeRO-3, -0.50%, the same in every launch: no race), seed 21 rank 0 (-0.14%) and seed 45 (-0.06%), both ZeRO-3 +
+offload with moving truths, and seeds 12 and 28 rank 1 (140 B and 4 B under the launch that held a copy). Where
+a launch met a race the estimate covered it: seed 12 rank 1 reached its worst branch in 1 of 3 launches
+(3,504,740 B against the estimate's 3,504,600), rank 0 reached 3,349,416 B (estimate 3,737,248: two copies held);
+seed 28 rank 1 in 2 of 3 (3,642,476 B against 3,642,472); FSDP2's seed 6 rank 1 in 1 of 3 (3,033,572 B against
+3,099,492). Seed 2 did not meet its race in these launches (2,041,188 B on rank 0 each time); in the launches
+before, rank 0 peaked at 2,114,756 B in 1 of 3, after the next micro-step's forward: MemWatch's census there held
+a 100,000-element bf16 bucket (``aten.empty``, DeepSpeed's reduce bucket) that the replay freed at the backward's
+end: the last reduction's input, a view of the bucket, kept by gloo's work after the training thread dropped the
+bucket (the replay's next forward, 1,913,728 B, with the bucket held, 2,113,728 B). That branch is now replayed
+(-3.50% before); the estimate, 2,373,656 B, holds the bucket and the 132,992 B copy of the reduction before it,
++16.29% over the highest live peak of these launches: the cost of the two-work worst branch on a tiny model
+(an FSDP2 draw's +2.17..+6.68%). The planner plans from the worst branch with a 1.5%
+margin: it covers every spread above. On CUDA ranks NCCL's work lets its tensors go at the
+training thread's wait, through the caching allocator's streams: no race is replayed there (not measured here). A draw's truth used to depend on what ran before it in the process
 (seed 27, ZeRO-3: 26,958,441 B as the 28th draw of a launch, 27,086,441 B as the 9th, +128,000 B); the truth's
 correction for the estimate took out a block made before the estimate and freed inside it (``truth.left_alive``,
 fixed 2026-12-05: "What the draws found"); as the 9th draw here seed 27 reads 26,958,441 B on both ranks in every

@@ -13,7 +13,7 @@ Layout (each engine owns its live measurement, its replay rules, its advice; ``t
 ``engine``          ``Engine``, the engine as accelerate builds it, read from the Trainer's accelerator,
                     its arguments or the launcher's environment; ``SHARDS``
 ``shard``           the per-rank division of the model states (DDP's buckets, ZeRO's and FSDP's shares)
-``gloo_staging``    the copy gloo stages for a CPU all-gather (the live tracker counts it)
+``gloo_staging``    gloo: the copy it stages for a CPU all-gather (the live tracker counts it), its held works
 ``ddp/``            ``rules``, ``live`` (the reducer's buckets on a rank), ``replay`` (its CUDA blocks)
 ``zero/``           ``rules``, ``live`` (the partitions), ``backward``, ``step``, ``gather`` (the replay),
                     ``advice`` (ZeRO stage, offload, bucket; DDP's: ZeRO-1)

@@ -18,6 +18,10 @@ from typing import Any
 
 import torch
 
+# ``ProcessGroupGloo::Options``' ``threads{2}``: each worker holds the last work it ran (its tensors) until it takes
+# the next; the replays' worst branch of that race keeps the last two collectives' tensors alive until more are issued.
+HELD_WORKS = 2
+
 # c10d's all-gather operators whose gloo CPU kernel stages the whole output (torch 2.13).
 GATHERS = frozenset({
     "c10d::_allgather_base_",
@@ -25,6 +29,16 @@ GATHERS = frozenset({
     "c10d::allgather_coalesced_",
     "c10d::allgather_into_tensor_coalesced_",
 })
+
+
+def gloo_ranks(device: str) -> bool:
+    """Whether the ranks' collectives are gloo's: this process's group where one exists, else the
+    ranks' device (CPU ranks: gloo; CUDA ranks: NCCL)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return str(dist.get_backend()) == "gloo"
+    return device == "cpu"
 
 
 def _cpu_bytes(value: Any) -> int:

@@ -132,6 +132,56 @@ def races(held: bool = True) -> Iterator[list[str]]:
         _HELD.reset(held_token)
 
 
+# An engine whose earlier micro-step leaves a race's blocks to the next one's forward asks for it (see below).
+_EARLIER: contextvars.ContextVar[bool] = contextvars.ContextVar("hf_memwatch_earlier_micro_step", default=False)
+_LAST: contextvars.ContextVar[bool] = contextvars.ContextVar("hf_memwatch_last_micro_step", default=True)
+
+
+@contextlib.contextmanager
+def _scoped(var: contextvars.ContextVar[bool], value: bool) -> Iterator[None]:
+    token = var.set(value)
+    try:
+        yield
+    finally:
+        var.reset(token)
+
+
+@contextlib.contextmanager
+def earlier_micro_step_wanted() -> Iterator[None]:
+    """Within, a step with accumulation replays its first micro-step as it runs, then one after it (whose
+    gradients the first left), instead of that one alone on gradients made resident: an engine's race
+    whose blocks the earlier micro-step's backward hands to gloo's threads and the next forward meets
+    (DeepSpeed ZeRO-2's last reductions, :class:`~hf_memwatch.engines.zero.backward.ZeroGradientFlow`)
+    needs the backward that made them. :func:`last_micro_step` tells the engine which one runs.
+
+    Example:
+        >>> with earlier_micro_step_wanted():
+        ...     earlier_micro_step_replayed()
+        True
+        >>> earlier_micro_step_replayed(), last_micro_step()
+        (False, True)
+    """
+    with _scoped(_EARLIER, True):
+        yield
+
+
+def earlier_micro_step_replayed() -> bool:
+    """Whether the replay in progress wants its earlier micro-step replayed (:func:`earlier_micro_step_wanted`)."""
+    return _EARLIER.get()
+
+
+@contextlib.contextmanager
+def micro_step(last: bool) -> Iterator[None]:
+    """Within, the replay runs a micro-step, the step's ``last`` (its accumulation boundary) or an earlier one."""
+    with _scoped(_LAST, last):
+        yield
+
+
+def last_micro_step() -> bool:
+    """Whether the micro-step replayed now is the step's last (outside a micro-step: True)."""
+    return _LAST.get()
+
+
 @dataclass
 class StepBranches:
     """The races between threads the step's replay met (their reports) and, for a direct estimate,

@@ -46,6 +46,7 @@ from ..core.categories import (
 from ..measure.attribution import weight_tensors
 from ..measure.peak_tensors import PeakCensus, PeakTensors
 from ..measure.saved_tensors import SavedTensorRegistry
+from .branches import earlier_micro_step_replayed, micro_step
 from .classify import Phases, forward_windows, refs
 from .cuda_libs import cublas_workspaces
 from .cuda_optim import step_scaler, steps_on_host
@@ -234,8 +235,9 @@ class _StepRun:
             "batch": batches + [lookahead], "labels": getattr(self, "label_views", []),
             "num_items": [num_items], "tr_loss": [tr_loss], "held": self.held})
         if not skipped:
-            for inputs in replayed:
-                loss = self.micro_step(inputs, num_items)
+            for index, inputs in enumerate(replayed):
+                with micro_step(last=index == len(replayed) - 1):
+                    loss = self.micro_step(inputs, num_items)
                 del inputs
                 tr_loss += loss
                 del loss
@@ -284,6 +286,10 @@ class _StepRun:
             # A step that generates: its first micro-step (no gradient yet) and the next (gradients
             # resident, the buffered completions) differ; both replayed as they run.
             return batches[:natural]
+        if len(batches) > 1 and earlier_micro_step_replayed():
+            # An engine's race needs the earlier micro-step's backward (estimation/branches.py): the first
+            # replayed as it runs (no gradient yet), then the next on what it left.
+            return batches[:2]
         if len(batches) > 1:
             # Every micro-step after the first runs with the gradients resident and adds into them:
             # the same live set as the first plus the gradients, so its peak is the step's (the

@@ -264,14 +264,15 @@ def run(out: Path, name: str, stage: int, offload: bool | str = False, seq: int 
     profiler = cpu_memory_profile(record_shapes=True) if profiled(name) else None
     trainer = build(out, name, stage, [watch, *holdings, *logged], offload=offload, profiler=profiler, seq=seq)
     run_config = RunConfig.from_trainer(trainer)  # before train(): no DeepSpeed engine yet
-    predicted = (ops_unrecorded(profiler, ESTIMATE_MARK)(estimate) if profiler else estimate)(trainer).peak_bytes
+    result = (ops_unrecorded(profiler, ESTIMATE_MARK)(estimate) if profiler else estimate)(trainer)
+    predicted = result.peak_bytes
     truth = train_profiled(trainer, profiler)
     model = trainer.model
     return {"losses": loss_history(trainer), "deepspeed": holdings[0].records if holdings else {}, **truth,
             "full_param_numel": sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters()),
             "engine": run_config.engine.describe(), "shard": run_config.shard, "offload": run_config.engine.offload,
             "cpu_optimizer": run_config.engine.cpu_optimizer, "optimizer_class": stepped_by(trainer),
-            "predicted_peak": predicted, "seq_len": seq, "gathers": list(GatherLog.gathers)}
+            "predicted_peak": predicted, "branches": result.branches, "seq_len": seq, "gathers": list(GatherLog.gathers)}
 
 
 def stepped_by(trainer: Trainer) -> str:

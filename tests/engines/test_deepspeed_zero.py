@@ -136,12 +136,27 @@ def test_zero_prediction_before_the_engine_exists_matches_the_measured_peak(zero
     (engines/zero/backward.py), ZeRO-3's resident gradient partition and gathered set, the offload
     gradient partition. Before the flow: ZeRO-1 -2.7% (its bucket), ZeRO-2 +2.1% (a bucket counted
     outside the backward). ZeRO-2 + offload replays its host path (the fp64 norm of each kept slice, the
-    16-bit host buffer, no ``grads_in_partition``; engines/zero/backward.py)."""
+    16-bit host buffer, no ``grads_in_partition``; engines/zero/backward.py).
+
+    Where the replay meets gloo's race (a reduction's flat copy or bucket held by a worker thread:
+    ``ZeroGradientFlow._issued``), the branch that frees first is the one held to 1% and the estimate, its
+    worst branch, must cover the measured peak (:func:`held_covers`)."""
     out, facts = zero_runs
     for rank, fact in enumerate(facts):
         measured = max(step_peaks(out / name, rank))
-        error = fact[name]["predicted_peak"] / measured - 1
-        assert abs(error) <= 0.01, (name, rank, fact[name]["predicted_peak"], measured)
+        freed = fact[name]["branches"].get("freed first", fact[name]["predicted_peak"])
+        error = freed / measured - 1
+        assert abs(error) <= 0.01, (name, rank, freed, measured)
+        held_covers(fact[name], measured)
+
+
+def held_covers(fact: dict[str, Any], measured: int) -> None:
+    """The estimate (the race's worst branch) at or above ``measured`` within ``FLAT_COPY_SLACK``, and over the
+    branch that frees first by no more than the blocks gloo's two workers may hold: two collectives' tensors, each
+    at most a bucket or its flat copy (up to a bucket plus a slice), so under 4 buckets of fp32 elements."""
+    predicted, freed = fact["predicted_peak"], fact["branches"].get("freed first", fact["predicted_peak"])
+    assert predicted >= measured * (1 - FLAT_COPY_SLACK), (predicted, measured)
+    assert 0 <= predicted - freed <= 4 * 4 * BUCKET, (predicted, freed)
 
 
 @pytest.mark.parametrize("name", AUTO_RUNS)
@@ -171,6 +186,7 @@ def test_auto_mode_plans_every_zero_engine_and_fits(zero_runs, name):
 
 
 FLAT_COPY_SLACK = 0.0005
+BUCKET = 100_000  # tests/dist_scripts/deepspeed_zero.py's reduce buckets (elements)
 
 
 def test_zero2_plan_covers_the_flat_copy_gloo_may_still_hold(zero_runs):
@@ -270,12 +286,15 @@ def test_cli_estimate_agrees_with_the_auto_modes_prediction(zero_runs, tmp_path,
     if shard == "zero3":
         argv += ["--prefetch-bucket-size", "1e5"]
     assert main(argv) == 0
-    predicted = json.loads(capsys.readouterr().out)["peak_bytes"]
+    payload = json.loads(capsys.readouterr().out)
+    predicted = payload["peak_bytes"]
     auto = facts[0][name]["predicted_peak"]
     assert abs(predicted / auto - 1) <= 0.01, (predicted, auto)
+    freed = payload.get("branches", {}).get("freed first", predicted)  # gloo's race: the branch that frees first
     for rank in (0, 1):
         measured = max(step_peaks(out / name, rank))
-        assert -0.01 <= predicted / measured - 1 <= 0.03, (predicted, measured)
+        assert -0.01 <= freed / measured - 1 <= 0.03, (freed, measured)
+        assert predicted >= measured * (1 - FLAT_COPY_SLACK), (predicted, measured)
 
 
 def test_zero3_gathering_replay_issues_the_all_gathers_deepspeed_issued(zero_runs):

@@ -68,6 +68,7 @@ from ...compat.torch_internals import (
 from ...estimation.branches import race_held, report_race
 from ...estimation.classify import refs
 from ...estimation.fake_dispatch import EstimateTracker
+from ..gloo_staging import HELD_WORKS, gloo_ranks
 from .units import (
     FsdpUnit,
     build_units,
@@ -81,7 +82,6 @@ from .units import (
 IDLE, FORWARD, PRE_BACKWARD, POST_BACKWARD = "idle", "forward", "pre_backward", "post_backward"
 # FSDP2's implicit backward prefetch (its default); off only to show what the replay owes to it.
 BACKWARD_PREFETCH = True
-HELD_WORKS = 2  # gloo's race, worst branch: ProcessGroupGloo::Options' threads{2}, each holding its last work
 
 
 def fsdp_applies(engine: Any, model: torch.nn.Module, precision: str = "fp32") -> bool:
@@ -479,15 +479,7 @@ def fsdp_flow(model: torch.nn.Module, engine: Any, trainer: Any, precision: str 
     # it is FSDP2 (``is_fsdp2``); else the DDP path, a no-op on an FSDP2 module: every micro-step reduces.
     no_sync = bool(getattr(getattr(trainer, "accelerator", None), "is_fsdp2", True))
     return Fsdp2Flow(model, units, engine.world_size, _rank(engine.world_size), BACKWARD_PREFETCH,
-                     _backend(device) == "gloo", no_sync, torch.bfloat16 if precision == "bf16" else None)
-
-
-def _backend(device: str) -> str:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return str(dist.get_backend())
-    return "gloo" if device == "cpu" else "nccl"
+                     gloo_ranks(device), no_sync, torch.bfloat16 if precision == "bf16" else None)
 
 
 def _rank(world_size: int) -> int:

@@ -36,9 +36,12 @@ gradient class and adds no bucket (:func:`~hf_memwatch.engines.zero.split.engine
 optimizer step holds the kept partition and its flat fp32 copy (:mod:`~hf_memwatch.engines.zero.step`).
 Measured against MemWatch on the 2-rank runs: ZeRO-1 4 x 2 predicted 14,734,232 B, measured
 14,735,268; ZeRO-2 4 x 2 13,290,776 vs 13,279,524 / 13,291,812 (ranks 0 / 1); 1 x 8 + checkpointing
-10,741,772 vs 10,734,116 / 10,746,404. Each reduction's flat copy (``torch.cat`` of the bucket's
-slices) may outlive it, held by gloo's worker thread (:func:`flat_copies`): the replay keeps
-the largest until the next reduction, so a plan's margin covers the run-to-run spread it makes.
+10,741,772 vs 10,734,116 / 10,746,404 (the branch that frees first; gloo's race below). Each reduction's
+flat copy (``torch.cat`` of the bucket's slices, :func:`flat_copies`) or, for a one-slice chunk, the bucket
+may outlive it, held by gloo's worker threads: the worst branch keeps the last two collectives' tensors
+until more are issued, across an earlier micro-step's end into the next forward (:meth:`ZeroGradientFlow._issued`;
+the earlier micro-step replayed as it runs), so the plan covers the run-to-run spread it makes; NCCL's
+ranks meet no such race.
 Not modelled: ``overlap_comm`` (a second bucket),
 ``contiguous_gradients: false``, ``round_robin_gradients``, 16-bit ZeRO and offload (other paths).
 """
@@ -58,10 +61,11 @@ from ...compat.torch_internals import (
     current_dispatch_modes,
     queue_backward_callback,
 )
-from ...estimation.branches import race_held, report_race
+from ...estimation.branches import earlier_micro_step_wanted, last_micro_step, race_held, report_race
 from ...estimation.classify import refs
 from ...estimation.fake_dispatch import EstimateTracker
 from ...estimation.optim import param_groups
+from ..gloo_staging import HELD_WORKS, gloo_ranks
 
 # The parameters' dtypes the flow replays: fp32, and bf16 where DeepSpeed cast the module (:mod:`.half`).
 FLOW_DTYPES = (torch.float32, torch.bfloat16)
@@ -197,8 +201,8 @@ class ZeroGradientFlow:
     gradient partitions and the two staging buffers; the rules that stood in for this flow read -4.0..-8.0%.
     """
 
-    def __init__(self, model: torch.nn.Module, engine: Any) -> None:
-        self.model, self.stage = model, engine.zero_stage
+    def __init__(self, model: torch.nn.Module, engine: Any, gloo: bool = True) -> None:
+        self.model, self.stage, self.gloo = model, engine.zero_stage, gloo
         self.partition = planned_partition(model, engine.world_size)
         self.keep = {id(p) for p in self.partition.kept}
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -209,9 +213,9 @@ class ZeroGradientFlow:
         self.buffer: torch.Tensor | None = None  # grads_in_partition
         self.world_size = engine.world_size
         self.spans = _partition_spans(self.params, model, engine.world_size)
-        self.lingering: torch.Tensor | None = None  # the last reduction's flat copy, on gloo's thread
+        self.work_held: list[torch.Tensor] = []  # the last collectives' tensors gloo's workers hold (a race)
         self.multi_rank = engine.multi_rank_bucket_allreduce  # one all-reduce per bucket (flat_copies)
-        self.largest_copy = 0  # bytes of the largest flat copy, held alive in the race's worst branch
+        self.largest_copy = 0  # bytes of the largest block a collective holds in the race's worst branch
         self.offset = 0
         self.accumulated: torch.Tensor | None = None  # all_grad_tensors: the kept partition across micro-steps
         self.started = False  # a backward is running (its bucket set up)
@@ -219,20 +223,24 @@ class ZeroGradientFlow:
         self.offload_accumulated: torch.Tensor | None = None  # accumulated_grads_in_cpu, kept across steps
         self.norms: list[torch.Tensor] = []  # norm_for_param_grads: one fp64 scalar per kept parameter
         self._handles: list[Any] = []
+        self._earlier = contextlib.ExitStack()
 
     def __enter__(self) -> ZeroGradientFlow:
         self._handles = [p.register_post_accumulate_grad_hook(self._on_gradient) for p in self.params]
         self._handles.append(self.model.register_forward_pre_hook(self._on_forward))
+        if self.stage == 2 and not self.offload and self.gloo and race_held():  # the works an earlier backward leaves (_issued)
+            self._earlier.enter_context(earlier_micro_step_wanted())
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        self._earlier.close()
         for handle in self._handles:
             handle.remove()
-        if self.largest_copy:  # the race of :func:`flat_copies`
-            report_race(f"zero{self.stage}: each reduction's flat copy (up to {self.largest_copy:,} bytes), "
-                        f"which gloo's thread lets go after or before the training thread's next allocations")
-        self._handles = []
-        self.bucket = self.buffer = self.accumulated = self.lingering = self.offload_accumulated = None
+        if self.largest_copy:  # the race of :meth:`_issued`
+            report_race(f"zero{self.stage}: each reduction's flat copy or bucket (up to {self.largest_copy:,} "
+                        f"bytes), which gloo's thread lets go after or before the training thread's next allocations")
+        self._handles, self.work_held = [], []
+        self.bucket = self.buffer = self.accumulated = self.offload_accumulated = None
         self.pending, self.started, self.norms = [], False, []
 
     def _on_forward(self, *_: Any) -> None:
@@ -289,18 +297,15 @@ class ZeroGradientFlow:
 
     def _reduce(self) -> None:
         """``reduce_ipg_grads``: the rank's gradients into ``grads_in_partition``, ZeRO-2 drops the others;
-        the largest flat copy may outlive it (see :func:`flat_copies`)."""
-        copies = flat_copies(self.pending, self.spans, self.world_size, self.bucket_numel, self.multi_rank)
-        self.lingering = None
-        if copies and self.pending:
+        each collective's flat copy or bucket may outlive it (see :meth:`_issued`)."""
+        for copy in chunk_copies(self.pending, self.spans, self.world_size, self.bucket_numel, self.multi_rank):
             ref = self.pending[0]
-            self.largest_copy = max(self.largest_copy, max(copies) * ref.element_size())
-            # made for the all-reduce either way; held after it in the race's worst branch (estimation/branches.py),
-            # else let go at once
-            copy = torch.empty(max(copies), dtype=ref.dtype, device=ref.device)
-            if race_held():
-                self.lingering = copy
-            del copy
+            if copy:  # made for the all-reduce either way (torch.cat of the chunk's slices)
+                self._issued(torch.empty(copy, dtype=ref.dtype, device=ref.device))
+            elif self.bucket is not None and ref.numel() <= self.bucket_numel:  # the slice's view: the bucket
+                self._issued(self.bucket)
+            elif ref.grad is not None:  # a parameter larger than the bucket, reduced from its own gradient
+                self._issued(ref.grad)
         for param in self.pending:
             if param.grad is None:
                 continue
@@ -317,6 +322,24 @@ class ZeroGradientFlow:
             elif self.stage == 2:
                 param.grad = None
         self.pending, self.filled = [], 0
+
+    def _issued(self, tensor: torch.Tensor) -> None:
+        """A collective issued on ``tensor`` (DeepSpeed's ``allreduce_bucket``: the chunk's flat copy, else the
+        slice's view of the bucket or of a larger parameter's gradient). Its gloo work holds it until the worker
+        that ran it takes the next (``ProcessGroupGloo::runLoop``, as under FSDP2:
+        :meth:`~hf_memwatch.engines.fsdp2.replay.Fsdp2Flow._issued`): the worst branch (:func:`race_held`) keeps
+        the last :data:`~hf_memwatch.engines.gloo_staging.HELD_WORKS` collectives' tensors alive until more are
+        issued — across an earlier micro-step's end into the next one's forward, where no collective runs
+        between (the step's last lets them go at its end: the gradient norm's all-reduce follows; not replayed
+        past it). Measured on the two-rank sweep's seed 2 (``benchmarks/results/sweep.md``, OPT, ZeRO-2 bf16,
+        accumulation 2, buckets of 100,000 elements): rank 0 peaked at 2,114,756 B in 1 of 3 launches, the
+        replay's forward high 1,913,728 B + the 200,000 B bf16 bucket, a view of which the earlier micro-step's
+        last all-reduce held (its last chunk one slice). Before: the largest flat copy alone, until the
+        backward's end (-3.50% under that launch)."""
+        if not self.gloo:  # NCCL: the training thread's wait releases the work's tensors (no race)
+            return
+        self.largest_copy = max(self.largest_copy, tensor.untyped_storage().nbytes())
+        self.work_held = [*self.work_held, tensor][-HELD_WORKS:] if race_held() else []
 
     def _to_host(self, param: torch.nn.Parameter) -> None:
         """``copy_grads_in_partition`` under offload at the boundary: the norm of the rank's slice in fp64,
@@ -344,12 +367,14 @@ class ZeroGradientFlow:
                 self.accumulated = self.buffer
             else:
                 self.accumulated.add_(self.buffer)
-        self.bucket = self.buffer = self.lingering = None
+        self.bucket = self.buffer = None
         for param in self.params:
             param.grad = None
-        # The replayed micro-step is the step's last: DeepSpeed flattens the kept partition for its
-        # optimizer step (engines/zero/step.py counts both there) and frees it.
-        self.accumulated = None
+        if last_micro_step():
+            # The step's last: DeepSpeed flattens the kept partition for its optimizer step (engines/zero/step.py
+            # counts both there) and frees it; its gradient norm's all-reduce comes next (:meth:`_issued`).
+            self.accumulated = None
+            self.work_held = []
 
 
 def _partition_spans(params: list[torch.nn.Parameter], model: torch.nn.Module,
@@ -404,9 +429,9 @@ def flat_copies(pending: list[torch.nn.Parameter], spans: dict[int, tuple[int, i
     offloaded, buckets of 100,000 elements; ``benchmarks/results/sweep.md``): rank 1's step-2 peak was
     3,120,740 B in one launch and 3,508,836 B in two — 388,096 B, the 97,024-element ``aten.cat`` of
     the reduction before the high (the embedding's 64,000 elements and the layer's: 14,464 for rank 0,
-    82,560 for rank 1), still held at the high (MemWatch's peak tensors). The replay keeps the largest
-    until the next reduction or the backward's end: the race's worst branch, which the plan covers;
-    a direct estimate replays the other too (:func:`~hf_memwatch.estimation.branches.races`).
+    82,560 for rank 1), still held at the high (MemWatch's peak tensors). The worst branch keeps the
+    last two collectives' tensors (:meth:`ZeroGradientFlow._issued`), which the plan covers; a direct
+    estimate replays the other too (:func:`~hf_memwatch.estimation.branches.races`).
     (Before: the largest destination's slices alone, 82,560 elements: 1.68% under that launch.)
 
     Example:
@@ -418,6 +443,19 @@ def flat_copies(pending: list[torch.nn.Parameter], spans: dict[int, tuple[int, i
         []
         >>> flat_copies([a, b], spans, 2, bucket_numel=8)  # 6 + 4 passes 8: one chunk of both
         [10]
+    """
+    return [n for n in chunk_copies(pending, spans, world_size, bucket_numel, multi_rank) if n > 0]
+
+
+def chunk_copies(pending: list[torch.nn.Parameter], spans: dict[int, tuple[int, int]], world_size: int,
+                 bucket_numel: int, multi_rank: bool = True) -> list[int]:
+    """One entry per collective DeepSpeed issues to reduce one bucket, in order: the elements of its flat
+    copy, 0 where its chunk is one slice (the collective runs on that slice's view: :func:`flat_copies`).
+
+    Example:
+        >>> a, b = torch.nn.Parameter(torch.zeros(5)), torch.nn.Parameter(torch.zeros(5))
+        >>> chunk_copies([a, b], {id(a): (0, 6), id(b): (5, 6)}, 2, bucket_numel=100, multi_rank=False)
+        [0, 0]
     """
     slices = _slices(pending, spans, world_size)
     lists = [[n for n, _ in slices]] if multi_rank else [
@@ -432,7 +470,7 @@ def flat_copies(pending: list[torch.nn.Parameter], spans: dict[int, tuple[int, i
                 total, count = 0, 0
         if count:
             copies.append(total if count > 1 else 0)
-    return [n for n in copies if n > 0]
+    return copies
 
 
 def _trackers() -> list[EstimateTracker]:
@@ -452,6 +490,9 @@ def _held(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def zero_gradient_flow(model: torch.nn.Module, engine: Any, precision: str = "fp32") -> Any:
-    """A :class:`ZeroGradientFlow` where :func:`flow_applies`, else a context that does nothing."""
-    return ZeroGradientFlow(model, engine) if flow_applies(engine, model, precision) else contextlib.nullcontext()
+def zero_gradient_flow(model: torch.nn.Module, engine: Any, precision: str = "fp32", device: str = "cpu") -> Any:
+    """A :class:`ZeroGradientFlow` where :func:`flow_applies`, else a context that does nothing (``device``:
+    the ranks', whose collectives are gloo's or NCCL's: :func:`~hf_memwatch.engines.gloo_staging.gloo_ranks`)."""
+    if not flow_applies(engine, model, precision):
+        return contextlib.nullcontext()
+    return ZeroGradientFlow(model, engine, gloo_ranks(device))

@@ -83,9 +83,9 @@ class ZeroRules(EngineRules):
             stack.enter_context(forward_windows_wanted())  # ZeRO-3's gathering per module call (.gather)
         if deepspeed_half(engine, request.precision):  # DeepSpeed's bf16: the fp32 flow on the module cast
             stack.enter_context(half_module(model))
-            stack.enter_context(zero_gradient_flow(model, engine))  # a null context where none applies (ZeRO-3)
+            stack.enter_context(zero_gradient_flow(model, engine, device=request.device))  # none under ZeRO-3
             return stack
-        stack.enter_context(zero_gradient_flow(model, engine, request.precision))  # ZeRO-1/2's buckets, partitions
+        stack.enter_context(zero_gradient_flow(model, engine, request.precision, request.device))  # ZeRO-1/2's buckets
         return stack
 
     def ranks(self, model: torch.nn.Module, engine: Any, request: Any) -> list[int | None]:
