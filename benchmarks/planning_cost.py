@@ -14,6 +14,9 @@ hidden size, layers, heads, KV heads, intermediate size, vocabulary), bf16 on a 
 (e) (d) again with the optimizer swap off (:func:`hf_memwatch.estimation.optimizer_swap.swap_off`): what
     replaying the micro-steps once per micro-batch/checkpointing line saves.
 
+The new path's LoRA rows build the adapted model at the 4 layers the replays keep
+(``estimation/short_model.py``), the old one all of them.
+
 Every measurement runs in its own fresh subprocess (process CPU time, ``time.process_time``), once
 with the planning shortcuts off (``hf_memwatch.estimation.memo.shortcuts(False)``: today's code
 path) and once on. The run fails (exit 1) unless both paths give the same estimate bytes (peak,

@@ -30,7 +30,7 @@ def test_each_storage_once_in_the_first_class_that_holds_it_and_the_split_sums_t
                        "temporaries": 64, "other": 128}
     assert sum(classes.values()) == tracker.allocated
     # the eval replay: its outputs, its class names in their order
-    outputs = refs(tracker, [scratch])
+    outputs = {id(ref): ref for ref in refs(tracker, [scratch]).values()}  # by the reference: keys get reused
     evaluated = classify(snapshot, {}, weights, set(), set(), other, outputs=outputs, names=EVAL_CLASSES)
     assert list(evaluated) == list(EVAL_CLASSES)
     assert evaluated == {"weights": 256, "optimizer_states": 0, "outputs": 64, "other": 128, "temporaries": 256}

@@ -269,3 +269,22 @@ def test_only_a_metrics_change_would_fit_stops_before_training(tmp_path):
     with pytest.raises(PlanError, match=r"preprocess_logits_for_metrics .* saved"):
         trainer.train()
     assert trainer.state.global_step == 0 and trainer.args.per_device_eval_batch_size == 64  # nothing changed
+
+
+def test_the_eval_split_is_the_same_on_a_cold_and_a_warm_fake_tensor_cache():
+    """The second batch's concatenation may take the address the first batch's predictions freed: held
+    outputs are matched by the tracker's reference, not by key (a key read before the concatenation
+    was overwritten by the new storage's, and 512,000 B of predictions became temporaries, on a warm
+    ``FakeTensorMode`` dispatch cache only: every estimate after a process's first)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from transformers import LlamaConfig
+
+    from hf_memwatch import estimate
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=1000, max_position_embeddings=512)
+    FakeTensorMode.cache.clear()  # class-wide: what the process's earlier fake tensors left
+    cold, warm = (estimate(config, micro_batch_size=2, seq_len=64, device="cpu", eval_batch_size=2, eval_samples=4)
+                  for _ in range(2))
+    assert warm.eval_classes == cold.eval_classes
+    assert cold.eval_classes["outputs"] >= 2 * 2 * 64 * 1000 * 4  # both batches' fp32 logits held

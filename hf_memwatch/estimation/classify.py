@@ -38,7 +38,8 @@ def classify(snapshot: tuple[dict[int, Any], set[int]], live_now: dict[int, Any]
     lifetime) must match the one recorded for the class (``weights``/``other``: key -> ref) or
     the one live now (``gradients``/``states``: keys read now). Entries of ``named`` (id of the ref ->
     (ref, name)) are also added to ``details[class][name]`` when given. The eval replay gives ``outputs``
-    (key -> ref) and no gradients, states or saved tensors. ``held`` (key -> ref): gradients an engine
+    (id of the ref -> ref: what it holds before and after an accumulation, where a storage the
+    concatenation freed and the one it made may share a key) and no gradients, states or saved tensors. ``held`` (key -> ref): gradients an engine
     holds outside ``.grad`` (:mod:`~hf_memwatch.engines.zero.backward`), gradients while they live;
     ``held_weights``: parameters it gathers (:mod:`~hf_memwatch.engines.fsdp2.replay`), weights while they live.
     """
@@ -53,7 +54,7 @@ def classify(snapshot: tuple[dict[int, Any], set[int]], live_now: dict[int, Any]
             name = "optimizer_states"
         elif key in saved:
             name = "activations"
-        elif outputs is not None and outputs.get(key) is ref:
+        elif outputs is not None and outputs.get(id(ref)) is ref:
             name = "outputs"
         elif other.get(key) is ref:
             name = "other"

@@ -4,6 +4,7 @@ layer), else every layer replayed (:func:`~.step.simulate_step`)."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -19,24 +20,32 @@ from .layers import (
     homogeneous_layers,
     truncated,
 )
+from .short_model import ShortModel
 from .step import StepInputs, StepSimulation, simulate_step
 
 
 def simulate_at_depth(model: torch.nn.Module, fake_mode: Any, request: Any, inputs: StepInputs,
-                      notes: list[str]) -> StepSimulation:
+                      notes: list[str], short: ShortModel | None = None) -> StepSimulation:
     """The step's simulation: by depth extrapolation where exact and wanted.
 
     The details (logits) do not depend on depth: the deeper short simulation's are kept; so are its
     peak tensors (a note says so: the layers beyond hold more of the same). A checkpointed run is
     simulated at :data:`~.layers.CHECKPOINTED_DEPTHS` with its backward split where each layer's
     recomputation begins, each window extended on its own line (:func:`~.layers.extrapolate_backward`).
+    ``short``: ``model`` is a short model standing for its full depth (:mod:`.short_model`: its stack
+    homogeneous, checked where it was built); where every layer is replayed, its full build is.
     """
     config = inputs.config
-    depth = getattr(config, "num_hidden_layers", 0) or 0
+    depth = short.depth if short is not None else getattr(config, "num_hidden_layers", 0) or 0
     checkpointed = bool(request.activation_checkpointing)
     short_depths, least = (CHECKPOINTED_DEPTHS, AUTO_MIN_CHECKPOINTED_LAYERS) if checkpointed \
         else (SHORT_DEPTHS, AUTO_MIN_LAYERS)
-    stack = homogeneous_layers(model, config, short_depths) if request.extrapolate_layers is not False else None
+    if request.extrapolate_layers is False:
+        stack = None
+    elif short is not None:
+        stack = short.stack
+    else:
+        stack = homogeneous_layers(model, config, short_depths)
     if stack is not None and (request.extrapolate_layers or depth >= least):
         short, windows, simulation = {}, {}, None
         for layers in short_depths:
@@ -60,4 +69,7 @@ def simulate_at_depth(model: torch.nn.Module, fake_mode: Any, request: Any, inpu
             if simulation.phase_tensors:
                 notes.append(f"peak tensors: those of the {short_depths[1]}-layer simulation")
             return simulation.replace(phase_classes=extended, phase_windows={})
+    if short is not None:
+        model = short.full()
+        inputs = dataclasses.replace(inputs, config=model.config)
     return simulate_step(model, fake_mode, request, inputs)

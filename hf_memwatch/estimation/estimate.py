@@ -41,7 +41,7 @@ from .cuda_paged import recording_cuda_allocations
 from .depth import simulate_at_depth
 from .expert_loop import expert_loop_notes
 from .fake_model import auto_class, count_params, fake_copy, fake_model, load_config, resolve_adapter
-from .memo import active, built_model
+from .memo import active, built_model, shortcuts_on
 from .peft import LoraSpec
 from .quantized import QuantSpec
 from .request import (
@@ -55,6 +55,8 @@ from .request import (
     check_choice,
     check_positive,
 )
+from .short_model import ShortModel, fake_model_at_depth, fake_model_without_short
+from .short_model import usable as short_usable
 from .step import LOGITS, LOGITS_FP32, StepInputs, StepSimulation
 from .trainer_replay import TrainerStateGuard, frozen_model_bytes, is_trainer
 from .trl_replay import TrainerReplay, dataloader_batch_size
@@ -232,12 +234,16 @@ def _estimate_request(model_or_config: Any, request: EstimateRequest) -> MemoryE
     with disable_current_modes():
         def build() -> tuple:
             fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-            return (fake_mode, *fake_model(model_or_config, request.task, fake_mode, request.lora, peft_config,
-                                           request.quantization))
+            builder = fake_model_at_depth if shortcuts_on() else fake_model_without_short
+            return (fake_mode, *builder(model_or_config, request.task, fake_mode, request.lora, peft_config,
+                                        request.quantization))
 
-        fake_mode, model, config, task = built_model(subject, request, build)  # one per plan (memo.py)
+        fake_mode, model, config, task, short = built_model(subject, request, build)  # one per plan (memo.py)
+        if short is not None and not short_usable(request, trainer):  # the engines' rules read the whole model
+            model, short = short.full(), None
+            config = model.config
         request = request.replace(task=task)
-        params, trainable = count_params(model)
+        params, trainable = count_params(model) if short is None else short.counts()
         if trainable == 0:
             raise MemWatchConfigError("the model has no trainable parameter")
         replay = None if trainer is None else TrainerReplay(
@@ -252,7 +258,8 @@ def _estimate_request(model_or_config: Any, request: EstimateRequest) -> MemoryE
         for rank in rules.ranks(model, engine, request):
             rank_notes = list(notes)
             with rules.for_rank(rank):
-                replays.append((rank, rank_notes, *_replay_step(model, fake_mode, request, inputs, rank_notes)))
+                replays.append((rank, rank_notes, *_replay_step(model, fake_mode, request, inputs, rank_notes,
+                                                                short)))
     results = []
     for rank, rank_notes, simulation, traces, race in replays:
         with rules.for_rank(rank):
@@ -260,7 +267,7 @@ def _estimate_request(model_or_config: Any, request: EstimateRequest) -> MemoryE
             for other in {id(sim): sim for sim in race.simulations() if sim is not simulation}.values():
                 frozen_model_bytes(trainer, replay, request.device, other.phase_classes, [])
             results.append((rank, _result(model, fake_mode, request, inputs, simulation, traces,
-                                          _Counts(params, trainable, frozen_models), rank_notes, race)))
+                                          _Counts(params, trainable, frozen_models), rank_notes, race, short)))
     return highest_rank(results, request.shard)
 
 
@@ -288,9 +295,10 @@ def _check_quantization(quantization: Any, model_or_config: Any) -> None:
 
 
 def _replay_step(model: torch.nn.Module, fake_mode: Any, request: EstimateRequest, inputs: StepInputs,
-                 notes: list[str]) -> tuple[StepSimulation, list, StepBranches]:
+                 notes: list[str], short: ShortModel | None = None) -> tuple[StepSimulation, list, StepBranches]:
     """The step replayed (Trainer state guarded, CUDA allocations recorded), errors in one line; where
-    it meets a race, on its worst branch, and outside a plan on the other branch too."""
+    it meets a race, on its worst branch, and outside a plan on the other branch too. ``short``: ``model``
+    stands for its full depth (:mod:`.short_model`)."""
     trainer = inputs.trainer
     engine = _engine_of(request, trainer)
     rules = rules_for(request.shard, request.world_size, engine)
@@ -304,7 +312,8 @@ def _replay_step(model: torch.nn.Module, fake_mode: Any, request: EstimateReques
         replayed = rules.replay_request(request, engine)  # its autocast
         drawn: dict[str, StepSimulation] = {}
         with races(held) as met, guard, recording as traces, flow:
-            simulation = worst_branch(lambda gkd_notes: simulate_at_depth(model, fake_mode, replayed, inputs, gkd_notes),
+            simulation = worst_branch(lambda gkd_notes: simulate_at_depth(model, fake_mode, replayed, inputs, gkd_notes,
+                                                                           short),
                                       inputs.replay, trainer, branch_notes, traces, drawn)  # GKD's lmbda: every branch
         race.met = met
         if held:
@@ -348,7 +357,7 @@ def _engine_of(request: EstimateRequest, trainer: Any) -> Any:
 
 def _result(model: torch.nn.Module, fake_mode: Any, request: EstimateRequest, inputs: StepInputs,
             simulation: StepSimulation, traces: list, counts: _Counts, notes: list[str],
-            race: StepBranches) -> MemoryEstimate:
+            race: StepBranches, short: ShortModel | None = None) -> MemoryEstimate:
     """The :class:`MemoryEstimate`: per-rank classes, the peak, CUDA's reserve, the eval loop, a race's branches."""
     if not request.optimizer_step:
         notes.append("forward and backward only (optimizer_step=False): no optimizer state or step, "
@@ -380,7 +389,8 @@ def _result(model: torch.nn.Module, fake_mode: Any, request: EstimateRequest, in
     evaluation = None
     if request.eval_batch_size is not None:
         states = per_phase.get(STEP_END, {}).get("optimizer_states", 0) if request.eval_in_training else 0
-        evaluation = _estimate_eval_loop(model, fake_mode, request, inputs.config, states)
+        whole = model if short is None else short.full()  # the eval loop replays every layer
+        evaluation = _estimate_eval_loop(whole, fake_mode, request, whole.config, states)
         notes.extend(evaluation.notes)
         if shard != "none":
             notes.append("eval: the weights are counted whole (sharded evaluation is not modelled)")

@@ -97,6 +97,14 @@ class _Container:
         return _leaves(self.tensors) + _leaves(self.torch_arrays)
 
 
+def _by_ref(*held: dict[int, Any]) -> dict[int, Any]:
+    """The tracker's references of ``held`` (each key -> ref, read at different moments) by their identity:
+    a storage freed in between and the one made after it may share a key (an address), and each is an output
+    while it lives (measured: the second batch's concatenation reused the first batch's predictions' address,
+    and those 512,000 B were counted as temporaries at the loop's high, on a warm fake-tensor cache only)."""
+    return {id(ref): ref for refs_at in held for ref in refs_at.values()}
+
+
 def _map(value: Any, fn: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return fn(value)
@@ -275,7 +283,7 @@ class _EvalRun:
         outputs_before = self.held()
         for container in self.containers.values():  # get_arrays: the last batch's locals still live
             container.flush()
-        self.close("eval_gather", {**outputs_before, **self.held(), **last_refs}, {})
+        self.close("eval_gather", _by_ref(outputs_before, self.held(), last_refs), {})
 
     def one_batch(self, index: int, inputs: dict[str, Any], lookahead: dict[str, Any] | None) -> None:
         """One prediction step and its accumulation (a flush where due)."""
@@ -291,7 +299,7 @@ class _EvalRun:
                 self.inputs.preprocess_argmax)
         self.last_outputs = []  # replaced by this step's results
         other.update(refs(tracker, _leaves(loss) + _leaves(logits)))
-        self.close("eval_forward", {**last_refs, **self.held()}, other)
+        self.close("eval_forward", _by_ref(last_refs, self.held()), other)
         outputs_before = self.held()
         losses = None if loss is None else loss.repeat(self.sizes[index])  # no labels: no loss
         if losses is not None:
@@ -304,13 +312,13 @@ class _EvalRun:
             self.template.update(losses=_spec(losses), preds=_spec(logits), labels=_spec(labels))
         self.last_outputs = _leaves([losses, logits, labels])
         del losses, loss, logits, labels
-        self.close("eval_accumulate", {**outputs_before, **self.held(), **refs(tracker, self.last_outputs)}, other)
+        self.close("eval_accumulate", _by_ref(outputs_before, self.held(), refs(tracker, self.last_outputs)), other)
         steps = request.eval_accumulation_steps
         if steps and (index + 1) % steps == 0:
             for container in containers.values():
                 container.flush()
             self.last_outputs = []  # the loop's ``del losses, logits, labels, inputs``
-            self.close("eval_accumulate", self.held(), other)
+            self.close("eval_accumulate", _by_ref(self.held()), other)
 
     def simulation(self) -> EvalSimulation:
         """The loop's peak, split (the optimizer state beside it added), with its notes."""

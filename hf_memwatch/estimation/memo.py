@@ -85,7 +85,8 @@ def built_model(subject: Any, request: Any, build: Callable[[], tuple]) -> tuple
     if key not in cache:
         cache[key] = (subject, build(), {})  # the subject held: its id stays its own
     built = cache[key][1]
-    _drop_gradients(built[1])
+    for model in _models(built):
+        _drop_gradients(model)
     return built
 
 
@@ -95,6 +96,7 @@ def kept_with(model: torch.nn.Module) -> dict | None:
     cache = _ACTIVE.get()
     if cache is None or not SHORTCUTS:
         return None
+    # a short model's full build keeps none: its records are of another depth (estimation/short_model.py)
     return next((kept for _, built, kept in cache.values() if built[1] is model), None)
 
 
@@ -103,6 +105,14 @@ def shareable(subject: Any, request: Any) -> bool:
     from .trainer_replay import is_trainer
 
     return not is_trainer(subject) and request.engine is None
+
+
+def _models(built: tuple) -> list[torch.nn.Module]:
+    """The fake models of a build: its model and, where that is a short model, its full build once made
+    (:mod:`~hf_memwatch.estimation.short_model`)."""
+    short = built[4] if len(built) > 4 else None
+    full = None if short is None else short.built_full
+    return [built[1]] if full is None else [built[1], full]
 
 
 def _drop_gradients(model: torch.nn.Module) -> None:
