@@ -63,6 +63,30 @@ def test_the_short_model_gives_every_figure_of_the_full_build(name):
     assert (new.params, new.trainable_params) == count_params(short.full())
 
 
+def test_where_the_line_is_not_exact_every_layer_is_replayed_on_the_full_build(monkeypatch):
+    """The line through the short depths refused (as ``layers.extrapolate`` does where the backward's high
+    moves): the estimate is the full build's every-layer replay, as the old path's."""
+    from hf_memwatch.estimation import depth
+
+    monkeypatch.setattr(depth, "extrapolate", lambda *args, **kwargs: None)
+    old, new, short = both_paths(llama(), micro_batch_size=2, seq_len=64, lora=ALL_LINEAR, device="cuda",
+                                 precision="bf16")
+    assert isinstance(short, ShortModel) and short.built_full is not None
+    assert any(note.startswith("every layer replayed") for note in new.notes)
+    assert figures(new) == figures(old)
+
+
+def test_a_quantized_base_is_built_whole():
+    """QLoRA keeps the full build: quantized after the cut, its 4-bit estimate was 383,040 B against the full
+    build's 309,312 B (measured while this was written): not the same model."""
+    pytest.importorskip("bitsandbytes")
+    from hf_memwatch.estimation.quantized import QuantSpec
+
+    old, new, short = both_paths(llama(), micro_batch_size=2, seq_len=64, lora=ALL_LINEAR, device="cuda",
+                                 precision="bf16", quantization=QuantSpec(bits=4))
+    assert short is None and figures(new) == figures(old)
+
+
 @pytest.mark.parametrize(("layers", "kwargs"), [
     (8, dict(extrapolate_layers=False)),  # every layer replayed: the full build
     (6, dict(activation_checkpointing=True)),  # a checkpointed run is extrapolated from 8 layers on

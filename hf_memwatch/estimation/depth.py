@@ -47,16 +47,16 @@ def simulate_at_depth(model: torch.nn.Module, fake_mode: Any, request: Any, inpu
     else:
         stack = homogeneous_layers(model, config, short_depths)
     if stack is not None and (request.extrapolate_layers or depth >= least):
-        short, windows, simulation = {}, {}, None
+        at_depths, windows, simulation = {}, {}, None
         for layers in short_depths:
             with truncated(stack, config, layers):
                 simulation = simulate_step(model, fake_mode, request, inputs,
                                            windows=stack if checkpointed else None)
-            short[layers] = simulation.phase_classes
+            at_depths[layers] = simulation.phase_classes
             windows[layers] = simulation.phase_windows.get(AFTER_BACKWARD)
         # checkpointing: a layer's forward replayed inside the backward moves the backward's high between
         # moments of the step as depth grows (layers.py's module doc): each window on its own line
-        extended = extrapolate(short, depth, None if checkpointed else stack)
+        extended = extrapolate(at_depths, depth, None if checkpointed else stack)
         if extended is not None and checkpointed:
             backward = extrapolate_backward(windows, depth)
             extended = None if backward is None else {**extended, AFTER_BACKWARD: backward}
