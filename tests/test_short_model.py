@@ -76,16 +76,22 @@ def test_where_the_line_is_not_exact_every_layer_is_replayed_on_the_full_build(m
     assert figures(new) == figures(old)
 
 
-def test_a_quantized_base_is_built_whole():
-    """QLoRA keeps the full build: its path deep-copies the quantized model (``fake_copy``), so the short
-    model's stack would have to be found again in the copy. A first try that kept the stack from before the
-    copy counted 383,040 parameters against 309,312, so it was left out."""
+@pytest.mark.parametrize("checkpointed", [False, True])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_quantized_base_is_built_short_too(bits, checkpointed):
+    """QLoRA: quantized and adapted after the cut, then copied (``fake_copy``): the stack is found again in the
+    copy (one kept from before the copy counted 383,040 parameters against 309,312, and cut nothing)."""
     pytest.importorskip("bitsandbytes")
     from hf_memwatch.estimation.quantized import QuantSpec
 
+    quant = QuantSpec(bits=4, quant_type="nf4", double_quant=True, compute_dtype="bf16") if bits == 4 else \
+        QuantSpec(bits=8)
     old, new, short = both_paths(llama(), micro_batch_size=2, seq_len=64, lora=ALL_LINEAR, device="cuda",
-                                 precision="bf16", quantization=QuantSpec(bits=4))
-    assert short is None and figures(new) == figures(old)
+                                 precision="bf16", quantization=quant, activation_checkpointing=checkpointed)
+    assert isinstance(short, ShortModel) and short.built_full is None
+    assert any(short.stack is module for module in short.model.modules())  # the copy's own stack
+    assert figures(new) == figures(old)
+    assert (new.params, new.trainable_params) == count_params(short.full())
 
 
 @pytest.mark.parametrize(("layers", "kwargs"), [

@@ -13,7 +13,8 @@ and only then applies the adapter and swaps in the fakes: the path of :func:`~.f
 
 Only where every layer gets the same adapter: a ``peft.LoraConfig`` whose targets are plain module names
 (or ``"all-linear"``, or PEFT's default for the architecture) and which names no layer index, pattern or
-per-module rank (:func:`index_free`); no quantization (its path copies the model, ``fake_copy``). The
+per-module rank (:func:`index_free`). A quantized base (QLoRA) is quantized and adapted after the cut, then
+copied as :func:`~.fake_model.fake_model` copies it (``fake_copy``), the stack found again in the copy. The
 estimate uses it only for one process without an engine (:func:`usable`: the engines' rules read the
 model's parameters); the parameter counts are the short model's plus one layer's per layer cut
 (:meth:`ShortModel.counts`), and where the whole depth must be replayed (the line is not exact, an
@@ -30,10 +31,18 @@ from typing import Any
 
 import torch
 
-from .fake_model import build_fake_model, count_params, fake_in_place, fake_model, infer_task, load_config
+from .fake_model import (
+    build_fake_model,
+    count_params,
+    fake_copy,
+    fake_in_place,
+    fake_model,
+    infer_task,
+    load_config,
+)
 from .layers import CHECKPOINTED_DEPTHS, SHORT_DEPTHS, homogeneous_layers
 from .peft import LoraSpec, apply_peft
-from .quantized import QuantSpec
+from .quantized import QuantSpec, quantize_meta
 from .request import TASKS, check_choice
 
 # The most layers a short replay keeps (3 and 4 under checkpointing, 2 and 3 without).
@@ -88,7 +97,8 @@ def index_free(peft_config: Any) -> bool:
 
 
 def short_fake_model(config: Any, task: str, fake_mode: Any, peft_config: Any,
-                     build_full: Callable[[], torch.nn.Module]) -> ShortModel | None:
+                     build_full: Callable[[], torch.nn.Module], quantization: QuantSpec | None = None
+                     ) -> ShortModel | None:
     """The adapted fake model at :data:`BUILT_LAYERS` layers standing for ``config``'s depth; None where the
     whole depth must be built (a stack that is not homogeneous, a config that is not :func:`index_free`)."""
     if not index_free(peft_config):
@@ -102,8 +112,14 @@ def short_fake_model(config: Any, task: str, fake_mode: Any, peft_config: Any,
     meta.config.num_hidden_layers = BUILT_LAYERS
     if getattr(meta.config, "layer_types", None) is not None:
         meta.config.layer_types = list(meta.config.layer_types)[:BUILT_LAYERS]
-    model = fake_in_place(apply_peft(meta, peft_config), fake_mode, "cpu")
-    return ShortModel(model=model, stack=stack, depth=depth, build_full=build_full)
+    if quantization is None:
+        model = fake_in_place(apply_peft(meta, peft_config), fake_mode, "cpu")
+        return ShortModel(model=model, stack=stack, depth=depth, build_full=build_full)
+    # fake_model's quantized path: quantized, adapted, then copied (fake_copy): the stack is the copy's
+    adapted = apply_peft(quantize_meta(meta, quantization), peft_config)
+    name = next(name for name, module in adapted.named_modules() if module is stack)
+    model = fake_copy(adapted, fake_mode, "cpu")
+    return ShortModel(model=model, stack=model.get_submodule(name), depth=depth, build_full=build_full)
 
 
 def usable(request: Any, trainer: Any) -> bool:
@@ -118,16 +134,16 @@ def fake_model_at_depth(model_or_config: Any, task: str | None, fake_mode: Any, 
     """:func:`fake_model`'s (model, config, task, None); for an adapter on a base built here from a config, where
     every layer is adapted alike, the short model standing for the whole depth instead (its model, config, task
     and itself), the full build deferred to :meth:`ShortModel.full`."""
-    if isinstance(model_or_config, torch.nn.Module) or (peft_config is None and lora is None) \
-            or quantization is not None:
+    if isinstance(model_or_config, torch.nn.Module) or (peft_config is None and lora is None):
         return (*fake_model(model_or_config, task, fake_mode, lora, peft_config, quantization), None)
     config = load_config(model_or_config)
     task = task or infer_task(config)
     check_choice("task", task, TASKS)
     short = short_fake_model(config, task, fake_mode, peft_config or lora.peft_config(task),
-                             lambda: fake_model(config, task, fake_mode, lora, peft_config)[0])
+                             lambda: fake_model(config, task, fake_mode, lora, peft_config, quantization)[0],
+                             quantization)
     if short is None:
-        return (*fake_model(config, task, fake_mode, lora, peft_config), None)
+        return (*fake_model(config, task, fake_mode, lora, peft_config, quantization), None)
     return short.model, short.model.config, task, short
 
 
