@@ -41,7 +41,7 @@ from .cuda_paged import recording_cuda_allocations
 from .depth import simulate_at_depth
 from .expert_loop import expert_loop_notes
 from .fake_model import auto_class, count_params, fake_copy, fake_model, load_config, resolve_adapter
-from .memo import active, built_model, shortcuts_on
+from .memo import active, built_model
 from .peft import LoraSpec
 from .quantized import QuantSpec
 from .request import (
@@ -55,7 +55,7 @@ from .request import (
     check_choice,
     check_positive,
 )
-from .short_model import ShortModel, fake_model_at_depth, fake_model_without_short
+from .short_model import ShortModel, fake_model_at_depth
 from .short_model import usable as short_usable
 from .step import LOGITS, LOGITS_FP32, StepInputs, StepSimulation
 from .trainer_replay import TrainerStateGuard, frozen_model_bytes, is_trainer
@@ -234,9 +234,8 @@ def _estimate_request(model_or_config: Any, request: EstimateRequest) -> MemoryE
     with disable_current_modes():
         def build() -> tuple:
             fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-            builder = fake_model_at_depth if shortcuts_on() else fake_model_without_short
-            return (fake_mode, *builder(model_or_config, request.task, fake_mode, request.lora, peft_config,
-                                        request.quantization))
+            return (fake_mode, *fake_model_at_depth(model_or_config, request.task, fake_mode, request.lora,
+                                                    peft_config, request.quantization))
 
         fake_mode, model, config, task, short = built_model(subject, request, build)  # one per plan (memo.py)
         if short is not None and not short_usable(request, trainer):  # the engines' rules read the whole model

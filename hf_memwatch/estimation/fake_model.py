@@ -302,17 +302,32 @@ def fake_model(model_or_config: Any, task: str | None, fake_mode: Any, lora: Lor
             model_or_config = apply_peft(meta_copy(model_or_config), peft_config or lora.peft_config(task))
         model = fake_copy(model_or_config, fake_mode, "cpu")
         return model, getattr(model, "config", None), task
-    config = load_config(model_or_config)
-    task = task or infer_task(config)
-    check_choice("task", task, TASKS)
+    config, task = config_and_task(model_or_config, task)
     if wants_peft or quantization is not None:
         meta = build_fake_model(config, task, contextlib.nullcontext(), "meta")
-        if quantization is not None:
-            meta = quantize_meta(meta, quantization)
-        if wants_peft:
-            meta = apply_peft(meta, peft_config or lora.peft_config(task))
-        # ours alone: made fake in place, unless quantized (fake_in_place)
-        model = fake_copy(meta, fake_mode, "cpu") if quantization is not None else fake_in_place(meta, fake_mode, "cpu")
+        adapted = adapted_meta(meta, peft_config or (lora and lora.peft_config(task)), quantization)
+        model = fake_built(adapted, quantization, fake_mode)
     else:
         model = build_fake_model(config, task, fake_mode, "cpu")
     return model, model.config, task
+
+
+def config_and_task(model_or_config: Any, task: str | None) -> tuple[Any, str]:
+    """The ``PretrainedConfig`` of a config or path, and the task (``task``, else inferred from it)."""
+    config = load_config(model_or_config)
+    task = task or infer_task(config)
+    check_choice("task", task, TASKS)
+    return config, task
+
+
+def adapted_meta(meta: torch.nn.Module, peft_config: Any, quantization: QuantSpec | None) -> torch.nn.Module:
+    """A meta-device base quantized (``quantization``) and adapted (``peft_config``), where given."""
+    if quantization is not None:
+        meta = quantize_meta(meta, quantization)
+    return meta if peft_config is None else apply_peft(meta, peft_config)
+
+
+def fake_built(meta: torch.nn.Module, quantization: QuantSpec | None, fake_mode: Any) -> torch.nn.Module:
+    """The fake model of a meta-device model built here (:func:`adapted_meta`'s): ours alone, made fake in
+    place, unless quantized (its layers hold references the copy must follow: :func:`fake_copy`)."""
+    return fake_copy(meta, fake_mode, "cpu") if quantization is not None else fake_in_place(meta, fake_mode, "cpu")

@@ -14,7 +14,7 @@ Not shared: a Trainer (its replay swaps its own models for fakes) and a run with
 (FSDP2's and ZeRO's flows wrap the model's modules).
 
 :data:`SHORTCUTS` switches every planning shortcut off — here, and the chooser's floors
-(:mod:`hf_memwatch.planning.chooser`) with the predictor's step floor (:mod:`hf_memwatch.planning.predict`)
+(:mod:`hf_memwatch.planning.chooser`), the short model (:mod:`hf_memwatch.estimation.short_model`) with the predictor's step floor (:mod:`hf_memwatch.planning.predict`)
 — for the benchmark's side-by-side run of the old path (``benchmarks/planning_cost.py``) and the
 byte-identity tests: ``with shortcuts(False): ...``.
 
@@ -110,7 +110,7 @@ def shareable(subject: Any, request: Any) -> bool:
 def _models(built: tuple) -> list[torch.nn.Module]:
     """The fake models of a build: its model and, where that is a short model, its full build once made
     (:mod:`~hf_memwatch.estimation.short_model`)."""
-    short = built[4] if len(built) > 4 else None
+    short = built[4]
     full = None if short is None else short.built_full
     return [built[1]] if full is None else [built[1], full]
 

@@ -31,19 +31,11 @@ from typing import Any
 
 import torch
 
-from .fake_model import (
-    build_fake_model,
-    count_params,
-    fake_copy,
-    fake_in_place,
-    fake_model,
-    infer_task,
-    load_config,
-)
+from .fake_model import adapted_meta, build_fake_model, config_and_task, count_params, fake_built, fake_model
 from .layers import CHECKPOINTED_DEPTHS, SHORT_DEPTHS, homogeneous_layers
-from .peft import LoraSpec, apply_peft
-from .quantized import QuantSpec, quantize_meta
-from .request import TASKS, check_choice
+from .memo import shortcuts_on
+from .peft import LoraSpec
+from .quantized import QuantSpec
 
 # The most layers a short replay keeps (3 and 4 under checkpointing, 2 and 3 without).
 BUILT_LAYERS = max(*SHORT_DEPTHS, *CHECKPOINTED_DEPTHS)
@@ -84,16 +76,13 @@ def index_free(peft_config: Any) -> bool:
     with no per-layer field set (:data:`_PER_LAYER_FIELDS`)."""
     from peft import LoraConfig
 
-    if type(peft_config) is not LoraConfig:
+    if type(peft_config) is not LoraConfig or any(getattr(peft_config, name, None) for name in _PER_LAYER_FIELDS):
         return False
-    if any(getattr(peft_config, name, None) for name in _PER_LAYER_FIELDS):
-        return False
-    names = [peft_config.target_modules] if isinstance(peft_config.target_modules, str) else \
-        list(peft_config.target_modules or [])
-    if isinstance(peft_config.target_modules, str) and peft_config.target_modules != "all-linear":
-        return False  # a string is matched as a regular expression over the full module name
-    saved = list(peft_config.modules_to_save or [])
-    return all(isinstance(name, str) and (name == "all-linear" or name.isidentifier()) for name in names + saved)
+    targets = peft_config.target_modules
+    if isinstance(targets, str):  # matched as a regular expression over the full module name
+        targets = [] if targets == "all-linear" else [None]
+    names = [*(targets or []), *(peft_config.modules_to_save or [])]
+    return all(isinstance(name, str) and name.isidentifier() for name in names)
 
 
 def short_fake_model(config: Any, task: str, fake_mode: Any, peft_config: Any,
@@ -112,13 +101,9 @@ def short_fake_model(config: Any, task: str, fake_mode: Any, peft_config: Any,
     meta.config.num_hidden_layers = BUILT_LAYERS
     if getattr(meta.config, "layer_types", None) is not None:
         meta.config.layer_types = list(meta.config.layer_types)[:BUILT_LAYERS]
-    if quantization is None:
-        model = fake_in_place(apply_peft(meta, peft_config), fake_mode, "cpu")
-        return ShortModel(model=model, stack=stack, depth=depth, build_full=build_full)
-    # fake_model's quantized path: quantized, adapted, then copied (fake_copy): the stack is the copy's
-    adapted = apply_peft(quantize_meta(meta, quantization), peft_config)
+    adapted = adapted_meta(meta, peft_config, quantization)
     name = next(name for name, module in adapted.named_modules() if module is stack)
-    model = fake_copy(adapted, fake_mode, "cpu")
+    model = fake_built(adapted, quantization, fake_mode)  # a quantized base is copied: the stack is the copy's
     return ShortModel(model=model, stack=model.get_submodule(name), depth=depth, build_full=build_full)
 
 
@@ -132,21 +117,15 @@ def fake_model_at_depth(model_or_config: Any, task: str | None, fake_mode: Any, 
                         peft_config: Any = None, quantization: QuantSpec | None = None
                         ) -> tuple[torch.nn.Module, Any, str, ShortModel | None]:
     """:func:`fake_model`'s (model, config, task, None); for an adapter on a base built here from a config, where
-    every layer is adapted alike, the short model standing for the whole depth instead (its model, config, task
-    and itself), the full build deferred to :meth:`ShortModel.full`."""
-    if isinstance(model_or_config, torch.nn.Module) or (peft_config is None and lora is None):
+    every layer is adapted alike and the planning shortcuts are on (``memo.shortcuts``), the short model
+    standing for the whole depth instead (its model, config, task and itself), the full build deferred to
+    :meth:`ShortModel.full`."""
+    if isinstance(model_or_config, torch.nn.Module) or (peft_config is None and lora is None) or not shortcuts_on():
         return (*fake_model(model_or_config, task, fake_mode, lora, peft_config, quantization), None)
-    config = load_config(model_or_config)
-    task = task or infer_task(config)
-    check_choice("task", task, TASKS)
+    config, task = config_and_task(model_or_config, task)
     short = short_fake_model(config, task, fake_mode, peft_config or lora.peft_config(task),
                              lambda: fake_model(config, task, fake_mode, lora, peft_config, quantization)[0],
                              quantization)
     if short is None:
         return (*fake_model(config, task, fake_mode, lora, peft_config, quantization), None)
     return short.model, short.model.config, task, short
-
-
-def fake_model_without_short(*args: Any) -> tuple[torch.nn.Module, Any, str, None]:
-    """:func:`fake_model`'s, with no short model (the planning shortcuts off: ``memo.shortcuts(False)``)."""
-    return (*fake_model(*args), None)
