@@ -321,10 +321,14 @@ FMS_FULL = ("full fine-tuning in bf16: weights, gradients and both AdamW states 
             "foreach AdamW's temporaries at the step (the peak); the source's peak allocated, {alloc} B, is "
             "replayed to {alloc_err}. The reserve is at the card's limit: the measured figure falls from bs 4 to "
             "bs 8 (77,256 then 72,988 MiB), torch releasing cached segments inside a failed cudaMalloc and "
-            "retrying (num_alloc_retries). The replay takes that path only where its reserve meets its limit, "
-            "here gpus.py's 81,920 MiB (nvidia-smi's total), which its predicted reserve stays under; what "
-            "torch can use on an 80 GB A100 is less (cudaMemGetInfo's total; the source names neither the "
-            "board nor that figure), so the over-prediction is that limit, not modelled here")
+            "retrying (num_alloc_retries). The replay takes that path where its reserve meets its limit: the "
+            "card's CUDA total (gpus.py: 79.25 GiB, cudaMemGetInfo's, not nvidia-smi's 81,920 MiB, which was the "
+            "limit before 2026-12-06) less the context the estimate assumes (the published lazy 253.75 MiB). "
+            "Both replays meet it and free their cache once: bs 8's reserve falls by 0.9 GB (+11.3% -> +10.1%), "
+            "bs 4's high is the same after the retry. The process held more outside the allocator (the LoRA "
+            "rows' gaps: context and lazily loaded kernels, 1.6-1.9 GB), so the real limit was likely lower and "
+            "torch freed more than the replay does; the source gives no reserved or context figure to model "
+            "that with")
 
 
 def _fms(key: str, batch: int, lora: bool, used_mib: int, alloc: int, alloc_err: str, gap: str = "") -> Case:

@@ -10,7 +10,7 @@ import torch
 from transformers import GPT2Config
 
 from hf_memwatch.cli.main import main
-from hf_memwatch.core.gpus import gpu_spec
+from hf_memwatch.core.gpus import GPUS, card_fits, gpu_spec
 from hf_memwatch.estimation.cuda_libs import (
     CUBLAS_WORKSPACE,
     bnb_gemm_4bit_cuda,
@@ -52,6 +52,24 @@ def test_fits_without_a_budget_is_the_cards_memory():
         assert any(note.startswith("fits: the predicted reserve against the T4") for note in small.notes)
     assert estimate(CONFIG, micro_batch_size=1, seq_len=16).fits is None  # a CPU target: no card
 
+
+
+def test_a_cards_memory_is_what_cuda_gives_a_process_not_nvidia_smis_total():
+    """``fits`` and the allocator's limit take cudaMemGetInfo's total (torch's ``total_memory``), below
+    nvidia-smi's "Total" by the framebuffer the driver keeps: a T4 step between the two does not fit.
+    With nvidia-smi's totals in GpuSpec.memory (before), it did."""
+    for spec in GPUS:
+        assert spec.memory <= spec.smi_total, spec.name
+        assert spec.published or spec.memory == spec.smi_total, spec.name
+    assert sum(spec.memory < spec.smi_total for spec in GPUS) >= 8
+    t4 = gpu_spec("T4")
+    between = (t4.memory + t4.smi_total) // 2
+    assert t4.memory < between < t4.smi_total
+    assert card_fits(t4, None, between, []) is False and card_fits(t4, None, t4.memory, []) is True
+    l4 = estimate(CONFIG, micro_batch_size=1, seq_len=16, device="cuda", gpu="L4")
+    assert l4.fits is True and any("the L4's CUDA total is not published" in note for note in l4.notes)
+    h100 = estimate(CONFIG, micro_batch_size=1, seq_len=16, device="cuda", gpu="H100")
+    assert not any("not published" in note for note in h100.notes)
 
 # -- bitsandbytes' 4-bit GEMM ------------------------------------------------------------------
 def _gemm_peak(gpu, rows: int, k: int = 256, n: int = 512) -> tuple[int, int, int]:

@@ -101,7 +101,7 @@ def peak_line(payload: dict[str, Any]) -> str:
 
 
 def card_text(cfg: dict[str, Any]) -> str:
-    """`` · GPU H100-80GB (sm_90, 79.6 GiB)`` for a CUDA target's card (empty for a CPU target)."""
+    """`` · GPU H100-80GB (sm_90, 79.2 GiB)`` for a CUDA target's card (empty for a CPU target)."""
     card = cfg.get("gpu")
     if not card:
         return ""
