@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from hf_memwatch.core.gpus import GpuSpec, gpu_spec
+from hf_memwatch.engines.cuda_reserve import carried_reserve
 from hf_memwatch.engines.ddp.replay import ddp_bucket_bytes
-from hf_memwatch.engines.zero.cuda_reserve import zero_carried_reserve
 from hf_memwatch.estimation.cuda_allocator import (
     AllocatorConfig,
     AllocatorOOM,
@@ -409,11 +409,12 @@ def test_ddp_buckets_are_torchs_and_held_in_the_replay():
     assert ddp.reserved_bytes >= single.reserved_bytes + trainable
 
 
-def test_fsdp2_gets_its_ranks_reserve_and_zero_its_carried_one(monkeypatch):
+def test_fsdp2_gets_its_ranks_reserve_and_zero_and_fsdp1_their_carried_one(monkeypatch):
     """FSDP2's replay records the rank's own sequence (shards, gathers, reshards): its reserve is replayed,
-    the sequence peaking at the rank's predicted peak; ZeRO's shares are taken after the replay, so the
-    unsharded sequence's gap (reserved less allocated at its peak) is carried onto the rank's peak
-    (engines/zero/cuda_reserve.py); an engine without the hook (FSDP1) says why it has none."""
+    the sequence peaking at the rank's predicted peak; ZeRO's shares and FSDP1's full-shard division are
+    taken after the replay, so the unsharded sequence's gap (reserved less allocated at its peak) is
+    carried onto the rank's peak (engines/cuda_reserve.py; FSDP1 had no reserve before); without the
+    engines' hook the reserve is not predicted, and said so."""
     from conftest import gpt2_model
 
     from hf_memwatch.engines.engine import Engine
@@ -443,7 +444,17 @@ def test_fsdp2_gets_its_ranks_reserve_and_zero_its_carried_one(monkeypatch):
     assert zero.device_bytes == zero.reserved_bytes + sum(v for k, v in zero.device_overheads.items()
                                                           if k in ("cuda_context", "nccl_buffers"))
     assert any(note.startswith("CUDA reserve per rank") for note in zero.notes)
-    assert zero_carried_reserve(lambda peak: None, zero.peak_bytes, []) is None  # nothing replayed: not predicted
+    assert carried_reserve(lambda peak: None, zero.peak_bytes, [], "ZeRO") is None  # nothing replayed: not predicted
+    fsdp1_engine = Engine(kind="fsdp", world_size=2, fsdp_version=1, fsdp_strategy="FULL_SHARD")
+    for engine in (fsdp1_engine, None):  # FSDP1; FSDP2's division where its replay does not run (no engine)
+        fsdp1 = estimate(gpt2_model(), engine=engine, shard="fsdp", world_size=2, micro_batch_size=2, seq_len=16,
+                         optim="adamw_torch", device="cuda", gpu="T4")
+        process = replay(replayed[-1])
+        assert fsdp1.peak_bytes < process.peak_allocated
+        assert fsdp1.reserved_bytes == fsdp1.peak_bytes + process.peak_reserved - process.peak_allocated
+        assert fsdp1.device_bytes is not None and fsdp1.fits is True
+        label = "FSDP1" if engine is not None else "FSDP2"
+        assert any(note.startswith("CUDA reserve per rank") and f"{label}'s shares" in note for note in fsdp1.notes)
     notes: list[str] = []
     assert cuda_step_reserve([replayed[-1]], peak=zero.peak_bytes, extrapolated=False, world_size=2, shard="zero2",
                              held_bytes=0, notes=notes, gpu=gpu_spec("T4"))[0] is None  # no engine hook

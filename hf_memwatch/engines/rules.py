@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ..core.advice import Advice
+from .cuda_reserve import carried_reserve
 from .shard import shard_classes
 
 
@@ -23,6 +24,7 @@ class EngineRules:
     """One engine's rules; this base: a single process (``shard`` ``none`` on one rank)."""
 
     name = "single"
+    label = "one process"  # the engine as notes name it
     shards: tuple[str, ...] = ()  # the ``shard`` names (estimate, CLI) whose ranks this engine's rules divide
 
     def answers(self, shard: str, world_size: int, engine: Any = None) -> bool:
@@ -79,10 +81,12 @@ class EngineRules:
                 for phase, classes in phase_classes.items()}
 
     def carried_reserve(self, replay: Any, rank_peak: int, notes: list[str]) -> Any:
-        """The rank's CUDA reserve where the recorded step is one unsharded process's (``per_rank`` False):
-        ``replay(peak)`` replays that sequence through the caching-allocator model with its gap carried onto
-        ``peak`` (a :class:`~hf_memwatch.estimation.cuda_device.ReservePrediction`); None: not predicted."""
-        return None
+        """The rank's CUDA reserve where the recorded step is one unsharded process's (a sharded run,
+        ``per_rank`` False: ZeRO's shares, the full-shard division): ``replay(peak)`` replays that sequence
+        through the caching-allocator model with its gap carried onto ``peak`` (a
+        :class:`~hf_memwatch.estimation.cuda_device.ReservePrediction`; :mod:`.cuda_reserve`); None: not
+        predicted."""
+        return carried_reserve(replay, rank_peak, notes, self.label)
 
     def resident(self, model: torch.nn.Module, request: Any, trainer: Any) -> list[int]:
         """Blocks a CUDA rank holds through the step besides the replayed ones (bytes each)."""

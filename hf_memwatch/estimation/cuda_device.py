@@ -317,8 +317,8 @@ def cuda_step_reserve(traces: Sequence[Sequence[tuple[object, int]]], *, peak: i
     ``per_rank``: the recorded step is the rank's own under its sharding (FSDP2's replay);
     ``resident``: blocks the rank holds through the step besides the recorded ones (DDP's buckets,
     :func:`~hf_memwatch.engines.ddp.replay.ddp_bucket_bytes`), counted in ``peak`` already.
-    ``carried``: for a sharded run whose recorded step is one unsharded process's (ZeRO's shares are taken
-    after the replay), the engine's ``EngineRules.carried_reserve(replay, rank_peak, notes)``: it carries
+    ``carried``: for a sharded run whose recorded step is one unsharded process's (ZeRO's shares and the
+    full-shard division are taken after the replay), the engine's ``EngineRules.carried_reserve(replay, rank_peak, notes)``: it carries
     that sequence's cache gap onto the rank's peak through ``replay`` (None from it: not predicted).
     bitsandbytes' paged optimizer states (:mod:`.cuda_paged`) leave the replayed sequence and the
     reserve (``cudaMallocManaged``) and count in ``device_bytes``.
@@ -338,7 +338,7 @@ def cuda_step_reserve(traces: Sequence[Sequence[tuple[object, int]]], *, peak: i
             lambda carried_peak: replay_reserve(traces, extrapolated_peak=carried_peak, total_memory=total_memory,
                                                 resident=resident), rank_peak, notes)
         if prediction is None:
-            notes.append("CUDA reserve: not predicted for sharded states (FSDP1's shares are taken after the "
+            notes.append("CUDA reserve: not predicted for sharded states (the shares are taken after the "
                          "replay: the recorded sequence is one unsharded process's, not the rank's)")
             return None, None, {}
     else:

@@ -24,6 +24,7 @@ class DdpRules(EngineRules):
     """``DistributedDataParallel`` as the Trainer wraps the model on 2+ ranks without FSDP or DeepSpeed."""
 
     name = "ddp"
+    label = "DDP"
 
     def answers(self, shard: str, world_size: int, engine: Any = None) -> bool:
         return shard == "none" and world_size > 1

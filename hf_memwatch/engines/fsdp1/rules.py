@@ -28,6 +28,7 @@ class Fsdp1Rules(EngineRules):
     """``FullyShardedDataParallel`` as accelerate builds it with ``fsdp_version: 1``."""
 
     name = "fsdp1"
+    label = "FSDP1"
     shards = ("fsdp",)
 
     def answers(self, shard: str, world_size: int, engine: Any = None) -> bool:

@@ -23,6 +23,7 @@ class Fsdp2Rules(EngineRules):
     """FSDP2 as accelerate builds it (full shard by default, the model's ``_no_split_modules`` wrapped)."""
 
     name = "fsdp2"
+    label = "FSDP2"
     shards = ("fsdp",)
 
     def engine_of_options(self, args: Any) -> Any:

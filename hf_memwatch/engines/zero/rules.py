@@ -29,7 +29,6 @@ from .backward import (
     replaying_rank,
     zero_gradient_flow,
 )
-from .cuda_reserve import zero_carried_reserve
 from .gather import gathering_replayed, gloo_gather_staging, zero3_forward_gathering
 from .half import deepspeed_half, half_module, replay_request
 from .live import ZeroPartitions
@@ -46,6 +45,7 @@ class ZeroRules(EngineRules):
     """DeepSpeed ZeRO as accelerate builds it from the Trainer's ``deepspeed=`` JSON."""
 
     name = "zero"
+    label = "ZeRO"
     shards = ("zero1", "zero2", "zero3")
 
     def engine_of_options(self, args: Any) -> Any:
@@ -144,9 +144,6 @@ class ZeroRules(EngineRules):
             notes.append("peak tensors not listed: ZeRO-3 on CPU ranks replays its gathering at each module call, "
                          "which a census of the tensors at the phase's high cannot follow")
         return replayed if replayed is not None else gloo_gather_staging(per_phase, model, engine, device, notes)
-
-    def carried_reserve(self, replay: Any, rank_peak: int, notes: list[str]) -> Any:
-        return zero_carried_reserve(replay, rank_peak, notes)  # the per-rank CUDA reserve (.cuda_reserve)
 
     def advice(self, run: Any, classes: Mapping[str, int], peak: int, peak_phase: str | None) -> list[Advice]:
         return zero_advice(run, classes, peak, peak_phase)
