@@ -64,6 +64,7 @@ from hf_memwatch.testing.truth import (  # noqa: E402
     cpu_memory_profile,
     left_alive,
     ops_unrecorded,
+    step_peak_bounds,
     step_peaks,
 )
 
@@ -247,10 +248,11 @@ def train_profiled(trainer: Trainer, profiler) -> dict:
             profiler.stop()
             alive = alive_storages()  # what still holds a block when the window closes (truth.py)
     if profiler is None:
-        return {"truth_step_peaks": None, "truth_raw_step_peaks": None}
+        return {"truth_step_peaks": None, "truth_raw_step_peaks": None, "truth_step_bounds": None}
     left = left_alive(profiler, ESTIMATE_MARK)
     raw = step_peaks(profiler, -left) if os.environ.get("HF_MEMWATCH_ZERO_TRUTH") == "1" else None  # the table's
     return {"truth_step_peaks": step_peaks(profiler, -left, reconcile=True, alive=alive),
+            "truth_step_bounds": step_peak_bounds(profiler, -left, alive=alive),  # gloo's late frees (truth.py)
             "truth_raw_step_peaks": raw, "truth_left_by_estimate": left}
 
 

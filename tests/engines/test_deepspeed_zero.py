@@ -19,6 +19,8 @@ from conftest import gpt2_model, torchrun
 from conftest import rank_step_peaks as step_peaks
 from conftest import rank_timeline as timeline
 
+from hf_memwatch.testing.truth import within_bounds
+
 SCRIPTS = Path(__file__).parents[1] / "dist_scripts"
 PLAN_KEYS = ("micro_batch_size", "gradient_accumulation_steps", "activation_checkpointing", "optim")
 
@@ -101,14 +103,17 @@ def test_zero_step_peaks_per_rank_match_the_profiler(zero_runs, name):
     (issue 19, point 5), the profiler's frees on gloo's threads reconciled (testing/truth.py: the raw sum
     kept DeepSpeed's all-gather buffers and reduce-scatter clones that gloo's threads free, -6...-26% off);
     ``zero3_offload_auto`` is checkpointing + 8-bit AdamW on the host partitions
-    (``deepspeed_zero.SUITE_TRUTH``; ``benchmarks/engines_accuracy.py`` profiles every run)."""
+    (``deepspeed_zero.SUITE_TRUTH``; ``benchmarks/engines_accuracy.py`` profiles every run). Against the
+    interval of ``step_peak_bounds``, as FSDP2's test is: flaky against the point figure (the earliest
+    placement of each unreported free) on 2026-12-06, rank 1 step 1 of ``zero3_offload_auto`` 12,104,528 B
+    against 11,604,709 B (+4.3%), where gloo's worker dropped a collective's tensors late; 4 of 4 on a rerun."""
     out, facts = zero_runs
     for rank, fact in enumerate(facts):
         ours = step_peaks(out / name, rank)
-        truth = fact["auto"][name]["truth_step_peaks"]
-        assert len(ours) == len(truth) == 2
-        for measured, reference in zip(ours, truth):
-            assert abs(measured - reference) / reference <= 0.02, (rank, ours, truth)
+        bounds = fact["auto"][name]["truth_step_bounds"]
+        assert len(ours) == len(bounds) == 2
+        for measured, reference in zip(ours, bounds):
+            assert within_bounds(measured, reference, 0.02), (rank, ours, bounds)
 
 
 ZERO_ENGINES = {"zero2": ("zero2", "none"), "zero2_offload": ("zero2", "optimizer"), "zero3": ("zero3", "none"),
