@@ -9,8 +9,8 @@ process sees (``None`` without CUDA). An estimate without a GPU named and withou
 ``memory`` is what CUDA gives a process on the card: ``cudaMemGetInfo``'s total, which torch reports as
 ``get_device_properties().total_memory`` and as the "total capacity" of its out-of-memory message, and
 which the caching allocator can never pass. It is less than nvidia-smi's "Total" (``smi_total``) on the
-data-centre and recent GeForce cards, by the framebuffer the driver keeps for itself (nvidia-smi -q's
-"Reserved" line): 265 MiB on a T4, 453 MiB on an H100, 768 MiB on an 80 GB A100 (:data:`GPUS`, each
+data-centre and recent GeForce cards, by framebuffer the driver keeps for itself (recent drivers list a
+"Reserved" line under nvidia-smi -q's "FB Memory Usage"): 265 MiB on a T4, 453 MiB on an H100, 768 MiB on an 80 GB A100 (:data:`GPUS`, each
 figure with its source). It moves by tens of MiB between drivers (an 80 GB A100: 79.14 to 79.25 GiB in
 the out-of-memory messages of 2025-2026); a card whose CUDA total no source was found for (``published``
 False) carries its nvidia-smi total, an upper bound, and an estimate for it says so.
